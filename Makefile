@@ -1,0 +1,54 @@
+# Two commands do all the set-up on a fresh machine:
+#   make demo   create .venv, install chainer_tc, run the demo on the CPU
+#   make test   create .venv, install the test extras, run the whole test suite
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+PIP    := $(BIN)/python -m pip --disable-pip-version-check -q
+PYTEST_ARGS ?=
+
+.PHONY: demo test check-gpu-stack kernels info clean
+
+# The virtual environment, with the build tools Chainer 7.8.1's sdist needs: its setup.py imports
+# pkg_resources, which setuptools>=70 no longer ships, so it is built without isolation against
+# setuptools<70 (a user never sees the pkg_resources error).
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --upgrade pip 'setuptools<70' wheel
+
+$(VENV)/.chainer: | $(BIN)/python
+	$(PIP) install 'numpy>=1.22,<2'
+	$(PIP) install --no-build-isolation 'chainer==7.8.1'
+	touch $@
+
+# One stamp per extras set; re-installed when setup.py changes.
+$(VENV)/.installed-%: setup.py | $(VENV)/.chainer
+	$(PIP) install --no-build-isolation -e '.[$(subst +,$(comma),$*)]'
+	touch $@
+
+comma := ,
+NO_EXTRAS := $(VENV)/.installed-base
+
+$(NO_EXTRAS): setup.py | $(VENV)/.chainer
+	$(PIP) install --no-build-isolation -e .
+	touch $@
+
+demo: $(VENV)/.installed-gpu
+	$(BIN)/python examples/smoke.py
+
+test: $(VENV)/.installed-gpu+test
+	$(BIN)/python -m pytest tests $(PYTEST_ARGS)
+
+# The GPU install story, proved without a GPU: cuDNN 8.9 loads, the entry points resolve,
+# Chainer sees cuDNN.
+check-gpu-stack: $(VENV)/.installed-gpu
+	$(BIN)/python -m chainer_tc check-gpu-stack
+
+kernels: $(VENV)/.installed-gpu
+	$(BIN)/python -m chainer_tc kernels
+
+info: $(VENV)/.installed-gpu
+	$(BIN)/python -m chainer_tc info
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,188 @@
+"""Loads the CUDA kernels of ``kernels/*.cu`` and counts their launches.
+
+    from chainer_tc import kernels
+    k = kernels.get_function('layout', 'batched_transpose_f32_f16', xp,
+                             defines={'LAYOUT_TILE': 32})
+    k(grid, block, (src, dst, numpy.int32(rows), ...))
+    kernels.launch_count()            # launches so far, all kernels together
+
+Three execution paths share one ``.cu`` source (see docs/kernels.md):
+
+- ``xp is cupy``: ``cupy.RawModule`` compiled by NVRTC (CuPy caches the binary per device);
+- ``xp is numpy`` with ``CHAINER_TC_EMULATE=1``: the CPU emulator of ``chainer_tc.testing``, so
+  the GPU orchestration code runs in CI on NumPy arrays;
+- otherwise a caller takes its plain NumPy path and never asks for a kernel
+  (:func:`backend` tells it which path it is on).
+
+Compiled modules are memoized per (file, defines, backend, device); nothing is compiled at import.
+"""
+import collections
+import contextlib
+import os
+import sys
+import threading
+
+ENV_EMULATE = 'CHAINER_TC_EMULATE'
+ENV_KERNEL_DIR = 'CHAINER_TC_KERNEL_DIR'
+
+_lock = threading.Lock()
+_modules = {}
+_counts = collections.Counter()
+
+
+def kernel_dir():
+    """The directory holding the ``.cu`` sources.
+
+    ``$CHAINER_TC_KERNEL_DIR`` if set; else ``kernels/`` of the source checkout (an editable
+    install); else the copy shipped inside the installed package (``chainer_tc/_kernels``).
+    """
+    env = os.environ.get(ENV_KERNEL_DIR)
+    if env:
+        return env
+    here = os.path.dirname(os.path.abspath(__file__))
+    for d in (os.path.join(os.path.dirname(here), 'kernels'), os.path.join(here, '_kernels')):
+        if os.path.isdir(d):
+            return d
+    raise FileNotFoundError('chainer_tc: no kernels/ directory found next to the package or inside '
+                            'it; set {} to the directory holding the .cu files'
+                            .format(ENV_KERNEL_DIR))
+
+
+def families():
+    """Names of the kernel families (``kernels/<family>.cu``), sorted."""
+    return sorted(f[:-3] for f in os.listdir(kernel_dir()) if f.endswith('.cu'))
+
+
+def source_path(family):
+    path = os.path.join(kernel_dir(), family + '.cu')
+    if not os.path.isfile(path):
+        raise FileNotFoundError('no kernel family {!r}: {} does not exist (families: {})'
+                                .format(family, path, ', '.join(families())))
+    return path
+
+
+def source(family):
+    with open(source_path(family)) as f:
+        return f.read()
+
+
+def emulating():
+    """True when ``CHAINER_TC_EMULATE=1``: NumPy arrays go through the emulated kernels."""
+    return os.environ.get(ENV_EMULATE, '') == '1'
+
+
+def backend(xp):
+    """'cuda', 'emulator' or 'numpy': the path a function taking ``xp`` arrays should take."""
+    if xp is not None and xp.__name__ == 'cupy':
+        return 'cuda'
+    return 'emulator' if emulating() else 'numpy'
+
+
+def cuda_include_dirs():
+    """Directories holding ``cuda_fp16.h`` for NVRTC: the CUDA runtime wheel's, or CuPy's copy."""
+    dirs = []
+    for p in sys.path:
+        for d in (os.path.join(p, 'nvidia', 'cuda_runtime', 'include'),
+                  os.path.join(p, 'cupy', '_core', 'include', 'cupy', '_cuda', 'cuda-12')):
+            if os.path.isfile(os.path.join(d, 'cuda_fp16.h')) and d not in dirs:
+                dirs.append(d)
+    return dirs[:1]
+
+
+def _define_options(defines):
+    return tuple('-D{}={}'.format(k, v) for k, v in sorted((defines or {}).items()))
+
+
+class Kernel:
+    """A loaded kernel; calling it launches it and counts the launch."""
+
+    def __init__(self, name, function):
+        self.name = name
+        self._function = function
+
+    def __call__(self, grid, block, args, shared_mem=0):
+        self._function(grid, block, args, shared_mem=shared_mem)
+        _counts[self.name] += 1
+
+    def __repr__(self):
+        return '<chainer_tc kernel {}>'.format(self.name)
+
+
+def _module(family, options, xp):
+    if backend(xp) == 'cuda':
+        import cupy
+        key = (family, options, 'cuda', cupy.cuda.Device().id)
+    elif emulating():
+        key = (family, options, 'emulator')
+    else:
+        raise RuntimeError('kernel family {!r} asked for NumPy arrays without {}=1: the caller '
+                           'should have taken its NumPy path'.format(family, ENV_EMULATE))
+    with _lock:
+        mod = _modules.get(key)
+        if mod is None:
+            path = source_path(family)
+            with open(path) as f:
+                code = f.read()
+            if key[2] == 'cuda':
+                import cupy
+                opts = options + ('--std=c++17',) + tuple('-I' + d for d in cuda_include_dirs())
+                try:
+                    mod = cupy.RawModule(code=code, options=opts)
+                    mod.compile()
+                except cupy.cuda.compiler.CompileException as e:
+                    from chainer_tc.errors import CompileError
+                    raise CompileError('NVRTC failed to compile {}:\n{}'.format(path, e)) from e
+            else:
+                from chainer_tc.testing import emulator
+                mod = emulator.RawModule(path=path, options=options)
+            _modules[key] = mod
+    return mod
+
+
+def get_function(family, name, xp, defines=None):
+    """The kernel ``name`` of ``kernels/<family>.cu`` for arrays of module ``xp``.
+
+    ``defines`` become ``-DKEY=VALUE`` options, so launch constants have one source of truth.
+    """
+    mod = _module(family, _define_options(defines), xp)
+    return Kernel(name, mod.get_function(name))
+
+
+def launch_count():
+    """Kernel launches made through this module since the start (or the last reset)."""
+    return sum(_counts.values())
+
+
+def launch_counts():
+    """Launches per kernel name, as a dict."""
+    return dict(_counts)
+
+
+def reset_launch_count():
+    _counts.clear()
+
+
+class _LaunchCounter:
+    def __init__(self):
+        self._start = collections.Counter(_counts)
+        self.stop = None
+
+    @property
+    def total(self):
+        end = self.stop if self.stop is not None else _counts
+        return sum(end.values()) - sum(self._start.values())
+
+    @property
+    def per_kernel(self):
+        end = self.stop if self.stop is not None else _counts
+        return {k: end[k] - self._start.get(k, 0) for k in end if end[k] - self._start.get(k, 0)}
+
+
+@contextlib.contextmanager
+def count_launches():
+    """``with count_launches() as c: ...``; then ``c.total`` and ``c.per_kernel``."""
+    c = _LaunchCounter()
+    try:
+        yield c
+    finally:
+        c.stop = collections.Counter(_counts)

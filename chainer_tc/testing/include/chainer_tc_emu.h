@@ -1,0 +1,721 @@
+// chainer_tc CUDA emulator: compiles CUDA C++ kernels with g++ and runs them on the CPU.
+//
+// This header is force-included (g++ -include) before a kernel's .cu text. It provides what our
+// kernels use from CUDA: the execution-space keywords, threadIdx/blockIdx/blockDim/gridDim,
+// __syncthreads, warp collectives, atomics, __half/__half2, vector types and math intrinsics.
+//
+// Execution model
+// - Blocks run one after another. The threads of a block are cooperative fibers (ucontext), all on
+//   the launching OS thread; a fiber runs until it reaches a barrier or a warp collective, then the
+//   scheduler resumes the next one. No two fibers ever run at the same time, so atomics are plain
+//   read-modify-writes and `__shared__` maps to static storage (one block at a time uses it).
+// - __syncthreads waits for every live (not yet returned) thread of the block.
+// - Warp collectives (__shfl_*_sync, __ballot_sync, __syncwarp, ...) wait only for the lanes named
+//   in their mask that are still live; reading a lane that is not in the mask is reported as an error.
+// - A round of the scheduler in which no fiber makes progress is a deadlock, reported as an error.
+// - Array arguments live in guarded copies: the data ends exactly at a PROT_NONE page and starts after
+//   one, so an out-of-bounds access faults; the fault is turned into an error message naming the
+//   argument, the offset and the thread.
+#pragma once
+#define CHAINER_TC_EMULATOR 1
+
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <stddef.h>
+#include <string.h>
+#include <stdio.h>
+#include <math.h>
+#include <cmath>
+#include <csetjmp>
+#include <signal.h>
+#include <ucontext.h>
+#include <sys/mman.h>
+#include <unistd.h>
+#include <pthread.h>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+// ---------------------------------------------------------------------------------------------
+// Execution-space keywords
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __noinline__ __attribute__((noinline))
+#define __shared__ static
+#define __constant__
+#define __managed__
+#define __restrict__ __restrict
+#define __launch_bounds__(...)
+#define __align__(n) __attribute__((aligned(n)))
+#define __grid_constant__
+
+// ---------------------------------------------------------------------------------------------
+// Built-in vector types (trivial, so `__shared__ float4 tile[..]` needs no initialisation guard)
+struct uint3 { unsigned int x, y, z; };
+struct dim3 {
+  unsigned int x, y, z;
+  dim3(unsigned int x_ = 1, unsigned int y_ = 1, unsigned int z_ = 1) : x(x_), y(y_), z(z_) {}
+};
+#define CTEMU_VEC2(T, N, A) struct __attribute__((aligned(A))) N { T x, y; }; \
+  static inline N make_##N(T x, T y) { N v; v.x = x; v.y = y; return v; }
+#define CTEMU_VEC4(T, N, A) struct __attribute__((aligned(A))) N { T x, y, z, w; }; \
+  static inline N make_##N(T x, T y, T z, T w) { N v; v.x = x; v.y = y; v.z = z; v.w = w; return v; }
+CTEMU_VEC2(float, float2, 8)
+CTEMU_VEC4(float, float4, 16)
+CTEMU_VEC2(double, double2, 16)
+CTEMU_VEC2(int, int2, 8)
+CTEMU_VEC4(int, int4, 16)
+CTEMU_VEC2(unsigned int, uint2, 8)
+CTEMU_VEC4(unsigned int, uint4, 16)
+CTEMU_VEC2(short, short2, 4)
+CTEMU_VEC4(unsigned char, uchar4, 4)
+#undef CTEMU_VEC2
+#undef CTEMU_VEC4
+
+// ---------------------------------------------------------------------------------------------
+// Runtime state
+namespace ctemu {
+
+struct Fiber {
+  ucontext_t ctx;
+  uint3 tid;
+  unsigned lane, warp;
+  bool done;
+};
+
+struct Warp {
+  unsigned live;        // lanes that exist and have not returned
+  unsigned arrived;     // lanes waiting in a warp collective
+  uint64_t slot[32];    // values exchanged by a collective
+};
+
+enum { kMaxParams = 64, kMaxWarps = 32, kErrLen = 1024 };
+
+struct Region {        // one guarded copy of an array argument
+  char* base;          // start of the mapping (leading guard page)
+  size_t map_len;
+  char* data;          // first byte of the copy
+  size_t nbytes;
+  size_t itemsize;
+};
+
+struct Runtime {
+  // launch shape
+  dim3 grid_dim, block_dim;
+  uint3 block_idx;
+  // fibers of the current block
+  Fiber* fibers;
+  char* stacks;            // nthreads stacks, each preceded by a guard page
+  size_t stack_bytes, stacks_len;
+  unsigned nfibers_cap;
+  unsigned nthreads, live;
+  Fiber* cur;
+  ucontext_t sched;
+  bool progress;
+  // __syncthreads
+  unsigned bar_arrived, bar_gen;
+  int bar_acc, bar_result;
+  Warp warps[kMaxWarps];
+  // dynamic shared memory (guarded like an argument)
+  Region smem;
+  // the kernel body
+  void (*body)(void*);
+  void* body_ctx;
+  // errors
+  const char* kernel_name;
+  char err[kErrLen];
+  sigjmp_buf jmp;
+  volatile sig_atomic_t in_launch;
+  pthread_t launch_thread;
+  Region regions[kMaxParams];
+  int nregions;
+  struct sigaction old_segv, old_bus;
+  stack_t old_altstack;
+  char* altstack;
+};
+
+inline Runtime rt;
+
+static inline size_t page_size() { return (size_t)sysconf(_SC_PAGESIZE); }
+
+[[noreturn]] static inline void fail(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
+[[noreturn]] static inline void fail(const char* fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(rt.err, kErrLen, fmt, ap);
+  va_end(ap);
+  siglongjmp(rt.jmp, 1);
+}
+
+static inline void where(char* buf, size_t n) {
+  if (rt.cur)
+    snprintf(buf, n, "thread (%u,%u,%u) of block (%u,%u,%u)", rt.cur->tid.x, rt.cur->tid.y,
+             rt.cur->tid.z, rt.block_idx.x, rt.block_idx.y, rt.block_idx.z);
+  else
+    snprintf(buf, n, "the launcher");
+}
+
+[[noreturn]] static inline void fail_here(const char* what) {
+  char w[128];
+  where(w, sizeof w);
+  fail("kernel '%s': %s in %s", rt.kernel_name, what, w);
+}
+
+// Give control back to the scheduler; it resumes this fiber in its next round.
+static inline void yield() { swapcontext(&rt.cur->ctx, &rt.sched); }
+
+// ---- block barrier --------------------------------------------------------------------------
+static inline int block_barrier(int pred) {
+  unsigned gen = rt.bar_gen;
+  rt.bar_arrived++;
+  rt.bar_acc += pred ? 1 : 0;
+  rt.progress = true;
+  for (;;) {
+    if (rt.bar_gen != gen) return rt.bar_result;
+    if (rt.bar_arrived >= rt.live) {        // everyone still alive is here: release
+      rt.bar_result = rt.bar_acc;
+      rt.bar_arrived = 0;
+      rt.bar_acc = 0;
+      rt.bar_gen++;
+      return rt.bar_result;
+    }
+    yield();
+  }
+}
+
+// ---- warp collectives -----------------------------------------------------------------------
+static inline Warp& my_warp() { return rt.warps[rt.cur->warp]; }
+
+static inline void warp_barrier(unsigned mask) {
+  Warp& w = my_warp();
+  unsigned bit = 1u << rt.cur->lane;
+  if (!(mask & bit)) {
+    char msg[96];
+    snprintf(msg, sizeof msg, "warp collective with mask 0x%08x that excludes the calling lane %u",
+             mask, rt.cur->lane);
+    fail_here(msg);
+  }
+  w.arrived |= bit;
+  rt.progress = true;
+  for (;;) {
+    if (!(w.arrived & bit)) return;          // released by another lane
+    unsigned m = mask & w.live;
+    if ((w.arrived & m) == m) {
+      w.arrived &= ~m;
+      return;
+    }
+    yield();
+  }
+}
+
+template <typename T>
+static inline uint64_t to_bits(T v) {
+  static_assert(sizeof(T) <= 8, "warp shuffles move at most 8 bytes");
+  uint64_t r = 0;
+  memcpy(&r, &v, sizeof(T));
+  return r;
+}
+template <typename T>
+static inline T from_bits(uint64_t r) {
+  T v;
+  memcpy(&v, &r, sizeof(T));
+  return v;
+}
+
+// Exchange: every lane of `mask` publishes v, then reads the value of lane `src` (its own if src < 0).
+template <typename T>
+static inline T exchange(unsigned mask, T v, int src) {
+  Warp& w = my_warp();
+  unsigned lane = rt.cur->lane;
+  w.slot[lane] = to_bits(v);
+  warp_barrier(mask);
+  uint64_t r = w.slot[lane];
+  if (src >= 0 && (unsigned)src != lane) {
+    if (!((mask & w.live) >> src & 1u)) {
+      char msg[128];
+      snprintf(msg, sizeof msg, "warp shuffle reads lane %d, which is not in mask 0x%08x or has exited",
+               src, mask);
+      fail_here(msg);
+    }
+    r = w.slot[src];
+  }
+  warp_barrier(mask);                          // nobody overwrites a slot before all have read
+  return from_bits<T>(r);
+}
+
+static inline void check_width(int width) {
+  if (width <= 0 || width > 32 || (width & (width - 1)))
+    fail_here("warp shuffle width must be a power of 2 in [1, 32]");
+}
+
+static inline unsigned vote(unsigned mask, int pred) {
+  Warp& w = my_warp();
+  w.slot[rt.cur->lane] = pred ? 1 : 0;
+  warp_barrier(mask);
+  unsigned m = mask & w.live, r = 0;
+  for (unsigned l = 0; l < 32; ++l)
+    if ((m >> l & 1u) && w.slot[l]) r |= 1u << l;
+  warp_barrier(mask);
+  return r;
+}
+
+// ---- fibers and the scheduler -----------------------------------------------------------------
+static void fiber_main() {
+  rt.body(rt.body_ctx);
+  Fiber* f = rt.cur;
+  f->done = true;
+  rt.live--;
+  rt.warps[f->warp].live &= ~(1u << f->lane);
+  rt.progress = true;
+  // returning switches to uc_link (the scheduler)
+}
+
+static inline void ensure_stacks(unsigned n) {
+  if (n <= rt.nfibers_cap) return;
+  if (rt.stacks) munmap(rt.stacks, rt.stacks_len);
+  delete[] rt.fibers;
+  size_t page = page_size();
+  const char* env = getenv("CHAINER_TC_EMULATOR_STACK_KB");
+  size_t kb = env ? strtoul(env, nullptr, 10) : 128;
+  if (kb < 16) kb = 16;
+  rt.stack_bytes = (kb * 1024 + page - 1) / page * page;
+  rt.stacks_len = (size_t)n * (rt.stack_bytes + page);
+  void* m = mmap(nullptr, rt.stacks_len, PROT_READ | PROT_WRITE,
+                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (m == MAP_FAILED) fail("emulator: cannot map %zu bytes of fiber stacks", rt.stacks_len);
+  rt.stacks = (char*)m;
+  for (unsigned i = 0; i < n; ++i)
+    mprotect(rt.stacks + (size_t)i * (rt.stack_bytes + page), page, PROT_NONE);
+  rt.fibers = new Fiber[n];
+  rt.nfibers_cap = n;
+}
+
+static inline void run_block() {
+  size_t page = page_size();
+  unsigned bx = rt.block_dim.x, by = rt.block_dim.y;
+  rt.live = rt.nthreads;
+  rt.bar_arrived = 0;
+  rt.bar_acc = 0;
+  for (unsigned w = 0; w < kMaxWarps; ++w) rt.warps[w].live = rt.warps[w].arrived = 0;
+  for (unsigned i = 0; i < rt.nthreads; ++i) {
+    Fiber& f = rt.fibers[i];
+    f.tid.x = i % bx;
+    f.tid.y = (i / bx) % by;
+    f.tid.z = i / (bx * by);
+    f.lane = i % 32;
+    f.warp = i / 32;
+    f.done = false;
+    rt.warps[f.warp].live |= 1u << f.lane;
+    getcontext(&f.ctx);
+    f.ctx.uc_stack.ss_sp = rt.stacks + (size_t)i * (rt.stack_bytes + page) + page;
+    f.ctx.uc_stack.ss_size = rt.stack_bytes;
+    f.ctx.uc_link = &rt.sched;
+    makecontext(&f.ctx, fiber_main, 0);
+  }
+  if (rt.smem.nbytes) memset(rt.smem.data, 0xff, rt.smem.nbytes);   // uninitialised: NaN pattern
+  for (;;) {
+    bool any = false;
+    rt.progress = false;
+    for (unsigned i = 0; i < rt.nthreads; ++i) {
+      Fiber& f = rt.fibers[i];
+      if (f.done) continue;
+      any = true;
+      rt.cur = &f;
+      swapcontext(&rt.sched, &f.ctx);
+    }
+    rt.cur = nullptr;
+    if (!any) return;
+    if (!rt.progress) {
+      unsigned at_bar = rt.bar_arrived, at_warp = 0;
+      for (unsigned w = 0; w < kMaxWarps; ++w) at_warp += __builtin_popcount(rt.warps[w].arrived);
+      fail("kernel '%s': deadlock in block (%u,%u,%u): %u live threads, %u waiting at __syncthreads, "
+           "%u in warp collectives (a barrier not reached by every thread of the block, or a warp "
+           "collective whose mask names lanes that never arrive)",
+           rt.kernel_name, rt.block_idx.x, rt.block_idx.y, rt.block_idx.z, rt.live, at_bar, at_warp);
+    }
+  }
+}
+
+// ---- guarded argument copies ------------------------------------------------------------------
+static inline bool map_region(Region& r, const void* src, size_t nbytes, size_t itemsize) {
+  size_t page = page_size();
+  size_t data_pages = (nbytes + page - 1) / page * page;
+  r.map_len = data_pages + 2 * page;
+  void* m = mmap(nullptr, r.map_len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (m == MAP_FAILED) return false;
+  r.base = (char*)m;
+  mprotect(r.base, page, PROT_NONE);
+  mprotect(r.base + page + data_pages, page, PROT_NONE);
+  r.data = r.base + page + data_pages - nbytes;   // the copy ends at the trailing guard page
+  r.nbytes = nbytes;
+  r.itemsize = itemsize ? itemsize : 1;
+  if (src && nbytes) memcpy(r.data, src, nbytes);
+  return true;
+}
+
+static inline void unmap_region(Region& r) {
+  if (r.base) munmap(r.base, r.map_len);
+  r.base = r.data = nullptr;
+  r.nbytes = 0;
+}
+
+static void on_fault(int sig, siginfo_t* info, void* uctx) {
+  if (!rt.in_launch || !pthread_equal(pthread_self(), rt.launch_thread)) {
+    // not ours: hand it to whoever handled it before
+    struct sigaction* old = sig == SIGSEGV ? &rt.old_segv : &rt.old_bus;
+    sigaction(sig, old, nullptr);
+    return;   // the faulting instruction runs again and reaches the old handler
+  }
+  char* a = (char*)info->si_addr;
+  size_t page = page_size();
+  char w[128];
+  where(w, sizeof w);
+  for (int i = -1; i < rt.nregions; ++i) {
+    Region& r = i < 0 ? rt.smem : rt.regions[i];
+    if (!r.base || a < r.base || a >= r.base + r.map_len) continue;
+    char what[64];
+    if (i < 0) snprintf(what, sizeof what, "dynamic shared memory (%zu bytes)", r.nbytes);
+    else snprintf(what, sizeof what, "argument %d (%zu bytes)", i, r.nbytes);
+    long long off = (long long)(a - r.data);
+    snprintf(rt.err, kErrLen,
+             "kernel '%s': out-of-bounds access to %s at byte offset %lld (element %lld of %zu) in %s",
+             rt.kernel_name, what, off, off >= 0 ? off / (long long)r.itemsize : -((-off + (long long)r.itemsize - 1) / (long long)r.itemsize),
+             r.nbytes / r.itemsize, w);
+    siglongjmp(rt.jmp, 1);
+  }
+  if (rt.stacks && a >= rt.stacks && a < rt.stacks + rt.stacks_len) {
+    snprintf(rt.err, kErrLen,
+             "kernel '%s': stack overflow of an emulated thread in %s (raise "
+             "CHAINER_TC_EMULATOR_STACK_KB, now %zu)", rt.kernel_name, w, rt.stack_bytes / 1024);
+    siglongjmp(rt.jmp, 1);
+  }
+  snprintf(rt.err, kErrLen,
+           "kernel '%s': invalid memory access (%s) at address %p in %s: not inside any argument "
+           "(a wild pointer, a misaligned vector access, or a host address)",
+           rt.kernel_name, sig == SIGSEGV ? "SIGSEGV" : "SIGBUS", (void*)a, w);
+  siglongjmp(rt.jmp, 1);
+}
+
+static inline void install_fault_handler() {
+  size_t alt = 256 * 1024;
+  if (!rt.altstack) rt.altstack = new char[alt];
+  stack_t ss;
+  ss.ss_sp = rt.altstack;
+  ss.ss_size = alt;
+  ss.ss_flags = 0;
+  sigaltstack(&ss, &rt.old_altstack);
+  struct sigaction sa;
+  memset(&sa, 0, sizeof sa);
+  sa.sa_sigaction = on_fault;
+  sa.sa_flags = SA_SIGINFO | SA_ONSTACK;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGSEGV, &sa, &rt.old_segv);
+  sigaction(SIGBUS, &sa, &rt.old_bus);
+}
+
+static inline void restore_fault_handler() {
+  sigaction(SIGSEGV, &rt.old_segv, nullptr);
+  sigaction(SIGBUS, &rt.old_bus, nullptr);
+  sigaltstack(&rt.old_altstack, nullptr);
+}
+
+// ---- launching --------------------------------------------------------------------------------
+// What Python passes for one launch. args[i] points to the value of parameter i; for an array
+// parameter that value is the host address of the array, replaced by the guarded copy's address.
+struct LaunchArgs {
+  unsigned grid[3], block[3];
+  uint64_t shared_mem;
+  int nargs;
+  void** args;
+  const uint64_t* nbytes;      // per parameter: bytes of the array, or UINT64_MAX for a scalar
+  const uint64_t* itemsize;    // per parameter: element size of the array
+  const int* writeback;        // per parameter: copy the array back after the launch
+  const int* alias;            // per parameter: index of an earlier parameter with the same array, or -1
+  char* err;                   // kErrLen bytes for the error message
+};
+
+template <typename... A, size_t... I>
+static inline void call_kernel(void (*k)(A...), void** args, std::index_sequence<I...>) {
+  k(*reinterpret_cast<std::remove_cv_t<std::remove_reference_t<A>>*>(args[I])...);
+}
+
+template <typename... A>
+struct Body {
+  void (*k)(A...);
+  void** args;
+  static void run(void* self) {
+    Body* b = (Body*)self;
+    call_kernel(b->k, b->args, std::index_sequence_for<A...>{});
+  }
+};
+
+template <typename... A>
+static int launch(void (*k)(A...), const char* name, const LaunchArgs* la) {
+  static_assert(sizeof...(A) <= kMaxParams, "too many kernel parameters");
+  rt.kernel_name = name;
+  rt.err[0] = 0;
+  rt.nregions = 0;
+  rt.cur = nullptr;
+  rt.smem.base = nullptr;
+  rt.smem.nbytes = 0;
+  void* slots[kMaxParams];
+  void* vals[kMaxParams];
+  int rc = 0;
+  rt.launch_thread = pthread_self();
+  install_fault_handler();
+  rt.in_launch = 1;
+  if (sigsetjmp(rt.jmp, 1) == 0) {
+    if (la->nargs != (int)sizeof...(A))
+      fail("kernel '%s' takes %zu arguments, launcher passed %d", name, sizeof...(A), la->nargs);
+    for (int i = 0; i < la->nargs; ++i) rt.regions[i].base = nullptr;
+    rt.nregions = la->nargs;
+    for (int i = 0; i < la->nargs; ++i) {
+      if (la->nbytes[i] == UINT64_MAX) { vals[i] = la->args[i]; continue; }
+      if (la->alias[i] >= 0) {                 // the same array passed twice: one copy
+        rt.regions[i].base = nullptr;
+        slots[i] = slots[la->alias[i]];
+        vals[i] = &slots[i];
+        continue;
+      }
+      const void* host = *(void* const*)la->args[i];
+      if (!map_region(rt.regions[i], host, la->nbytes[i], la->itemsize[i]))
+        fail("emulator: cannot map %llu bytes for argument %d", (unsigned long long)la->nbytes[i], i);
+      slots[i] = rt.regions[i].data;
+      vals[i] = &slots[i];
+    }
+    if (la->shared_mem && !map_region(rt.smem, nullptr, la->shared_mem, 1))
+      fail("emulator: cannot map %llu bytes of dynamic shared memory", (unsigned long long)la->shared_mem);
+    rt.grid_dim = dim3(la->grid[0], la->grid[1], la->grid[2]);
+    rt.block_dim = dim3(la->block[0], la->block[1], la->block[2]);
+    rt.nthreads = la->block[0] * la->block[1] * la->block[2];
+    ensure_stacks(rt.nthreads);
+    Body<A...> body{k, vals};
+    rt.body = &Body<A...>::run;
+    rt.body_ctx = &body;
+    for (unsigned z = 0; z < la->grid[2]; ++z)
+      for (unsigned y = 0; y < la->grid[1]; ++y)
+        for (unsigned x = 0; x < la->grid[0]; ++x) {
+          rt.block_idx.x = x;
+          rt.block_idx.y = y;
+          rt.block_idx.z = z;
+          run_block();
+        }
+    for (int i = 0; i < rt.nregions; ++i)
+      if (rt.regions[i].base && la->writeback[i] && la->nbytes[i])
+        memcpy(*(void**)la->args[i], rt.regions[i].data, la->nbytes[i]);
+  } else {
+    rc = 1;
+    snprintf(la->err, kErrLen, "%s", rt.err);
+  }
+  rt.in_launch = 0;
+  rt.cur = nullptr;
+  restore_fault_handler();
+  for (int i = 0; i < rt.nregions; ++i) unmap_region(rt.regions[i]);
+  rt.nregions = 0;
+  unmap_region(rt.smem);
+  return rc;
+}
+
+static inline void* dyn_smem() {
+  if (!rt.smem.nbytes) fail_here("extern __shared__ memory used but the launch asked for shared_mem=0");
+  return rt.smem.data;
+}
+
+// ---- parameter signatures, checked by the Python launcher before a launch -----------------------
+template <typename T> struct Code { static std::string get() { return "s" + std::to_string(sizeof(T)); } };
+#define CTEMU_CODE(T, C) template <> struct Code<T> { static std::string get() { return C; } };
+CTEMU_CODE(bool, "b1")
+CTEMU_CODE(char, "i1")
+CTEMU_CODE(signed char, "i1")
+CTEMU_CODE(unsigned char, "u1")
+CTEMU_CODE(short, "i2")
+CTEMU_CODE(unsigned short, "u2")
+CTEMU_CODE(int, "i4")
+CTEMU_CODE(unsigned int, "u4")
+CTEMU_CODE(long, "i8")
+CTEMU_CODE(unsigned long, "u8")
+CTEMU_CODE(long long, "i8")
+CTEMU_CODE(unsigned long long, "u8")
+CTEMU_CODE(float, "f4")
+CTEMU_CODE(double, "f8")
+CTEMU_CODE(void, "v")
+CTEMU_CODE(float2, "f4x2")
+CTEMU_CODE(float4, "f4x4")
+CTEMU_CODE(double2, "f8x2")
+CTEMU_CODE(int2, "i4x2")
+CTEMU_CODE(int4, "i4x4")
+CTEMU_CODE(uint2, "u4x2")
+CTEMU_CODE(uint4, "u4x4")
+
+template <typename T>
+static std::string param_code() {
+  using U = std::remove_cv_t<std::remove_reference_t<T>>;
+  if constexpr (std::is_pointer_v<U>) {
+    using P = std::remove_cv_t<std::remove_pointer_t<U>>;
+    // 'P' a pointer the kernel may write through, 'C' a pointer to const (never copied back)
+    const char* kind = std::is_const_v<std::remove_pointer_t<U>> ? "C" : "P";
+    if constexpr (std::is_pointer_v<P>) return kind + std::string("u8");   // a table of pointers
+    else return kind + Code<P>::get();
+  } else {
+    return "S" + Code<U>::get();
+  }
+}
+
+template <typename... A>
+static std::string signature(void (*)(A...)) {
+  std::string s;
+  ((s += param_code<A>() + ","), ...);
+  return s;
+}
+
+}  // namespace ctemu
+
+#define threadIdx (::ctemu::rt.cur->tid)
+#define blockIdx (::ctemu::rt.block_idx)
+#define blockDim (::ctemu::rt.block_dim)
+#define gridDim (::ctemu::rt.grid_dim)
+#define warpSize 32
+
+// ---------------------------------------------------------------------------------------------
+// Synchronisation and warp intrinsics
+static inline void __syncthreads() { ::ctemu::block_barrier(0); }
+static inline int __syncthreads_count(int p) { return ::ctemu::block_barrier(p); }
+static inline int __syncthreads_or(int p) { return ::ctemu::block_barrier(p) != 0; }
+static inline int __syncthreads_and(int p) { return ::ctemu::block_barrier(p) == (int)::ctemu::rt.live; }
+static inline void __syncwarp(unsigned mask = 0xffffffffu) { ::ctemu::warp_barrier(mask); }
+static inline void __threadfence() {}
+static inline void __threadfence_block() {}
+static inline unsigned __activemask() { return ::ctemu::my_warp().live; }
+static inline unsigned __ballot_sync(unsigned mask, int p) { return ::ctemu::vote(mask, p); }
+static inline int __any_sync(unsigned mask, int p) { return ::ctemu::vote(mask, p) != 0; }
+static inline int __all_sync(unsigned mask, int p) {
+  return ::ctemu::vote(mask, p) == (mask & ::ctemu::my_warp().live);
+}
+
+template <typename T>
+static inline T __shfl_sync(unsigned mask, T v, int src, int width = 32) {
+  ::ctemu::check_width(width);
+  int lane = (int)::ctemu::rt.cur->lane;
+  return ::ctemu::exchange(mask, v, (lane & ~(width - 1)) | (src & (width - 1)));
+}
+template <typename T>
+static inline T __shfl_down_sync(unsigned mask, T v, unsigned delta, int width = 32) {
+  ::ctemu::check_width(width);
+  int lane = (int)::ctemu::rt.cur->lane;
+  int in_seg = (lane & (width - 1)) + (int)delta;
+  return ::ctemu::exchange(mask, v, in_seg < width ? lane + (int)delta : -1);
+}
+template <typename T>
+static inline T __shfl_up_sync(unsigned mask, T v, unsigned delta, int width = 32) {
+  ::ctemu::check_width(width);
+  int lane = (int)::ctemu::rt.cur->lane;
+  return ::ctemu::exchange(mask, v, (lane & (width - 1)) >= (int)delta ? lane - (int)delta : -1);
+}
+template <typename T>
+static inline T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = 32) {
+  ::ctemu::check_width(width);
+  int lane = (int)::ctemu::rt.cur->lane;
+  int src = lane ^ lane_mask;
+  int seg_end = (lane & ~(width - 1)) + width;
+  return ::ctemu::exchange(mask, v, (src < seg_end && src < 32) ? src : -1);
+}
+
+[[noreturn]] static inline void __trap() { ::ctemu::fail_here("__trap() called"); }
+#undef assert
+#define assert(e) ((e) ? (void)0 : ::ctemu::fail_here("assertion failed: " #e " (" __FILE__ ")"))
+
+// ---------------------------------------------------------------------------------------------
+// Atomics (no two fibers run at once, so a plain read-modify-write is atomic)
+#define CTEMU_ATOMIC(NAME, T, EXPR) \
+  static inline T NAME(T* a, T v) { T o = *a; *a = (EXPR); return o; }
+CTEMU_ATOMIC(atomicAdd, int, o + v)
+CTEMU_ATOMIC(atomicAdd, unsigned int, o + v)
+CTEMU_ATOMIC(atomicAdd, unsigned long long, o + v)
+CTEMU_ATOMIC(atomicAdd, float, o + v)
+CTEMU_ATOMIC(atomicAdd, double, o + v)
+CTEMU_ATOMIC(atomicSub, int, o - v)
+CTEMU_ATOMIC(atomicSub, unsigned int, o - v)
+CTEMU_ATOMIC(atomicExch, int, v)
+CTEMU_ATOMIC(atomicExch, unsigned int, v)
+CTEMU_ATOMIC(atomicExch, unsigned long long, v)
+CTEMU_ATOMIC(atomicExch, float, v)
+CTEMU_ATOMIC(atomicMax, int, o > v ? o : v)
+CTEMU_ATOMIC(atomicMax, unsigned int, o > v ? o : v)
+CTEMU_ATOMIC(atomicMax, unsigned long long, o > v ? o : v)
+CTEMU_ATOMIC(atomicMax, long long, o > v ? o : v)
+CTEMU_ATOMIC(atomicMin, int, o < v ? o : v)
+CTEMU_ATOMIC(atomicMin, unsigned int, o < v ? o : v)
+CTEMU_ATOMIC(atomicMin, unsigned long long, o < v ? o : v)
+CTEMU_ATOMIC(atomicMin, long long, o < v ? o : v)
+CTEMU_ATOMIC(atomicOr, int, o | v)
+CTEMU_ATOMIC(atomicOr, unsigned int, o | v)
+CTEMU_ATOMIC(atomicOr, unsigned long long, o | v)
+CTEMU_ATOMIC(atomicAnd, int, o & v)
+CTEMU_ATOMIC(atomicAnd, unsigned int, o & v)
+CTEMU_ATOMIC(atomicAnd, unsigned long long, o & v)
+CTEMU_ATOMIC(atomicXor, int, o ^ v)
+CTEMU_ATOMIC(atomicXor, unsigned int, o ^ v)
+CTEMU_ATOMIC(atomicXor, unsigned long long, o ^ v)
+CTEMU_ATOMIC(atomicInc, unsigned int, o >= v ? 0u : o + 1u)
+CTEMU_ATOMIC(atomicDec, unsigned int, (o == 0u || o > v) ? v : o - 1u)
+#undef CTEMU_ATOMIC
+#define CTEMU_CAS(T) \
+  static inline T atomicCAS(T* a, T cmp, T v) { T o = *a; if (o == cmp) *a = v; return o; }
+CTEMU_CAS(int)
+CTEMU_CAS(unsigned int)
+CTEMU_CAS(unsigned long long)
+CTEMU_CAS(unsigned short)
+#undef CTEMU_CAS
+
+// ---------------------------------------------------------------------------------------------
+// Math and bit intrinsics
+static inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
+// __expf, __logf and __powf come from glibc (same names, full precision).
+static inline double rsqrt(double x) { return 1.0 / sqrt(x); }
+static inline float __fdividef(float x, float y) { return x / y; }
+static inline float __frcp_rn(float x) { return 1.0f / x; }
+static inline float __fsqrt_rn(float x) { return sqrtf(x); }
+static inline float __fadd_rn(float x, float y) { return x + y; }
+static inline float __fmul_rn(float x, float y) { return x * y; }
+static inline float __fmaf_rn(float x, float y, float z) { return fmaf(x, y, z); }
+static inline float __saturatef(float x) { return x < 0.0f ? 0.0f : (x > 1.0f ? 1.0f : (x == x ? x : 0.0f)); }
+static inline int __float_as_int(float x) { int r; memcpy(&r, &x, 4); return r; }
+static inline unsigned __float_as_uint(float x) { unsigned r; memcpy(&r, &x, 4); return r; }
+static inline float __int_as_float(int x) { float r; memcpy(&r, &x, 4); return r; }
+static inline float __uint_as_float(unsigned x) { float r; memcpy(&r, &x, 4); return r; }
+static inline long long __double_as_longlong(double x) { long long r; memcpy(&r, &x, 8); return r; }
+static inline double __longlong_as_double(long long x) { double r; memcpy(&r, &x, 8); return r; }
+static inline int __popc(unsigned x) { return __builtin_popcount(x); }
+static inline int __popcll(unsigned long long x) { return __builtin_popcountll(x); }
+static inline int __clz(int x) { return x ? __builtin_clz((unsigned)x) : 32; }
+static inline int __clzll(long long x) { return x ? __builtin_clzll((unsigned long long)x) : 64; }
+static inline int __ffs(int x) { return __builtin_ffs(x); }
+static inline int __ffsll(long long x) { return __builtin_ffsll(x); }
+static inline unsigned __brev(unsigned x) {
+  unsigned r = 0;
+  for (int i = 0; i < 32; ++i) r |= ((x >> i) & 1u) << (31 - i);
+  return r;
+}
+static inline int __mul24(int x, int y) { return x * y; }
+static inline unsigned __umul24(unsigned x, unsigned y) { return x * y; }
+template <typename T> static inline T __ldg(const T* p) { return *p; }
+#define CTEMU_MINMAX(T) \
+  static inline T min(T a, T b) { return a < b ? a : b; } \
+  static inline T max(T a, T b) { return a > b ? a : b; }
+CTEMU_MINMAX(int)
+CTEMU_MINMAX(unsigned int)
+CTEMU_MINMAX(long long)
+CTEMU_MINMAX(unsigned long long)
+#undef CTEMU_MINMAX
+static inline float min(float a, float b) { return fminf(a, b); }
+static inline float max(float a, float b) { return fmaxf(a, b); }
+static inline double min(double a, double b) { return fmin(a, b); }
+static inline double max(double a, double b) { return fmax(a, b); }
+using std::isfinite;
+using std::isinf;
+using std::isnan;
+
+#include "chainer_tc_emu_fp16.h"

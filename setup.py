@@ -1,0 +1,48 @@
+"""chainer_tc: fp16 Tensor Core training for Chainer (batched optimizer, NHWC/fused cuDNN layers,
+DALI input, static graphs). See README.md for the two commands that set everything up."""
+import os
+
+from setuptools import find_packages
+from setuptools import setup
+
+here = os.path.dirname(os.path.abspath(__file__))
+
+# The stack, pinned where a newer release breaks it (see docs/stack.md).
+install_requires = [
+    'chainer==7.8.1',          # last release; its sdist needs setuptools<70 (the Makefile handles it)
+    'numpy>=1.22,<2',          # Chainer 7.8.1 fails on NumPy 2 (np.sctypes was removed)
+    'nvidia-dali-cuda120>=2.4,<2.5',
+]
+
+extras_require = {
+    # The CUDA stack: CuPy 13 (CuPy 14 removed cuDNN) with cuDNN 8.9 (CuPy 13 loads libcudnn.so.8).
+    'gpu': [
+        'cupy-cuda12x>=13.6,<13.7',
+        'nvidia-cudnn-cu12==8.9.7.29',
+        'nvidia-cublas-cu12>=12,<13',
+        'nvidia-cuda-runtime-cu12>=12,<13',
+        'nvidia-cuda-nvrtc-cu12>=12,<13',
+        'nvidia-curand-cu12>=10,<11',
+        'nvidia-nccl-cu12>=2,<3',
+    ],
+    'test': [
+        'pytest>=7',
+    ],
+}
+
+setup(
+    name='chainer_tc',
+    version='0.1.0',
+    description='Make Chainer train ResNet-50 in fp16 on NVIDIA Tensor Cores as fast as the '
+                'hardware allows',
+    long_description=open(os.path.join(here, 'README.md')).read(),
+    long_description_content_type='text/markdown',
+    python_requires='>=3.9',
+    packages=find_packages(include=['chainer_tc', 'chainer_tc.*']),
+    package_data={'chainer_tc': ['testing/include/*.h']},
+    # kernels/*.cu live at the top of the repository; they are shipped inside the package too.
+    data_files=[],
+    install_requires=install_requires,
+    extras_require=extras_require,
+    entry_points={'console_scripts': ['chainer-tc=chainer_tc.__main__:main']},
+)

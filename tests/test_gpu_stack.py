@@ -1,0 +1,68 @@
+"""chainer_tc.gpu_stack: the GPU install check passes here and fails on a broken install."""
+import os
+import re
+import subprocess
+import sys
+
+from chainer_tc import gpu_stack
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MAIN = 'import sys, chainer_tc.gpu_stack as g; sys.exit(g.main([]))'
+
+
+def run_python(code, **extra_env):
+    env = {k: v for k, v in os.environ.items()
+           if k not in ('LD_LIBRARY_PATH', 'CHAINER_TC_NO_PRELOAD', 'PYTHONWARNINGS')}
+    env['PYTHONPATH'] = REPO
+    env.update(extra_env)
+    return subprocess.run([sys.executable, '-c', code], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+
+
+def result_lines(stdout):
+    return re.findall(r'^(PASS|FAIL)  (\S+) ', stdout, flags=re.M)
+
+
+def test_check_passes_on_this_install():
+    p = run_python(MAIN)
+    assert p.returncode == 0, p.stdout + p.stderr
+    names = [name for name, _ in gpu_stack.CHECKS]
+    assert result_lines(p.stdout) == [('PASS', name) for name in names]
+    assert 'cuDNN 8.9.' in p.stdout
+    assert '%d/%d checks passed' % (len(names), len(names)) in p.stdout
+    assert p.stderr == ''
+
+
+def test_check_fails_without_the_preloaded_libraries():
+    p = run_python(MAIN, CHAINER_TC_NO_PRELOAD='1')
+    assert p.returncode == 1
+    results = dict((name, status) for status, name in result_lines(p.stdout))
+    assert results == {name: 'FAIL' for name, _ in gpu_stack.CHECKS}
+    assert 'libcudnn.so.8' in p.stdout and 'libnvrtc.so.12' in p.stdout
+
+
+def test_symbol_table_covers_the_entry_points_chainer_tc_calls():
+    assert set(gpu_stack.CUDNN_SYMBOLS) == {
+        'cudnnBatchNormalizationForwardTrainingEx', 'cudnnBatchNormalizationBackwardEx',
+        'cudnnGetBatchNormalizationForwardTrainingExWorkspaceSize',
+        'cudnnGetBatchNormalizationBackwardExWorkspaceSize',
+        'cudnnGetBatchNormalizationTrainingExReserveSpaceSize', 'cudnnConvolutionForward',
+        'cudnnConvolutionBackwardData', 'cudnnConvolutionBackwardFilter',
+        'cudnnBatchNormalizationForwardInference'}
+
+
+def test_a_failing_check_is_reported_and_makes_main_fail(monkeypatch, capsys):
+    def broken():
+        raise OSError('libfoo.so.1: cannot open shared object file')
+
+    def wrong():
+        raise gpu_stack.CheckFailed('bad')
+    monkeypatch.setattr(gpu_stack, 'CHECKS', (('broken', broken),
+                                              ('fine', lambda: 'ok'),
+                                              ('wrong', wrong)))
+    assert gpu_stack.main([]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out == ['FAIL  broken  OSError: libfoo.so.1: cannot open shared object file',
+                   'PASS  fine    ok',
+                   'FAIL  wrong   bad',
+                   '1/3 checks passed']
