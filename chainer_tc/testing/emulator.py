@@ -40,6 +40,7 @@ _SCALAR = 2 ** 64 - 1
 
 _launch_lock = threading.RLock()
 _modules = {}          # cache key -> loaded ctypes library, so each module is loaded once
+_memfds = []           # descriptors of the loaded modules (kept open, see _load)
 
 _CODES = {
     'b1': ('bool', numpy.bool_), 'i1': ('char', numpy.int8), 'u1': ('unsigned char', numpy.uint8),
@@ -73,6 +74,7 @@ class _LaunchArgs(ctypes.Structure):
         ('itemsize', ctypes.POINTER(ctypes.c_uint64)),
         ('writeback', ctypes.POINTER(ctypes.c_int)),
         ('alias', ctypes.POINTER(ctypes.c_int)),
+        ('guard_front', ctypes.c_int),
         ('err', ctypes.c_char_p),
     ]
 
@@ -118,6 +120,16 @@ def _dim3(value, what):
         raise ValueError('{} dimensions must be >= 1 (CUDA rejects empty launches); got {!r}'
                          .format(what, value))
     return dims + (1,) * (3 - len(dims))
+
+
+def _guard_front():
+    """``CHAINER_TC_EMULATOR_GUARD``: 'end' (default) faults on any access past the end of an array,
+    'start' on any access before its start; writes on the other side are still caught, after the
+    launch, by a canary."""
+    mode = os.environ.get('CHAINER_TC_EMULATOR_GUARD', 'end')
+    if mode not in ('end', 'start'):
+        raise ValueError("CHAINER_TC_EMULATOR_GUARD must be 'end' or 'start'; got {!r}".format(mode))
+    return int(mode == 'start')
 
 
 def _compiler():
@@ -170,6 +182,8 @@ def _rewrite_dynamic_shared(code):
                    '#line {l}\n'.format(n=name, t=ctype, l=line))
         pos = m.end()
     out.append(code[pos:])
+    # the macros end with the source, so they cannot capture names in the generated exports
+    out.extend('\n#undef {}'.format(m.group(2)) for m in _DYN_SHARED_RE.finditer(code))
     return ''.join(out)
 
 
@@ -187,7 +201,7 @@ def _translation_unit(code, source_name, names):
             'extern "C" int ctemu_launch_{i}(const ::ctemu::LaunchArgs* la) {{ '
             'return ::ctemu::launch(&{e}, "{q}", la); }}\n'
             'extern "C" const char* ctemu_signature_{i}() {{ '
-            'static std::string s = ::ctemu::signature(&{e}); return s.c_str(); }}'
+            'static std::string sig = ::ctemu::signature(&{e}); return sig.c_str(); }}'
             .format(i=i, e=expr, q=expr.replace('"', '')))
     return '\n'.join(lines) + '\n'
 
@@ -222,14 +236,16 @@ def _load(key, binary):
     if lib is not None:
         return lib
     if hasattr(os, 'memfd_create'):
+        # The verified bytes are loaded from memory, so nothing on disk can change between the
+        # check and the load. The descriptor stays open for the life of the process: dlopen
+        # recognises an already-loaded library by its path, so a reused /proc/self/fd/N would
+        # silently return the previous module.
         fd = os.memfd_create('chainer_tc_emu_' + key[:16], getattr(os, 'MFD_CLOEXEC', 0))
-        try:
-            view = memoryview(binary)
-            while view:
-                view = view[os.write(fd, view):]
-            lib = ctypes.CDLL('/proc/self/fd/{}'.format(fd))
-        finally:
-            os.close(fd)
+        view = memoryview(binary)
+        while view:
+            view = view[os.write(fd, view):]
+        lib = ctypes.CDLL('/proc/self/fd/{}'.format(fd))
+        _memfds.append(fd)
     else:   # pragma: no cover - Linux always has memfd_create
         with tempfile.TemporaryDirectory(prefix='chainer_tc_emu_') as tmp:
             path = os.path.join(tmp, 'kernel.so')
@@ -311,11 +327,22 @@ class Function:
         la = _LaunchArgs(grid=(ctypes.c_uint * 3)(*grid), block=(ctypes.c_uint * 3)(*block),
                          shared_mem=shared_mem, nargs=n, args=values, nbytes=nbytes,
                          itemsize=itemsize, writeback=writeback, alias=alias,
-                         err=ctypes.cast(err, ctypes.c_char_p))
+                         guard_front=_guard_front(), err=ctypes.cast(err, ctypes.c_char_p))
         with _launch_lock:
             rc = self._launch(ctypes.byref(la))
         if rc != 0:
-            raise KernelLaunchError(err.value.decode(errors='replace'))
+            raise KernelLaunchError(self._explain(err.value.decode(errors='replace'), args))
+
+    def _explain(self, msg, args):
+        """Name each 'argument N (B bytes)' of a runtime message by its type and array."""
+        def sub(m):
+            i = int(m.group(1))
+            if i >= len(args):
+                return m.group(0)
+            a = args[i]
+            return 'argument {} ({}, {} array of shape {})'.format(
+                i, self.params[i].describe(), a.dtype, a.shape)
+        return re.sub(r'argument (\d+) \((\d+) bytes\)', sub, msg)
 
     def _check_array(self, i, p, a):
         where = 'argument {} ({}) of kernel {}'.format(i, p.describe(), self.signature)

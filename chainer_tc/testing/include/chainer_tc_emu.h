@@ -251,7 +251,8 @@ static inline void check_width(int width) {
     fail_here("warp shuffle width must be a power of 2 in [1, 32]");
 }
 
-static inline unsigned vote(unsigned mask, int pred) {
+// Ballot of `pred` over the lanes of `mask`; *voters receives the lanes that took part.
+static inline unsigned vote(unsigned mask, int pred, unsigned* voters = nullptr) {
   Warp& w = my_warp();
   w.slot[rt.cur->lane] = pred ? 1 : 0;
   warp_barrier(mask);
@@ -259,6 +260,7 @@ static inline unsigned vote(unsigned mask, int pred) {
   for (unsigned l = 0; l < 32; ++l)
     if ((m >> l & 1u) && w.slot[l]) r |= 1u << l;
   warp_barrier(mask);
+  if (voters) *voters = m;
   return r;
 }
 
@@ -340,7 +342,14 @@ static inline void run_block() {
 }
 
 // ---- guarded argument copies ------------------------------------------------------------------
-static inline bool map_region(Region& r, const void* src, size_t nbytes, size_t itemsize) {
+// The copy touches the trailing guard page (`front` false: every access past the end faults) or the
+// leading one (`front` true: every access before the start faults). The slack on the other side,
+// inside the data pages, is filled with kCanary and checked after the launch, so stray writes there
+// are reported too.
+enum : unsigned char { kCanary = 0xA5 };
+
+static inline bool map_region(Region& r, const void* src, size_t nbytes, size_t itemsize,
+                              bool front = false) {
   size_t page = page_size();
   size_t data_pages = (nbytes + page - 1) / page * page;
   r.map_len = data_pages + 2 * page;
@@ -349,11 +358,22 @@ static inline bool map_region(Region& r, const void* src, size_t nbytes, size_t 
   r.base = (char*)m;
   mprotect(r.base, page, PROT_NONE);
   mprotect(r.base + page + data_pages, page, PROT_NONE);
-  r.data = r.base + page + data_pages - nbytes;   // the copy ends at the trailing guard page
+  memset(r.base + page, kCanary, data_pages);
+  r.data = front ? r.base + page : r.base + page + data_pages - nbytes;
   r.nbytes = nbytes;
   r.itemsize = itemsize ? itemsize : 1;
   if (src && nbytes) memcpy(r.data, src, nbytes);
   return true;
+}
+
+// Bytes of the slack around the copy that no longer hold the canary: (before, after).
+static inline void slack_damage(const Region& r, size_t* before, size_t* after) {
+  size_t page = page_size();
+  char* lo = r.base + page;
+  char* hi = r.base + r.map_len - page;
+  *before = *after = 0;
+  for (char* p = lo; p < r.data; ++p) *before += (unsigned char)*p != kCanary;
+  for (char* p = r.data + r.nbytes; p < hi; ++p) *after += (unsigned char)*p != kCanary;
 }
 
 static inline void unmap_region(Region& r) {
@@ -434,6 +454,7 @@ struct LaunchArgs {
   const uint64_t* itemsize;    // per parameter: element size of the array
   const int* writeback;        // per parameter: copy the array back after the launch
   const int* alias;            // per parameter: index of an earlier parameter with the same array, or -1
+  int guard_front;             // guard page before the copies instead of after (see map_region)
   char* err;                   // kErrLen bytes for the error message
 };
 
@@ -481,12 +502,12 @@ static int launch(void (*k)(A...), const char* name, const LaunchArgs* la) {
         continue;
       }
       const void* host = *(void* const*)la->args[i];
-      if (!map_region(rt.regions[i], host, la->nbytes[i], la->itemsize[i]))
+      if (!map_region(rt.regions[i], host, la->nbytes[i], la->itemsize[i], la->guard_front))
         fail("emulator: cannot map %llu bytes for argument %d", (unsigned long long)la->nbytes[i], i);
       slots[i] = rt.regions[i].data;
       vals[i] = &slots[i];
     }
-    if (la->shared_mem && !map_region(rt.smem, nullptr, la->shared_mem, 1))
+    if (la->shared_mem && !map_region(rt.smem, nullptr, la->shared_mem, 1, la->guard_front))
       fail("emulator: cannot map %llu bytes of dynamic shared memory", (unsigned long long)la->shared_mem);
     rt.grid_dim = dim3(la->grid[0], la->grid[1], la->grid[2]);
     rt.block_dim = dim3(la->block[0], la->block[1], la->block[2]);
@@ -503,6 +524,17 @@ static int launch(void (*k)(A...), const char* name, const LaunchArgs* la) {
           rt.block_idx.z = z;
           run_block();
         }
+    rt.cur = nullptr;
+    for (int i = 0; i < rt.nregions; ++i) {
+      if (!rt.regions[i].base) continue;
+      size_t before, after;
+      slack_damage(rt.regions[i], &before, &after);
+      if (before || after)
+        fail("kernel '%s': out-of-bounds write to argument %d: %zu bytes changed %s its %zu bytes "
+             "(seen after the launch; CHAINER_TC_EMULATOR_GUARD=%s catches the access itself)",
+             name, i, before ? before : after, before ? "before the start of" : "after the end of",
+             rt.regions[i].nbytes, before ? "start" : "end");
+    }
     for (int i = 0; i < rt.nregions; ++i)
       if (rt.regions[i].base && la->writeback[i] && la->nbytes[i])
         memcpy(*(void**)la->args[i], rt.regions[i].data, la->nbytes[i]);
@@ -592,7 +624,9 @@ static inline unsigned __activemask() { return ::ctemu::my_warp().live; }
 static inline unsigned __ballot_sync(unsigned mask, int p) { return ::ctemu::vote(mask, p); }
 static inline int __any_sync(unsigned mask, int p) { return ::ctemu::vote(mask, p) != 0; }
 static inline int __all_sync(unsigned mask, int p) {
-  return ::ctemu::vote(mask, p) == (mask & ::ctemu::my_warp().live);
+  unsigned voters;
+  unsigned yes = ::ctemu::vote(mask, p, &voters);
+  return yes == voters;
 }
 
 template <typename T>

@@ -1,0 +1,32 @@
+import os
+
+import pytest
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+def cuda_source(name):
+    """Path of a test kernel file in tests/cuda/."""
+    return os.path.join(TESTS, 'cuda', name)
+
+
+def _gpu_available():
+    try:
+        import chainer_tc  # noqa: F401  (preloads the CUDA libraries)
+        import cupy
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+def pytest_configure(config):
+    config.addinivalue_line('markers', 'gpu: needs a CUDA GPU; run with `pytest -m gpu` on one')
+
+
+def pytest_collection_modifyitems(config, items):
+    if _gpu_available():
+        return
+    skip = pytest.mark.skip(reason='needs a CUDA GPU (none found)')
+    for item in items:
+        if 'gpu' in item.keywords:
+            item.add_marker(skip)

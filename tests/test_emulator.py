@@ -1,0 +1,383 @@
+"""The CPU CUDA emulator against NumPy, on awkward sizes, and its error reporting."""
+import numpy
+import pytest
+
+from chainer_tc.errors import CompileError
+from chainer_tc.errors import KernelLaunchError
+from chainer_tc.testing import emulator
+from conftest import cuda_source
+
+SIZES = [0, 1, 31, 32, 33, 1000, 4097]
+BLOCK = 256
+
+
+@pytest.fixture(scope='module')
+def mod():
+    return emulator.RawModule(path=cuda_source('selftest.cu'))
+
+
+@pytest.fixture(scope='module')
+def buggy():
+    return emulator.RawModule(path=cuda_source('buggy.cu'))
+
+
+def blocks(n, block=BLOCK):
+    return max(1, -(-n // block))
+
+
+def rng(seed=0):
+    return numpy.random.RandomState(seed)
+
+
+@pytest.mark.parametrize('n', SIZES)
+def test_vector_add_grid_stride(mod, n):
+    a, b = rng().rand(n).astype(numpy.float32), rng(1).rand(n).astype(numpy.float32)
+    c = numpy.full(n, numpy.nan, numpy.float32)
+    # fewer blocks than elements need: the grid-stride loop covers the rest
+    mod.get_function('vector_add')((3,), (64,), (a, b, c, numpy.int32(n)))
+    numpy.testing.assert_array_equal(c, a + b)
+
+
+@pytest.mark.parametrize('n', SIZES)
+def test_block_reduction_shared_memory(mod, n):
+    x = rng().randn(n)
+    grid = 5
+    out = numpy.zeros(grid)
+    mod.get_function('block_sum')((grid,), (BLOCK,), (x, out, numpy.int32(n)),
+                                  shared_mem=BLOCK * 8)
+    # each block's sum, in the kernel's own order, is exact to rounding of a tree sum
+    expect = [x[numpy.arange(n) % (grid * BLOCK) // BLOCK == b].sum() for b in range(grid)]
+    numpy.testing.assert_allclose(out, expect, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize('n', SIZES)
+@pytest.mark.parametrize('block', [32, 96, 256, 1024])
+def test_warp_shuffle_reduction(mod, n, block):
+    x = rng().randint(-1000, 1000, size=n).astype(numpy.int32)
+    grid = blocks(n, block)
+    out = numpy.zeros(grid, numpy.int32)
+    mod.get_function('warp_sum')((grid,), (block,), (x, out, numpy.int32(n)))
+    padded = numpy.zeros(grid * block, numpy.int32)
+    padded[:n] = x
+    numpy.testing.assert_array_equal(out, padded.reshape(grid, block).sum(axis=1))
+
+
+@pytest.mark.parametrize('n', [1, 31, 32, 33, 1000])
+@pytest.mark.parametrize('width', [32, 8, 1])
+def test_warp_scan_and_broadcast(mod, n, width):
+    x = rng().randint(-9, 9, size=n).astype(numpy.int32)
+    scan, bcast = numpy.zeros(n, numpy.int32), numpy.zeros(n, numpy.int32)
+    mod.get_function('warp_scan')((blocks(n, 64),), (64,),
+                                  (x, scan, bcast, numpy.int32(width), numpy.int32(n)))
+    padded = numpy.zeros(blocks(n, 64) * 64, numpy.int32)
+    padded[:n] = x
+    warps = padded.reshape(-1, 32)
+    numpy.testing.assert_array_equal(scan, numpy.cumsum(warps, axis=1).ravel()[:n])
+    groups = padded.reshape(-1, width)
+    numpy.testing.assert_array_equal(bcast, numpy.repeat(groups[:, 0], width)[:n])
+
+
+@pytest.mark.parametrize('n', [1, 31, 32, 33, 1000])
+def test_warp_votes(mod, n):
+    x = rng().randn(n).astype(numpy.float32)
+    x[:32] = numpy.abs(x[:32]) + 1           # the first warp is all positive
+    nw = blocks(n, 64) * 2
+    ballot = numpy.zeros(nw, numpy.uint32)
+    any_, all_ = numpy.zeros(nw, numpy.int32), numpy.zeros(nw, numpy.int32)
+    mod.get_function('warp_votes')((blocks(n, 64),), (64,), (x, ballot, any_, all_, numpy.int32(n)))
+    padded = numpy.zeros(nw * 32, numpy.float32)
+    padded[:n] = x
+    bits = (padded.reshape(nw, 32) > 0)
+    expect = (bits * (numpy.uint64(1) << numpy.arange(32, dtype=numpy.uint64))).sum(axis=1)
+    numpy.testing.assert_array_equal(ballot, expect.astype(numpy.uint32))
+    numpy.testing.assert_array_equal(any_, bits.any(axis=1))
+    numpy.testing.assert_array_equal(all_, bits.all(axis=1))
+
+
+@pytest.mark.parametrize('n', SIZES)
+def test_atomics(mod, n):
+    x = rng().randint(-50, 50, size=n).astype(numpy.int32)
+    bins = 7
+    hist = numpy.zeros(bins, numpy.uint32)
+    mx = numpy.array([numpy.iinfo(numpy.int32).min], numpy.int32)
+    neg = numpy.zeros(1, numpy.uint64)
+    fsum = numpy.zeros(1, numpy.float32)
+    mod.get_function('atomics')((4,), (128,),
+                                (x, hist, mx, neg, fsum, numpy.int32(bins), numpy.int32(n)))
+    numpy.testing.assert_array_equal(hist, numpy.bincount(x % bins, minlength=bins))
+    assert mx[0] == (x.max() if n else numpy.iinfo(numpy.int32).min)
+    assert neg[0] == (x < 0).sum()
+    assert fsum[0] == x.sum()     # small integers: every partial sum is exact in float32
+
+
+def test_atomic_cas_lock(mod):
+    lock, counter = numpy.zeros(1, numpy.int32), numpy.zeros(1, numpy.int32)
+    mod.get_function('cas_lock')((37,), (64,), (lock, counter))
+    assert counter[0] == 37 and lock[0] == 0
+
+
+@pytest.mark.parametrize('npairs', [1, 31, 33, 1000])
+def test_half2_fma(mod, npairs):
+    r = rng()
+    a, b, c = (r.randn(2 * npairs).astype(numpy.float16) for _ in range(3))
+    out = numpy.zeros(2 * npairs, numpy.float16)
+    pair_sum = numpy.zeros(npairs, numpy.float32)
+    mod.get_function('half2_fma')((blocks(npairs),), (BLOCK,),
+                                  (a, b, c, out, pair_sum, numpy.int32(npairs)))
+    # fma rounds once: the exact a*b+c (in float64, exact for halves here) rounded to half
+    expect = (a.astype(numpy.float64) * b + c).astype(numpy.float16)
+    numpy.testing.assert_array_equal(out, expect)
+    numpy.testing.assert_array_equal(
+        pair_sum, out.astype(numpy.float32).reshape(-1, 2).sum(axis=1))
+
+
+def test_float_to_half_rounds_like_numpy(mod):
+    r = rng()
+    x = numpy.concatenate([
+        r.randn(20000).astype(numpy.float32) * numpy.float32(10) ** r.randint(-9, 6, 20000),
+        # halfway cases, overflow edges, subnormals, zeros, inf, nan
+        numpy.array([65504, 65519.996, 65520, 65536, 1e10, 2 ** -24, 2 ** -25, 3 * 2 ** -26,
+                     2 ** -14, 2 ** -14 * (1 - 2 ** -11), 1 + 2 ** -11, 1 + 3 * 2 ** -11,
+                     0.0, -0.0, numpy.inf, -numpy.inf], numpy.float32),
+    ]).astype(numpy.float32)
+    x = numpy.concatenate([x, -x])
+    y = numpy.zeros(x.size, numpy.float16)
+    mod.get_function('to_half')((blocks(x.size),), (BLOCK,), (x, y, numpy.int32(x.size)))
+    with numpy.errstate(over='ignore'):
+        ref = x.astype(numpy.float16)
+    numpy.testing.assert_array_equal(y.view(numpy.uint16), ref.view(numpy.uint16))
+    nan = numpy.array([numpy.nan], numpy.float32)
+    yn = numpy.zeros(1, numpy.float16)
+    mod.get_function('to_half')((1,), (32,), (nan, yn, numpy.int32(1)))
+    assert numpy.isnan(yn[0])
+
+
+def test_half_to_float_is_exact_for_every_half(mod):
+    h = numpy.arange(65536, dtype=numpy.uint32).astype(numpy.uint16).view(numpy.float16)
+    y = numpy.zeros(h.size, numpy.float32)
+    mod.get_function('to_float')((blocks(h.size),), (BLOCK,), (h, y, numpy.int32(h.size)))
+    ref = h.astype(numpy.float32)
+    finite = ~numpy.isnan(ref)
+    numpy.testing.assert_array_equal(y[finite].view(numpy.uint32), ref[finite].view(numpy.uint32))
+    assert numpy.isnan(y[~finite]).all() and (~finite).sum() == 2 * 1023
+
+
+@pytest.mark.parametrize('rows,cols', [(1, 1), (7, 33), (40, 17), (64, 64)])
+def test_2d_launch(mod, rows, cols):
+    x = rng().randn(rows, cols).astype(numpy.float32)
+    y = numpy.zeros_like(x)
+    grid = (-(-cols // 16), -(-rows // 8))
+    mod.get_function('grid2d')(grid, (16, 8), (x, y, numpy.int32(rows), numpy.int32(cols),
+                                               numpy.float32(1.5)))
+    r, c = numpy.indices(x.shape)
+    numpy.testing.assert_array_equal(y, x * numpy.float32(1.5) + (r - c).astype(numpy.float32))
+
+
+def test_3d_launch_index_mapping(mod):
+    grid, block = (3, 2, 2), (4, 3, 2)
+    n = 12 * 24
+    out = numpy.full(4 * n, -1, numpy.int32)
+    mod.get_function('coords3d')(grid, block, (out,))
+    out = out.reshape(n, 4)
+    numpy.testing.assert_array_equal(out[:, 0], numpy.tile(numpy.arange(24), 12))
+    numpy.testing.assert_array_equal(out[:, 1], numpy.repeat(numpy.arange(12), 24))
+    tz, ty, tx = numpy.unravel_index(numpy.arange(24), (2, 3, 4))
+    numpy.testing.assert_array_equal(out[:24, 2], tz * 100 + ty * 10 + tx)
+    bz, by, bx = numpy.unravel_index(numpy.arange(12), (2, 2, 3))
+    numpy.testing.assert_array_equal(out[::24, 3], bz * 100 + by * 10 + bx)
+
+
+@pytest.mark.parametrize('n', [1, 33, 1000])
+def test_syncthreads_count(mod, n):
+    x = rng().randn(n).astype(numpy.float32)
+    g = blocks(n, 128)
+    out = numpy.zeros(g, numpy.int32)
+    mod.get_function('count_positive')((g,), (128,), (x, out, numpy.int32(n)))
+    padded = numpy.zeros(g * 128, numpy.float32)
+    padded[:n] = x
+    numpy.testing.assert_array_equal(out, (padded.reshape(g, 128) > 0).sum(axis=1))
+
+
+def test_same_array_twice_is_one_buffer(mod):
+    x = numpy.arange(40, dtype=numpy.float32)
+    mod.get_function('axpy_inplace')((1,), (64,), (x, x, numpy.int32(40)))
+    numpy.testing.assert_array_equal(x, numpy.arange(40, dtype=numpy.float32) * 3)
+
+
+def test_math_functions(mod):
+    x = numpy.array([0, 1, -2.5, 1e-3, numpy.inf, -numpy.inf, numpy.nan, 3e38], numpy.float32)
+    out = numpy.zeros(5 * x.size, numpy.float32)
+    with numpy.errstate(all='ignore'):
+        mod.get_function('math_funcs')((1,), (32,), (x, out, numpy.int32(x.size)))
+        out = out.reshape(-1, 5)
+        numpy.testing.assert_allclose(out[:, 0], 1 / numpy.sqrt(numpy.abs(x) + 1), rtol=1e-6)
+        numpy.testing.assert_allclose(out[:, 1], numpy.exp(-x * x), rtol=1e-6)
+    numpy.testing.assert_array_equal(out[:, 2][:-2], numpy.maximum(x, 0)[:-2])
+    numpy.testing.assert_array_equal(out[:, 3], numpy.isfinite(x))
+    bits = x.view(numpy.uint32)
+    numpy.testing.assert_array_equal(out[:, 4], [bin(int(b)).count('1') for b in bits])
+
+
+def test_templated_kernel_through_name_expressions():
+    code = '''
+    template <typename T> __global__ void scale(T* x, T s, int n) {
+      int i = blockIdx.x * blockDim.x + threadIdx.x;
+      if (i < n) x[i] = x[i] * s;
+    }'''
+    m = emulator.RawModule(code=code, name_expressions=['scale<float>', 'scale<double>'])
+    x = numpy.arange(5, dtype=numpy.float64)
+    m.get_function('scale<double>')((1,), (32,), (x, numpy.float64(2), numpy.int32(5)))
+    numpy.testing.assert_array_equal(x, numpy.arange(5) * 2.0)
+    with pytest.raises(TypeError, match=r'expected a float64 array; got numpy array float32'):
+        m.get_function('scale<double>')((1,), (32,), (x.astype(numpy.float32), numpy.float64(2),
+                                                      numpy.int32(5)))
+    with pytest.raises(AttributeError, match="no kernel 'scale<int>'"):
+        m.get_function('scale<int>')
+
+
+def test_options_define_macros():
+    code = 'extern "C" __global__ void fill(int* x) { x[threadIdx.x] = VALUE; }'
+    m = emulator.RawModule(code=code, options=('-DVALUE=42', '--use_fast_math', '-arch=sm_80'))
+    x = numpy.zeros(8, numpy.int32)
+    m.get_function('fill')((1,), (8,), (x,))
+    assert (x == 42).all()
+
+
+# ---- failures are loud, precise, and leave the arrays untouched ---------------------------------
+
+def test_out_of_bounds_past_the_end_is_caught(buggy):
+    n = 1000
+    a = numpy.arange(n, dtype=numpy.float32)
+    b = numpy.zeros(n, numpy.float32)
+    with pytest.raises(KernelLaunchError) as e:
+        buggy.get_function('copy_no_bounds_check')((blocks(n),), (BLOCK,), (a, b, numpy.int32(n)))
+    msg = str(e.value)
+    assert "kernel 'copy_no_bounds_check'" in msg
+    assert 'out-of-bounds access to argument 0 (const float*, float32 array of shape (1000,))' in msg
+    assert 'element 1000 of 1000' in msg
+    assert 'thread (232,0,0) of block (3,0,0)' in msg     # the first thread with i == n
+    assert not b.any(), 'a failed launch must not write back'
+
+
+def test_out_of_bounds_before_the_start_is_caught(buggy, monkeypatch):
+    a = numpy.arange(64, dtype=numpy.float32)
+    b = numpy.zeros(64, numpy.float32)
+    monkeypatch.setenv('CHAINER_TC_EMULATOR_GUARD', 'start')
+    with pytest.raises(KernelLaunchError, match=r'argument 0 \(const float\*, float32 array of shape \(64,\)\) at byte offset -4 '
+                            r'\(element -1 of 64\) in thread \(0,0,0\)'):
+        buggy.get_function('read_before_start')((1,), (64,), (a, b, numpy.int32(64)))
+
+
+def test_empty_array_access_is_caught(buggy):
+    a, b = numpy.zeros(0, numpy.float32), numpy.zeros(0, numpy.float32)
+    with pytest.raises(KernelLaunchError, match='element 0 of 0'):
+        buggy.get_function('copy_no_bounds_check')((1,), (1,), (a, b, numpy.int32(0)))
+
+
+def test_deadlock_is_reported(buggy):
+    out = numpy.zeros(64, numpy.int32)
+    with pytest.raises(KernelLaunchError, match=r'deadlock in block \(0,0,0\): 32 live threads, '
+                                                r'16 waiting at __syncthreads, 16 in warp'):
+        buggy.get_function('divergent_barrier')((1,), (64,), (out,))
+
+
+def test_shuffle_from_lane_outside_mask_is_reported(buggy):
+    out = numpy.zeros(32, numpy.int32)
+    with pytest.raises(KernelLaunchError, match='reads lane 16, which is not in mask 0x0000ffff'):
+        buggy.get_function('shuffle_outside_mask')((1,), (32,), (out,))
+
+
+def test_trap_is_reported_and_emulator_stays_usable(buggy, mod):
+    out = numpy.zeros(8, numpy.int32)
+    with pytest.raises(KernelLaunchError, match=r'__trap\(\) called in thread \(3,0,0\)'):
+        buggy.get_function('traps')((1,), (8,), (out,))
+    test_vector_add_grid_stride(mod, 33)
+
+
+def test_wrong_arguments_raise_before_launch(mod):
+    k = mod.get_function('vector_add')
+    a = numpy.zeros(4, numpy.float32)
+    with pytest.raises(TypeError, match=r'vector_add\(const float\*, const float\*, float\*, int\) '
+                                        r'takes 4 arguments; got 3'):
+        k((1,), (4,), (a, a, a))
+    with pytest.raises(TypeError, match=r'argument 3 \(int\).*expected a numpy.int32 scalar; got '
+                                        r'Python int \(pass numpy.int32'):
+        k((1,), (4,), (a, a, a, 4))
+    with pytest.raises(TypeError, match='expected a numpy.int32 scalar; got numpy scalar int64'):
+        k((1,), (4,), (a, a, a, numpy.int64(4)))
+    with pytest.raises(TypeError, match=r'argument 0 \(const float\*\).*expected a float32 array; '
+                                        r'got numpy array float64'):
+        k((1,), (4,), (a.astype(numpy.float64), a, a, numpy.int32(4)))
+    with pytest.raises(TypeError, match='expected a NumPy array; got Python list'):
+        k((1,), (4,), ([0.0] * 4, a, a, numpy.int32(4)))
+    with pytest.raises(ValueError, match='must be C-contiguous'):
+        k((1,), (4,), (numpy.zeros(8, numpy.float32)[::2], a, a, numpy.int32(4)))
+    ro = numpy.zeros(4, numpy.float32)
+    ro.flags.writeable = False
+    k((1,), (4,), (ro, ro, a, numpy.int32(4)))          # read-only input: fine
+    with pytest.raises(ValueError, match='may write through this pointer but the array is read-only'):
+        k((1,), (4,), (a, a, ro, numpy.int32(4)))
+    with pytest.raises(ValueError, match='overlap'):
+        big = numpy.zeros(8, numpy.float32)
+        k((1,), (4,), (big[:4], a, big[2:6], numpy.int32(4)))
+
+
+def test_bad_launch_shapes(mod):
+    k = mod.get_function('vector_add')
+    a = numpy.zeros(4, numpy.float32)
+    args = (a, a, a, numpy.int32(4))
+    with pytest.raises(ValueError, match='at most 1024 threads'):
+        k((1,), (2048,), args)
+    with pytest.raises(ValueError, match='must be >= 1'):
+        k((0,), (32,), args)
+    with pytest.raises(ValueError, match='shared_mem=65536'):
+        k((1,), (32,), args, shared_mem=65536)
+
+
+def test_compile_error_names_the_file_and_shows_the_log(tmp_path):
+    src = tmp_path / 'broken.cu'
+    src.write_text('extern "C" __global__ void k(float* x) {\n  x[0] = undefined_name;\n}\n')
+    with pytest.raises(CompileError) as e:
+        emulator.RawModule(path=str(src))
+    msg = str(e.value)
+    assert str(src) in msg and 'undefined_name' in msg and ':2:' in msg
+
+
+def test_dynamic_shared_memory_needs_shared_mem(mod):
+    x, out = numpy.ones(4), numpy.zeros(1)
+    with pytest.raises(KernelLaunchError, match='extern __shared__ memory used but the launch asked '
+                                                'for shared_mem=0'):
+        mod.get_function('block_sum')((1,), (32,), (x, out, numpy.int32(4)))
+
+
+def test_dynamic_shared_memory_overflow_is_caught():
+    code = '''extern "C" __global__ void k(float* out) {
+      extern __shared__ float s[];
+      s[threadIdx.x] = 1.0f;            // one float per thread: overflows when shared_mem is short
+      __syncthreads();
+      out[threadIdx.x] = s[threadIdx.x];
+    }'''
+    m = emulator.RawModule(code=code)
+    out = numpy.zeros(64, numpy.float32)
+    m.get_function('k')((1,), (64,), (out,), shared_mem=64 * 4)
+    assert (out == 1).all()
+    with pytest.raises(KernelLaunchError, match=r'dynamic shared memory \(128 bytes\) at byte offset 128'):
+        m.get_function('k')((1,), (64,), (out,), shared_mem=32 * 4)
+
+
+def test_signature_reports_const_and_half_types(mod):
+    assert mod.get_function('half2_fma').signature == (
+        'half2_fma(const __half2*, const __half2*, const __half2*, __half2*, float*, int)')
+
+
+def test_write_before_the_start_is_caught_by_the_canary(monkeypatch):
+    code = '''extern "C" __global__ void k(float* x) { x[(int)threadIdx.x - 2] = 1.0f; }'''
+    m = emulator.RawModule(code=code)
+    x = numpy.zeros(8, numpy.float32)
+    with pytest.raises(KernelLaunchError, match=r'out-of-bounds write to argument 0: 8 bytes changed '
+                                                r'before the start of its 32 bytes'):
+        m.get_function('k')((1,), (8,), (x,))
+    assert not x.any()
+    monkeypatch.setenv('CHAINER_TC_EMULATOR_GUARD', 'start')
+    with pytest.raises(KernelLaunchError, match=r'\(element -2 of 8\) in thread \(0,0,0\)'):
+        m.get_function('k')((1,), (8,), (x,))
