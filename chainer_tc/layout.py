@@ -50,10 +50,15 @@ def _transpose(x, batch, rows, cols, out_shape, dtype):
     """Transpose each of ``batch`` (rows x cols) matrices of ``x`` into ``out_shape``."""
     xp = _array_module(x)
     out_dtype = _out_dtype(x, dtype)
+    if max(batch, rows, cols) > 2 ** 31 - 1:
+        raise ValueError('x has a dimension product over 2^31-1 (N={}, rows={}, cols={}); split '
+                         'the batch'.format(batch, rows, cols))
     path = kernels.backend(xp)
     if path == 'numpy':
         m = numpy.ascontiguousarray(x).reshape(batch, rows, cols)
-        return numpy.ascontiguousarray(m.transpose(0, 2, 1).astype(out_dtype)).reshape(out_shape)
+        with numpy.errstate(over='ignore'):    # overflow to inf is the defined cast, as on the GPU
+            y = numpy.ascontiguousarray(m.transpose(0, 2, 1).astype(out_dtype))
+        return y.reshape(out_shape)
     y = xp.empty(out_shape, dtype=out_dtype)
     if y.size == 0:
         return y

@@ -1,0 +1,77 @@
+"""The kernel loader: sources, backend selection, launch counting."""
+import subprocess
+import sys
+
+import numpy
+import pytest
+
+from chainer_tc import kernels
+
+
+def test_families_and_sources():
+    assert 'layout' in kernels.families()
+    assert kernels.source_path('layout').endswith('kernels/layout.cu')
+    with pytest.raises(FileNotFoundError, match="no kernel family 'nope'.*families: .*layout"):
+        kernels.source('nope')
+
+
+def test_every_kernel_file_states_its_contract():
+    for family in kernels.families():
+        head = kernels.source(family).lstrip()
+        assert head.startswith('// kernels/{}.cu'.format(family)), family
+        assert 'Launch' in head.split('#include')[0] or 'launch' in head.split('#include')[0], family
+
+
+def test_backend_selection(monkeypatch):
+    monkeypatch.delenv('CHAINER_TC_EMULATE', raising=False)
+    assert kernels.backend(numpy) == 'numpy'
+    monkeypatch.setenv('CHAINER_TC_EMULATE', '1')
+    assert kernels.backend(numpy) == 'emulator'
+
+    class FakeCupy:
+        __name__ = 'cupy'
+    assert kernels.backend(FakeCupy()) == 'cuda'
+
+
+def test_numpy_arrays_without_emulation_get_no_kernel(monkeypatch):
+    monkeypatch.delenv('CHAINER_TC_EMULATE', raising=False)
+    with pytest.raises(RuntimeError, match='should have taken its NumPy path'):
+        kernels.get_function('layout', 'batched_transpose_f32_f32', numpy)
+
+
+def test_launches_are_counted(monkeypatch):
+    monkeypatch.setenv('CHAINER_TC_EMULATE', '1')
+    k = kernels.get_function('layout', 'batched_transpose_f32_f32', numpy)
+    x, y = numpy.ones((1, 2, 3), numpy.float32), numpy.zeros((1, 3, 2), numpy.float32)
+    before = kernels.launch_count()
+    with kernels.count_launches() as c:
+        for _ in range(3):
+            k((1, 1, 1), (32, 8), (x, y, numpy.int32(2), numpy.int32(3), numpy.int64(1)))
+    assert c.total == 3 and c.per_kernel == {'batched_transpose_f32_f32': 3}
+    assert kernels.launch_count() == before + 3
+    assert kernels.launch_counts()['batched_transpose_f32_f32'] >= 3
+
+
+def test_a_failed_launch_is_not_counted(monkeypatch):
+    monkeypatch.setenv('CHAINER_TC_EMULATE', '1')
+    k = kernels.get_function('layout', 'batched_transpose_f32_f32', numpy)
+    with kernels.count_launches() as c, pytest.raises(TypeError):
+        k((1,), (32, 8), (numpy.ones(3, numpy.float32),))
+    assert c.total == 0
+
+
+def test_modules_are_memoized(monkeypatch):
+    monkeypatch.setenv('CHAINER_TC_EMULATE', '1')
+    kernels.get_function('layout', 'batched_transpose_f32_f32', numpy)
+    n = len(kernels._modules)
+    kernels.get_function('layout', 'batched_transpose_f16_f32', numpy)
+    assert len(kernels._modules) == n
+
+
+def test_import_is_cheap():
+    # importing chainer_tc compiles nothing and queries no device: no cupy, no compiler
+    code = ('import sys, chainer_tc, chainer_tc.kernels, chainer_tc.layout;'
+            'print(sorted(m for m in ("cupy", "chainer", "nvidia.dali", "subprocess") '
+            'if m in sys.modules))')
+    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == '[]', out.stdout
