@@ -2,10 +2,26 @@
 DALI input, static graphs). See README.md for the two commands that set everything up."""
 import os
 
+import glob
+import shutil
+
 from setuptools import find_packages
 from setuptools import setup
+from setuptools.command.build_py import build_py
 
 here = os.path.dirname(os.path.abspath(__file__))
+
+
+class BuildPyWithKernels(build_py):
+    """Ship kernels/*.cu inside the package (chainer_tc/_kernels) for non-editable installs; an
+    editable install reads them from kernels/ directly (see chainer_tc.kernels.kernel_dir)."""
+
+    def run(self):
+        super().run()
+        dest = os.path.join(self.build_lib, 'chainer_tc', '_kernels')
+        os.makedirs(dest, exist_ok=True)
+        for src in glob.glob(os.path.join(here, 'kernels', '*.cu')):
+            shutil.copy(src, dest)
 
 # The stack, pinned where a newer release breaks it (see docs/stack.md).
 install_requires = [
@@ -40,8 +56,7 @@ setup(
     python_requires='>=3.9',
     packages=find_packages(include=['chainer_tc', 'chainer_tc.*']),
     package_data={'chainer_tc': ['testing/include/*.h']},
-    # kernels/*.cu live at the top of the repository; they are shipped inside the package too.
-    data_files=[],
+    cmdclass={'build_py': BuildPyWithKernels},
     install_requires=install_requires,
     extras_require=extras_require,
     entry_points={'console_scripts': ['chainer-tc=chainer_tc.__main__:main']},
