@@ -108,12 +108,12 @@ class Kernel:
         return '<chainer_tc kernel {}>'.format(self.name)
 
 
-def _module(family, options, xp):
+def _module(family, options, xp, name_expressions=()):
     if backend(xp) == 'cuda':
         import cupy
-        key = (family, options, 'cuda', cupy.cuda.Device().id)
+        key = (family, options, name_expressions, 'cuda', cupy.cuda.Device().id)
     elif emulating():
-        key = (family, options, 'emulator')
+        key = (family, options, name_expressions, 'emulator')
     else:
         raise RuntimeError('kernel family {!r} asked for NumPy arrays without {}=1: the caller '
                            'should have taken its NumPy path'.format(family, ENV_EMULATE))
@@ -123,28 +123,32 @@ def _module(family, options, xp):
             path = source_path(family)
             with open(path) as f:
                 code = f.read()
-            if key[2] == 'cuda':
+            if key[3] == 'cuda':
                 import cupy
                 opts = options + ('--std=c++17',) + tuple('-I' + d for d in cuda_include_dirs())
                 try:
-                    mod = cupy.RawModule(code=code, options=opts)
+                    mod = cupy.RawModule(code=code, options=opts,
+                                         name_expressions=list(name_expressions) or None)
                     mod.compile()
                 except cupy.cuda.compiler.CompileException as e:
                     from chainer_tc.errors import CompileError
                     raise CompileError('NVRTC failed to compile {}:\n{}'.format(path, e)) from e
             else:
                 from chainer_tc.testing import emulator
-                mod = emulator.RawModule(path=path, options=options)
+                mod = emulator.RawModule(path=path, options=options,
+                                         name_expressions=list(name_expressions))
             _modules[key] = mod
     return mod
 
 
-def get_function(family, name, xp, defines=None):
+def get_function(family, name, xp, defines=None, name_expressions=()):
     """The kernel ``name`` of ``kernels/<family>.cu`` for arrays of module ``xp``.
 
     ``defines`` become ``-DKEY=VALUE`` options, so launch constants have one source of truth.
+    ``name_expressions`` lists template instantiations (``'k<float>'``) to compile, as in CuPy;
+    our own kernels need none (their entry points are ``extern "C"`` wrappers).
     """
-    mod = _module(family, _define_options(defines), xp)
+    mod = _module(family, _define_options(defines), xp, tuple(name_expressions))
     return Kernel(name, mod.get_function(name))
 
 

@@ -123,3 +123,15 @@ def test_broken_library_is_recorded_not_raised(tmp_path):
     assert loaded == {}
     assert list(errors) == ['cutensor']
     assert 'libcutensor.so.2' in errors['cutensor']
+
+
+def test_importing_chainer_first_is_warned_about():
+    out = run_python(
+        'import warnings; warnings.simplefilter("error", RuntimeWarning)\n'
+        'import chainer\n'
+        'try:\n'
+        '    import chainer_tc\n'
+        'except RuntimeWarning as e:\n'
+        '    print("WARNED:", e)\n')
+    assert 'WARNED: chainer was imported before chainer_tc' in out.stdout
+    assert 'Import chainer_tc first' in out.stdout
