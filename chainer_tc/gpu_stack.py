@@ -27,8 +27,6 @@ CUDNN_SYMBOLS = {
 }
 CUDNN_CONSTANTS = ('CUDNN_TENSOR_NHWC', 'CUDNN_BATCHNORM_SPATIAL_PERSISTENT',
                    'CUDNN_BATCHNORM_OPS_BN_ADD_ACTIVATION')
-_KERNEL = 'extern "C" __global__ void axpy(float a, float* x, float* y) ' \
-          '{ int i = threadIdx.x; y[i] = a * x[i] + y[i]; }'
 
 
 class CheckFailed(Exception):
@@ -76,18 +74,18 @@ def check_chainer():
 
 def check_nvrtc():
     from cupy_backends.cuda.libs import nvrtc
+
+    from chainer_tc import kernels
+    from chainer_tc import nvrtc_check
     major, minor = nvrtc.getVersion()
     if major != 12:
         raise CheckFailed('NVRTC %d.%d, need 12.x' % (major, minor))
-    prog = nvrtc.createProgram(_KERNEL, 'axpy.cu', [], [])
-    try:
-        nvrtc.compileProgram(prog, ['--gpu-architecture=compute_70'])
-        ptx = nvrtc.getPTX(prog)
-    finally:
-        nvrtc.destroyProgram(prog)
-    if b'axpy' not in (ptx if isinstance(ptx, bytes) else ptx.encode()):
-        raise CheckFailed('NVRTC produced PTX without the kernel')
-    return 'NVRTC %d.%d compiled a kernel to PTX (%d bytes)' % (major, minor, len(ptx))
+    # a real project kernel, for the oldest architecture we support
+    cubin, log = nvrtc_check.compile_source(kernels.source('layout'), 'kernels/layout.cu', 'sm_70')
+    if 'batched_transpose_f32_f16' not in nvrtc_check.parse_ptxas_log(log):
+        raise CheckFailed('NVRTC compiled kernels/layout.cu without its kernels')
+    return 'NVRTC %d.%d compiled kernels/layout.cu for sm_70 (%d-byte cubin)' % (
+        major, minor, len(cubin))
 
 
 CHECKS = (
