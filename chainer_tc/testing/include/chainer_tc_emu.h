@@ -715,6 +715,8 @@ static inline float __fsqrt_rn(float x) { return sqrtf(x); }
 static inline float __fadd_rn(float x, float y) { return x + y; }
 static inline float __fmul_rn(float x, float y) { return x * y; }
 static inline float __fmaf_rn(float x, float y, float z) { return fmaf(x, y, z); }
+static inline float __fsub_rn(float x, float y) { return x - y; }
+static inline float __fdiv_rn(float x, float y) { return x / y; }
 static inline float __saturatef(float x) { return x < 0.0f ? 0.0f : (x > 1.0f ? 1.0f : (x == x ? x : 0.0f)); }
 static inline int __float_as_int(float x) { int r; memcpy(&r, &x, 4); return r; }
 static inline unsigned __float_as_uint(float x) { unsigned r; memcpy(&r, &x, 4); return r; }

@@ -1,0 +1,165 @@
+"""The optimizer's flat storage: every parameter, master weight and momentum in a few buffers.
+
+At setup, each Parameter's array is replaced by a view of one flat buffer per dtype (float32,
+float16), its current values copied in. Master weights (for float16 parameters) and momenta are
+flat float32 buffers with the same offsets. The update then runs over a handful of contiguous
+buffers: one kernel on a GPU, a few vectorised operations on the CPU. Only the gradients stay
+where Chainer's backward puts them (it allocates a new array for each one every step), so their
+addresses are passed with every launch.
+
+Layout of a buffer: parameters that take weight decay first, then the others (so the CPU path
+applies decay to one prefix slice), each starting at a multiple of ALIGN elements (256 bytes for
+float16), padding zero. The work list for the kernel (``chunks``) cuts every parameter into
+pieces of at most CHUNK elements; see kernels/optimizer.cu for its format.
+"""
+import numpy
+
+ALIGN = 128           # elements; every parameter view starts 256-byte aligned (512 for float32)
+CHUNK = 2048          # elements per thread block of the update kernel
+GRAD_TABLE = 480      # gradient addresses per launch (kernels/optimizer.cu OPT_GRAD_TABLE)
+DTYPES = (numpy.dtype(numpy.float32), numpy.dtype(numpy.float16))   # group 0, group 1
+
+
+class Entry:
+    """One parameter: where it lives in the flat buffers."""
+
+    __slots__ = ('name', 'param', 'group', 'offset', 'size', 'shape', 'decay', 'index', 'view',
+                 'v', 'master')
+
+
+def _device_of(array):
+    return 'cpu' if isinstance(array, numpy.ndarray) else 'gpu:{}'.format(array.device.id)
+
+
+class FlatParams:
+    """Flat buffers of a model's parameters, built once from ``named_params``."""
+
+    def __init__(self, named_params, decay_filter):
+        entries = []
+        devices = {}
+        for name, param in named_params:
+            a = param.array
+            if a is None:
+                raise RuntimeError(
+                    'parameter {} is not initialized yet; run a forward pass (or give the link '
+                    'its input size) before the first update'.format(name))
+            if a.dtype not in DTYPES:
+                raise TypeError('parameter {} is {}; chainer_tc.optimizers supports float32 and '
+                                'float16 parameters'.format(name, a.dtype))
+            devices.setdefault(_device_of(a), name)
+            e = Entry()
+            e.name, e.param, e.shape, e.size = name, param, a.shape, a.size
+            e.group = DTYPES.index(a.dtype)
+            e.decay = bool(decay_filter(name, param))
+            entries.append(e)
+        if not entries:
+            raise ValueError('the target link has no parameters to optimize')
+        if len(devices) > 1:
+            raise ValueError('parameters are on different devices ({}); put the whole model on '
+                             'one device before setup()'.format(
+                                 ', '.join('{} on {}'.format(n, d) for d, n in devices.items())))
+        self.device = next(iter(devices))
+        self.xp = _array_module(entries[0].param.array)
+        # flat order: group by dtype, decayed parameters first; the model's order within
+        order = sorted(entries, key=lambda e: (e.group, not e.decay))
+        sizes, self.decay_end = [0, 0], [0, 0]
+        for i, e in enumerate(order):
+            e.index = i
+            e.offset = sizes[e.group]
+            sizes[e.group] += -(-e.size // ALIGN) * ALIGN
+            if e.decay:
+                self.decay_end[e.group] = sizes[e.group]
+        self.entries = order
+        self.sizes = sizes
+        self._allocate()
+        self.chunks, self.launches = self._work_list()
+
+    def _allocate(self):
+        xp = self.xp
+        with on_device(self):
+            self.params = [xp.zeros(self.sizes[g], DTYPES[g]) for g in (0, 1)]
+            self.momentum = [xp.zeros(self.sizes[g], numpy.float32) for g in (0, 1)]
+            self.master = xp.zeros(self.sizes[1], numpy.float32)
+            for e in self.entries:
+                sl = slice(e.offset, e.offset + e.size)
+                e.view = self.params[e.group][sl].reshape(e.shape)
+                e.view[...] = e.param.array
+                e.param.array = e.view
+                e.v = self.momentum[e.group][sl].reshape(e.shape)
+                e.master = self.master[sl].reshape(e.shape) if e.group == 1 else None
+            self.master[...] = self.params[1]
+
+    def _work_list(self):
+        """The chunk table and the launches: [(first chunk, chunk count, first entry, entries)]."""
+        rows, launches = [], []
+        for first in range(0, len(self.entries), GRAD_TABLE):
+            batch = self.entries[first:first + GRAD_TABLE]
+            start = len(rows)
+            for j, e in enumerate(batch):
+                bits = j | (e.group << 32) | (int(e.decay) << 33)
+                for inner in range(0, e.size, CHUNK):
+                    rows.append((e.offset + inner, inner, min(CHUNK, e.size - inner), bits))
+            launches.append((start, len(rows) - start, first, len(batch)))
+        table = numpy.array(rows, dtype=numpy.int64).reshape(-1, 4)
+        with on_device(self):
+            return self.xp.asarray(table), launches
+
+    @property
+    def num_chunks(self):
+        return int(self.chunks.shape[0])
+
+    def check(self):
+        """Raise if a parameter was replaced, retyped or moved since setup (and say which)."""
+        for e in self.entries:
+            a = e.param.array
+            if a is e.view:
+                continue
+            if a is None or a.dtype != e.view.dtype:
+                what = 'changed dtype from {} to {}'.format(
+                    e.view.dtype, None if a is None else a.dtype)
+            elif _device_of(a) != self.device:
+                what = 'moved from {} to {}'.format(self.device, _device_of(a))
+            else:
+                what = 'was given a new array (its values now live outside the optimizer)'
+            raise RuntimeError('parameter {} {} after setup(); call optimizer.setup(model) '
+                               'again'.format(e.name, what))
+
+    def grads(self):
+        """Each parameter's gradient (None where there is none), checked against its parameter."""
+        out = []
+        for e in self.entries:
+            g = e.param.grad
+            if g is not None:
+                if g.dtype != e.view.dtype or g.shape != e.shape:
+                    raise TypeError('gradient of {} is {} {}; expected {} {} like the parameter'
+                                    .format(e.name, g.dtype, g.shape, e.view.dtype, e.shape))
+                if not g.flags.c_contiguous:
+                    g = self.xp.ascontiguousarray(g)
+            out.append(g)
+        return out
+
+
+def _array_module(array):
+    if isinstance(array, numpy.ndarray):
+        return numpy
+    import cupy
+    return cupy
+
+
+class on_device:
+    """``with on_device(flat):`` makes the flat buffers' GPU current (nothing on the CPU)."""
+
+    def __init__(self, flat):
+        self._ctx = None
+        if flat.device.startswith('gpu:'):
+            import cupy
+            self._ctx = cupy.cuda.Device(int(flat.device[4:]))
+
+    def __enter__(self):
+        if self._ctx is not None:
+            self._ctx.__enter__()
+
+    def __exit__(self, *exc):
+        if self._ctx is not None:
+            self._ctx.__exit__(*exc)
+

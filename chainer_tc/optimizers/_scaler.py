@@ -1,0 +1,104 @@
+"""Loss-scale state, kept on the parameters' device so that no update needs the host.
+
+The state is a uint32[8] array (layout shared with kernels/optimizer.cu, SCALER_*):
+  [0] the scale (float32 bits)   [1] clean steps since it last changed   [2] overflow flag
+  [3] steps skipped so far       [4] update blocks finished this step     [5] the scale as float16
+Between steps [2] and [4] are always 0. Reading ``scale`` or ``skipped`` synchronises with the GPU.
+
+Dynamic scaling (``loss_scaling()`` with ``scale=None``): a step whose unscaled gradients hold an
+inf or nan is skipped entirely and the scale halves (not below ``min_scale``); after ``interval``
+clean steps in a row it doubles (not above ``max_scale``). This is the policy of NVIDIA apex and
+PyTorch's GradScaler; Chainer's own grows by 2^(1/interval) every clean step instead.
+"""
+import numpy
+
+NONE, STATIC, DYNAMIC = 0, 1, 2
+SCALE, CLEAN, FOUND_INF, SKIPPED, DONE, SCALE_F16 = range(6)
+
+
+class LossScaler:
+    """Configuration (host) and state (device array) of loss scaling."""
+
+    def __init__(self):
+        self.mode = NONE
+        self.interval = 1000
+        self.min_scale = 1.0
+        self.max_scale = 2.0 ** 24
+        self.state = _initial_state(1.0)
+
+    def configure(self, interval, scale, initial_scale, min_scale, max_scale):
+        if scale is None:
+            if int(interval) < 1:
+                raise ValueError('interval must be >= 1; got {}'.format(interval))
+            if not 0 < min_scale <= initial_scale <= max_scale < numpy.inf:
+                raise ValueError('need 0 < min_scale <= initial_scale <= max_scale < inf; got '
+                                 'min_scale={}, initial_scale={}, max_scale={}'
+                                 .format(min_scale, initial_scale, max_scale))
+            self.mode, self.interval = DYNAMIC, int(interval)
+            self.min_scale, self.max_scale = float(min_scale), float(max_scale)
+            value = initial_scale
+        else:
+            if not 0 < scale < numpy.inf:
+                raise ValueError('loss scale must be a positive finite number; got {}'
+                                 .format(scale))
+            self.mode, value = STATIC, scale
+        host = _initial_state(value)
+        if isinstance(self.state, numpy.ndarray):
+            self.state[...] = host
+        else:
+            self.state.set(host)
+
+    def to_device(self, xp):
+        """Move the state next to the parameters (numpy or cupy)."""
+        if not isinstance(self.state, xp.ndarray):
+            self.state = xp.asarray(_host(self.state))
+
+    @property
+    def scale(self):
+        return float(_host(self.state)[SCALE:SCALE + 1].view(numpy.float32)[0])
+
+    @property
+    def skipped(self):
+        return int(_host(self.state)[SKIPPED])
+
+    def seed(self, loss):
+        """The initial gradient for ``loss.backward()``: the scale, on the device, no host trip."""
+        dtype = loss.dtype
+        if dtype == numpy.float32:
+            s = self.state[SCALE:SCALE + 1].view(numpy.float32)
+        elif dtype == numpy.float16:
+            s = self.state.view(numpy.float16)[2 * SCALE_F16:2 * SCALE_F16 + 1]
+        else:
+            s = self.state[SCALE:SCALE + 1].view(numpy.float32).astype(dtype)
+        return s.reshape(loss.shape)
+
+    def finish_step_host(self, found_inf):
+        """The bookkeeping of the kernel's last block, on a NumPy state (the CPU path)."""
+        st = self.state
+        scale = st[SCALE:SCALE + 1].view(numpy.float32)[0]
+        if found_inf:
+            scale = max(scale * numpy.float32(0.5), numpy.float32(self.min_scale))
+            st[CLEAN] = 0
+            st[SKIPPED] += 1
+        else:
+            st[CLEAN] += 1
+            if st[CLEAN] >= self.interval:
+                scale = min(scale * numpy.float32(2), numpy.float32(self.max_scale))
+                st[CLEAN] = 0
+        st[SCALE] = numpy.float32(scale).view(numpy.uint32)
+        with numpy.errstate(over='ignore'):      # above 65504 the float16 seed is inf, on purpose
+            st[SCALE_F16] = numpy.float16(scale).view(numpy.uint16)
+        st[FOUND_INF] = 0
+        st[DONE] = 0
+
+
+def _initial_state(scale):
+    host = numpy.zeros(8, numpy.uint32)
+    host[SCALE] = numpy.float32(scale).view(numpy.uint32)
+    with numpy.errstate(over='ignore'):
+        host[SCALE_F16] = numpy.float16(scale).view(numpy.uint16)
+    return host
+
+
+def _host(a):
+    return a if isinstance(a, numpy.ndarray) else a.get()

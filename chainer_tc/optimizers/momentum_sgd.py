@@ -1,0 +1,301 @@
+"""Momentum SGD that updates every parameter with one kernel launch.
+
+    from chainer_tc import optimizers
+    opt = optimizers.MomentumSGD(lr=0.1, momentum=0.9, weight_decay=1e-4,
+                                 decay_filter=optimizers.skip_bn_and_bias)
+    opt.setup(model)
+    opt.loss_scaling()                 # dynamic loss scaling, decided on the device
+    opt.update(model, x, t)            # or: loss.backward(); opt.update()
+
+A drop-in for ``chainer.optimizers.MomentumSGD`` with the ``optimizer_hooks.WeightDecay`` hook and,
+for float16 parameters, ``use_fp32_update()``. See docs/optimizer.md for the design and its limits.
+"""
+import warnings
+
+import numpy
+
+import chainer
+from chainer import optimizer as chainer_optimizer
+from chainer import variable
+
+from chainer_tc import kernels
+from chainer_tc.optimizers import _flat
+from chainer_tc.optimizers import _scaler
+
+BLOCK = 256                 # threads per block of kernels/optimizer.cu (OPT_BLOCK)
+_DEFINES = {'OPT_BLOCK': BLOCK, 'OPT_GRAD_TABLE': _flat.GRAD_TABLE}
+
+# kernels/optimizer.cu StepParams, passed by value
+STEP_PARAMS = numpy.dtype([
+    ('lr', '<f4'), ('momentum', '<f4'), ('weight_decay', '<f4'), ('nesterov', '<i4'),
+    ('scaling', '<i4'), ('interval', '<u4'), ('min_scale', '<f4'), ('max_scale', '<f4'),
+    ('total_blocks', '<u4'), ('reserved', '<u4'), ('grad', '<u8', (_flat.GRAD_TABLE,)),
+])
+
+
+def decay_all(name, param):
+    """Default ``decay_filter``: weight decay for every parameter (Chainer's WeightDecay hook)."""
+    return True
+
+
+def skip_bn_and_bias(name, param):
+    """``decay_filter`` of the usual ResNet-50 recipes: no weight decay for 1-D parameters
+    (BatchNormalization's gamma and beta, every bias); decay for weights (2-D and more)."""
+    return param.ndim > 1
+
+
+class MomentumSGD(chainer_optimizer.Optimizer):
+    """Momentum SGD with weight decay, fp32 master weights and device-side loss scaling.
+
+    Args:
+        lr (float): learning rate (assignable at any time, also by Chainer's extensions).
+        momentum (float): momentum coefficient.
+        weight_decay (float): L2 coefficient added to the gradient, as ``WeightDecay(rate)``.
+        nesterov (bool): Nesterov momentum: ``p += momentum * v - lr * g`` after updating ``v``.
+        decay_filter (callable): ``decay_filter(name, param) -> bool``, whether the parameter at
+            path ``name`` takes weight decay; decided once, at setup. Default: every parameter.
+            :func:`skip_bn_and_bias` excludes BatchNorm parameters and biases.
+    """
+
+    lr = chainer_optimizer.HyperparameterProxy('lr')
+    momentum = chainer_optimizer.HyperparameterProxy('momentum')
+    weight_decay = chainer_optimizer.HyperparameterProxy('weight_decay')
+
+    def __init__(self, lr=0.01, momentum=0.9, weight_decay=0.0, nesterov=False,
+                 decay_filter=None):
+        super().__init__()
+        for name, value in (('lr', lr), ('momentum', momentum), ('weight_decay', weight_decay)):
+            if not numpy.isfinite(value) or value < 0:
+                raise ValueError('{} must be a finite number >= 0; got {}'.format(name, value))
+        if decay_filter is not None and not callable(decay_filter):
+            raise TypeError('decay_filter must be callable(name, param) -> bool; got {!r}'
+                            .format(decay_filter))
+        self.hyperparam = chainer_optimizer.Hyperparameter()
+        self.hyperparam.lr = lr
+        self.hyperparam.momentum = momentum
+        self.hyperparam.weight_decay = weight_decay
+        self.nesterov = bool(nesterov)
+        self.decay_filter = decay_filter or decay_all
+        self._flat = None
+        self._scaler = _scaler.LossScaler()
+        self._grad_buffers = None
+        self._warned = set()
+
+    # ---- set-up ---------------------------------------------------------------------------------
+
+    def setup(self, link):
+        """Register ``link``; its parameters move into the optimizer's flat buffers now, or at
+        the first update if some are not initialized yet."""
+        super().setup(link)
+        self._flat = None
+        self._grad_buffers = None
+        self._try_build()
+        return self
+
+    def _try_build(self, required=False):
+        if self._flat is not None:
+            return self._flat
+        params = list(self.target.namedparams())
+        with variable._AllowArrayAccessWithNonstandardLayout():
+            if not required and any(p.array is None for _, p in params):
+                return None                       # lazy links: wait for the first update
+            self._flat = _flat.FlatParams(params, self.decay_filter)
+        self._scaler.to_device(self._flat.xp)
+        return self._flat
+
+    def use_fp32_update(self, flag=True):
+        """Accepted for compatibility: float16 parameters always have float32 master weights."""
+        if not flag:
+            raise ValueError('chainer_tc.optimizers.MomentumSGD always updates float16 parameters '
+                             'through float32 master weights; use_fp32_update(False) is not '
+                             'supported')
+
+    def add_hook(self, hook, name=None, timing='auto'):
+        if isinstance(hook, chainer.optimizer_hooks.WeightDecay):
+            raise TypeError('chainer_tc.optimizers.MomentumSGD applies weight decay inside its '
+                            'kernel: pass weight_decay={} (and decay_filter=...) instead of the '
+                            'WeightDecay hook'.format(hook.rate))
+        super().add_hook(hook, name, timing)
+
+    def call_hook(self, hook):
+        if getattr(hook, 'call_for_each_param', False):
+            if hook.name not in self._warned:
+                self._warned.add(hook.name)
+                warnings.warn('optimizer hook {} runs once per parameter, from Python: it costs '
+                              'a loop over all parameters every step'.format(hook.name),
+                              RuntimeWarning, stacklevel=3)
+            for param in self.target.params():
+                hook(self, param)
+        else:
+            hook(self)
+
+    # ---- loss scaling -----------------------------------------------------------------------------
+
+    def loss_scaling(self, interval=1000, scale=None, initial_scale=2.0 ** 15, min_scale=1.0,
+                     max_scale=2.0 ** 24):
+        """Loss scaling: dynamic when ``scale`` is None (see docs/optimizer.md), else static.
+
+        Dynamic: a step with an inf or nan in any gradient is skipped and the scale halves; after
+        ``interval`` clean steps it doubles; it stays within [min_scale, max_scale].
+        """
+        self._scaler.configure(interval, scale, initial_scale, min_scale, max_scale)
+
+    def set_loss_scale(self, loss_scale):
+        self.loss_scaling(scale=loss_scale)
+
+    @property
+    def loss_scale(self):
+        """The current loss scale, or None without loss scaling (reading it synchronises)."""
+        return None if self._scaler.mode == _scaler.NONE else self._scaler.scale
+
+    @property
+    def skipped_steps(self):
+        """Steps skipped for an inf or nan gradient so far (reading it synchronises)."""
+        return self._scaler.skipped
+
+    # ---- the update -------------------------------------------------------------------------------
+
+    def update(self, lossfun=None, *args, **kwds):
+        self._check_set_up()
+        if lossfun is not None:
+            loss = lossfun(*args, **kwds)
+            self.target.cleargrads()
+            if self._scaler.mode != _scaler.NONE:
+                if loss.size != 1:
+                    raise ValueError('the loss must have one element to be scaled; got shape {}'
+                                     .format(loss.shape))
+                self._try_build(required=True)
+                loss.grad = self._scaler.seed(loss)
+            loss.backward()
+            del loss
+        with variable._AllowArrayAccessWithNonstandardLayout():
+            flat = self._try_build(required=True)
+            flat.check()
+            if self._has_hooks('pre'):
+                self._reallocate_cleared_grads()
+                self.call_hooks('pre')
+            self.t += 1
+            grads = flat.grads()
+            if kernels.backend(flat.xp) == 'numpy':
+                self._update_numpy(flat, grads)
+            else:
+                self._update_kernels(flat, grads)
+            if self._has_hooks('post'):
+                self.call_hooks('post')
+
+    def _has_hooks(self, timing):
+        hooks = getattr(self._hookable, '_{}_update_hooks'.format(timing), None)
+        return bool(hooks)
+
+    def _reallocate_cleared_grads(self):
+        # hooks expect every parameter to have a gradient, as in Chainer
+        for param in self.target.params():
+            if param.grad is None:
+                param.grad = param.device.xp.zeros_like(param.array)
+
+    def _step_params(self, flat):
+        sp = numpy.zeros((), STEP_PARAMS)
+        sp['lr'], sp['momentum'] = self.lr, self.momentum
+        sp['weight_decay'], sp['nesterov'] = self.weight_decay, self.nesterov
+        sc = self._scaler
+        sp['scaling'], sp['interval'] = sc.mode, sc.interval
+        sp['min_scale'], sp['max_scale'] = sc.min_scale, sc.max_scale
+        sp['total_blocks'] = flat.num_chunks
+        return sp
+
+    def _update_kernels(self, flat, grads):
+        """The GPU path (CuPy), or the emulated one under CHAINER_TC_EMULATE=1: at most 2 launches
+        for up to GRAD_TABLE parameters (the finite check only with dynamic loss scaling)."""
+        xp = flat.xp
+        dynamic = self._scaler.mode == _scaler.DYNAMIC
+        update = kernels.get_function('optimizer', 'momentum_sgd_update', xp, _DEFINES)
+        check = kernels.get_function('optimizer', 'momentum_sgd_check', xp, _DEFINES) \
+            if dynamic else None
+        base = self._step_params(flat)
+        steps = []
+        for c0, nc, e0, ne in flat.launches:
+            sp = base.copy()
+            sp['grad'][:ne] = [0 if g is None else _address(g) for g in grads[e0:e0 + ne]]
+            steps.append((sp[()], flat.chunks[c0:c0 + nc], nc))
+        state = self._scaler.state
+        with _flat.on_device(flat):
+            if dynamic:
+                for sp, chunks, nc in steps:
+                    if nc:
+                        check((nc,), (BLOCK,), (sp, chunks, state))
+            for sp, chunks, nc in steps:
+                if nc:
+                    update((nc,), (BLOCK,), (sp, chunks, flat.params[0], flat.params[1],
+                                             flat.master, flat.momentum[0], flat.momentum[1],
+                                             state))
+
+    def _update_numpy(self, flat, grads):
+        """The CPU path: the kernel's arithmetic, in the same order, as vectorised NumPy."""
+        if self._grad_buffers is None:
+            self._grad_buffers = [numpy.zeros(n, numpy.float32) for n in flat.sizes]
+        g = self._grad_buffers
+        for e, grad in zip(flat.entries, grads):
+            dst = g[e.group][e.offset:e.offset + e.size]
+            if grad is None:
+                dst[...] = 0
+            else:
+                dst[...] = grad.reshape(-1)
+        sc = self._scaler
+        if sc.mode != _scaler.NONE:
+            scale = sc.state[_scaler.SCALE:_scaler.SCALE + 1].view(numpy.float32)[0]
+            for b in g:
+                b /= scale
+        if sc.mode == _scaler.DYNAMIC:
+            with numpy.errstate(invalid='ignore', over='ignore'):
+                found_inf = not all(numpy.isfinite(b).all() for b in g)
+            if found_inf:
+                sc.finish_step_host(True)
+                return
+        lr, mom, wd = (numpy.float32(x) for x in (self.lr, self.momentum, self.weight_decay))
+        for grp in (0, 1):
+            if not flat.sizes[grp]:
+                continue
+            gg, v = g[grp], flat.momentum[grp]
+            p = flat.params[0] if grp == 0 else flat.master
+            if grp == 1:        # adopt float16 values written from outside the optimizer
+                p16 = flat.params[1]
+                stale = p16.view(numpy.uint16) != p.astype(numpy.float16).view(numpy.uint16)
+                p[stale] = p16[stale]
+            d = flat.decay_end[grp]
+            if wd != 0 and d:
+                gg[:d] += wd * p[:d]
+            v *= mom
+            v -= lr * gg
+            if self.nesterov:
+                p += v * mom - lr * gg
+            else:
+                p += v
+            if grp == 1:
+                flat.params[1][...] = p.astype(numpy.float16)
+        if sc.mode == _scaler.DYNAMIC:
+            sc.finish_step_host(False)
+
+    # ---- serialization -----------------------------------------------------------------------------
+
+    def serialize(self, serializer):
+        """Saves/loads t, epoch, the loss-scale state and, per parameter, its momentum ``v`` and
+        (float16 parameters) its float32 ``master``; the parameters belong to the model."""
+        self.t = serializer('t', self.t)
+        self.epoch = serializer('epoch', self.epoch)
+        sc = self._scaler
+        sc.mode = int(serializer('loss_scaling_mode', sc.mode))
+        sc.interval = int(serializer('loss_scaling_interval', sc.interval))
+        sc.min_scale = float(serializer('loss_scaling_min', sc.min_scale))
+        sc.max_scale = float(serializer('loss_scaling_max', sc.max_scale))
+        with variable._AllowArrayAccessWithNonstandardLayout():
+            flat = self._try_build(required=True)
+        serializer('loss_scaler', sc.state)
+        for e in flat.entries:
+            s = serializer[e.name]
+            s('v', e.v)
+            if e.master is not None:
+                s('master', e.master)
+
+
+def _address(a):
+    return a.ctypes.data if isinstance(a, numpy.ndarray) else a.data.ptr
