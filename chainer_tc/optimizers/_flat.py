@@ -77,9 +77,9 @@ class FlatParams:
     def _allocate(self):
         xp = self.xp
         with on_device(self):
-            self.params = [xp.zeros(self.sizes[g], DTYPES[g]) for g in (0, 1)]
-            self.momentum = [xp.zeros(self.sizes[g], numpy.float32) for g in (0, 1)]
-            self.master = xp.zeros(self.sizes[1], numpy.float32)
+            self.params = [_zeros(xp, self.sizes[g], DTYPES[g]) for g in (0, 1)]
+            self.momentum = [_zeros(xp, self.sizes[g], numpy.float32) for g in (0, 1)]
+            self.master = _zeros(xp, self.sizes[1], numpy.float32)
             for e in self.entries:
                 sl = slice(e.offset, e.offset + e.size)
                 e.view = self.params[e.group][sl].reshape(e.shape)
@@ -125,18 +125,25 @@ class FlatParams:
                                'again'.format(e.name, what))
 
     def grads(self):
-        """Each parameter's gradient (None where there is none), checked against its parameter."""
+        """Each parameter's gradient (None where there is none), C-contiguous. Chainer already
+        guarantees that a gradient has its parameter's dtype and shape."""
         out = []
         for e in self.entries:
             g = e.param.grad
-            if g is not None:
-                if g.dtype != e.view.dtype or g.shape != e.shape:
-                    raise TypeError('gradient of {} is {} {}; expected {} {} like the parameter'
-                                    .format(e.name, g.dtype, g.shape, e.view.dtype, e.shape))
-                if not g.flags.c_contiguous:
-                    g = self.xp.ascontiguousarray(g)
+            if g is not None and not g.flags.c_contiguous:
+                g = self.xp.ascontiguousarray(g)
             out.append(g)
         return out
+
+
+def _zeros(xp, n, dtype):
+    """Zeros starting 256-byte aligned (CuPy's allocations already are; NumPy's are not)."""
+    if xp is not numpy:
+        return xp.zeros(n, dtype)
+    dtype = numpy.dtype(dtype)
+    raw = numpy.zeros(n + 256 // dtype.itemsize, dtype)
+    skip = (-raw.ctypes.data % 256) // dtype.itemsize
+    return raw[skip:skip + n]
 
 
 def _array_module(array):

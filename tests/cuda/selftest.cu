@@ -149,3 +149,80 @@ extern "C" __global__ void math_funcs(const float* x, float* out, int n) {
     out[5 * i + 4] = (float)__popc(__float_as_uint(v));
   }
 }
+
+// Block-wide votes as the last barriers of a kernel, after threads t >= live returned:
+// out[3i..3i+2] = __syncthreads_count, _or and _and of pred over the threads still running.
+extern "C" __global__ void block_votes(const int* pred, int* out, int live) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if ((int)threadIdx.x >= live) return;
+  const int p = pred[i];
+  const int c = __syncthreads_count(p);
+  const int o = __syncthreads_or(p);
+  const int a = __syncthreads_and(p);
+  out[3 * i] = c;
+  out[3 * i + 1] = o;
+  out[3 * i + 2] = a;
+}
+
+// Warp collectives over the lanes still running, in partial warps (blockDim not a multiple of 32)
+// and after threads t >= live returned. Per thread, out[5i..5i+4] =
+//   the ballot of x > 0, any, all (over the running lanes of the warp),
+//   the sum over its group of `width` lanes by __shfl_xor_sync (-1 where the group is incomplete),
+//   the sum of __popc(mask) over a loop of lane % 5 + 1 trips with __syncwarp and a ballot inside.
+extern "C" __global__ void partial_warps(const int* x, int* out, int live, int width) {
+  const int t = threadIdx.x, lane = t % 32, i = blockIdx.x * blockDim.x + t;
+  if (t >= live) return;
+  const unsigned act = __ballot_sync(0xffffffffu, 1);
+  const int v = x[i];
+  out[5 * i] = (int)__ballot_sync(act, v > 0);
+  out[5 * i + 1] = __any_sync(act, v > 0);
+  out[5 * i + 2] = __all_sync(act, v > 0);
+  const unsigned group = (width == 32 ? 0xffffffffu : (1u << width) - 1u) << (lane & ~(width - 1));
+  int s = -1;
+  if ((act & group) == group) {
+    s = v;
+    for (int o = 1; o < width; o <<= 1) s += __shfl_xor_sync(group, s, o, width);
+  }
+  out[5 * i + 3] = s;
+  int k = 0, trips = 0;
+  unsigned m = __ballot_sync(act, k < lane % 5 + 1);
+  while (k < lane % 5 + 1) {
+    __syncwarp(m);
+    trips += __popc(m);
+    ++k;
+    m = __ballot_sync(m, k < lane % 5 + 1);
+  }
+  out[5 * i + 4] = trips;
+}
+
+// __half arithmetic and comparisons, elementwise over n pairs:
+//   out[k * n + i] for k = 0..6: a + b, a - b, a * b, a / b, __hmax, __hmin, fma(a, b, b)
+//   flags[i] bits: a < b, a == b, a > b, a != b (unordered), __hne (ordered), isnan(a), isinf(a)
+extern "C" __global__ void half_ops(const __half* a, const __half* b, __half* out,
+                                    unsigned char* flags, int n) {
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += blockDim.x * gridDim.x) {
+    const __half x = a[i], y = b[i];
+    out[0 * n + i] = __hadd(x, y);
+    out[1 * n + i] = x - y;
+    out[2 * n + i] = __hmul(x, y);
+    out[3 * n + i] = x / y;
+    out[4 * n + i] = __hmax(x, y);
+    out[5 * n + i] = __hmin(x, y);
+    out[6 * n + i] = __hfma(x, y, y);
+    flags[i] = (unsigned char)(__hlt(x, y) | (x == y) << 1 | (x > y) << 2 | (x != y) << 3 |
+                               __hne(x, y) << 4 | __hisnan(x) << 5 | (__hisinf(x) != 0) << 6);
+  }
+}
+
+// double -> half, three ways: __double2half, the constructor, the assignment (each rounds once).
+extern "C" __global__ void double_to_half(const double* x, __half* y, int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) {
+    const __half c = x[i];
+    __half a;
+    a = x[i];
+    y[3 * i] = __double2half(x[i]);
+    y[3 * i + 1] = c;
+    y[3 * i + 2] = a;
+  }
+}
