@@ -381,3 +381,58 @@ def test_write_before_the_start_is_caught_by_the_canary(monkeypatch):
     monkeypatch.setenv('CHAINER_TC_EMULATOR_GUARD', 'start')
     with pytest.raises(KernelLaunchError, match=r'\(element -2 of 8\) in thread \(0,0,0\)'):
         m.get_function('k')((1,), (8,), (x,))
+
+
+# ---- barriers and warp collectives with exited threads and partial warps -------------------------
+
+@pytest.mark.parametrize('block,live', [(64, 64), (100, 100), (100, 37), (1024, 1000)])
+def test_block_votes_are_the_last_barriers(mod, block, live):
+    # threads return right after __syncthreads_and: the and/or/count must still be those of the
+    # barrier, not of the threads left when a slow thread resumes
+    grid = 4
+    pred = (rng().rand(grid, block) > 0.3).astype(numpy.int32)
+    pred[1] = 1                                   # a block where every running thread votes yes
+    pred[2] = 0
+    out = numpy.full((grid, block, 3), -7, numpy.int32)
+    mod.get_function('block_votes')((grid,), (block,), (pred, out, numpy.int32(live)))
+    running = pred[:, :live]
+    numpy.testing.assert_array_equal(out[:, :live, 0], numpy.repeat(running.sum(1)[:, None], live, 1))
+    numpy.testing.assert_array_equal(out[:, :live, 1], numpy.repeat(running.any(1)[:, None], live, 1))
+    numpy.testing.assert_array_equal(out[:, :live, 2], numpy.repeat(running.all(1)[:, None], live, 1))
+    assert (out[:, live:] == -7).all()
+
+
+def partial_warps_reference(x, block, live, width):
+    grid = x.size // block
+    out = numpy.full((grid * block, 5), -7, numpy.int64)
+    for b in range(grid):
+        for w0 in range(0, block, 32):
+            lanes = [t - w0 for t in range(w0, min(w0 + 32, block)) if t < live]
+            if not lanes:
+                continue
+            v = {lane: x[b * block + w0 + lane] for lane in lanes}
+            ballot = sum(1 << lane for lane in lanes if v[lane] > 0)
+            trips = {lane: 0 for lane in lanes}
+            for k in range(5):
+                m = [lane for lane in lanes if k < lane % 5 + 1]
+                for lane in m:
+                    trips[lane] += len(m)
+            for lane in lanes:
+                g0 = lane - lane % width
+                group = range(g0, g0 + width)
+                s = sum(v[g] for g in group) if all(g in v for g in group) else -1
+                signed = ballot - (1 << 32) if ballot >> 31 else ballot     # as the int32 written
+                out[b * block + w0 + lane] = [signed, ballot != 0, all(v[l] > 0 for l in lanes), s,
+                                              trips[lane]]
+    return out
+
+
+@pytest.mark.parametrize('block,live', [(48, 48), (100, 100), (100, 70), (64, 45), (1024, 1000)])
+@pytest.mark.parametrize('width', [32, 8, 2])
+def test_warp_collectives_in_partial_warps(mod, block, live, width):
+    grid = 2
+    x = rng(block + live).randint(-5, 6, size=grid * block).astype(numpy.int32)
+    out = numpy.full((grid * block, 5), -7, numpy.int32)
+    mod.get_function('partial_warps')((grid,), (block,), (x, out, numpy.int32(live),
+                                                          numpy.int32(width)))
+    numpy.testing.assert_array_equal(out, partial_warps_reference(x, block, live, width))

@@ -71,6 +71,7 @@ typedef __half2 half2;
 
 static inline __half __float2half(float f) { return __half(f); }
 static inline __half __float2half_rn(float f) { return __half(f); }
+static inline __half __double2half(double f) { return __half((float)f); }  // TEMP
 static inline float __half2float(__half h) { return (float)h; }
 static inline __half2 __float2half2_rn(float f) { return __half2(__half(f), __half(f)); }
 static inline __half2 __floats2half2_rn(float a, float b) { return __half2(__half(a), __half(b)); }
