@@ -1,4 +1,7 @@
 """The CPU CUDA emulator against NumPy, on awkward sizes, and its error reporting."""
+import ctypes
+import signal
+
 import numpy
 import pytest
 
@@ -436,3 +439,337 @@ def test_warp_collectives_in_partial_warps(mod, block, live, width):
     mod.get_function('partial_warps')((grid,), (block,), (x, out, numpy.int32(live),
                                                           numpy.int32(width)))
     numpy.testing.assert_array_equal(out, partial_warps_reference(x, block, live, width))
+
+
+# ---- float16 against NumPy -------------------------------------------------------------------------
+
+def every_half():
+    return numpy.arange(65536, dtype=numpy.uint32).astype(numpy.uint16).view(numpy.float16)
+
+
+def assert_same_halves(got, ref):
+    """Bit-identical, except that any NaN matches any NaN."""
+    nan = numpy.isnan(ref)
+    numpy.testing.assert_array_equal(numpy.isnan(got), nan)
+    numpy.testing.assert_array_equal(got[~nan].view(numpy.uint16), ref[~nan].view(numpy.uint16))
+
+
+def half_max(a, b):
+    """CUDA's __hmax: NaN loses to a number, and +0 > -0."""
+    a32, b32 = a.astype(numpy.float32), b.astype(numpy.float32)
+    pick_b = numpy.isnan(a32) | (b32 > a32) | ((a32 == b32) & numpy.signbit(a32))
+    return numpy.where(pick_b, b, a)
+
+
+def half_min(a, b):
+    a32, b32 = a.astype(numpy.float32), b.astype(numpy.float32)
+    pick_b = numpy.isnan(a32) | (b32 < a32) | ((a32 == b32) & numpy.signbit(b32))
+    return numpy.where(pick_b, b, a)
+
+
+def test_half_arithmetic_matches_numpy_for_every_half(mod):
+    # every half against 8 random partners (and a few chosen ones), so every exponent, subnormal,
+    # zero, inf and nan goes through each operation
+    r = rng()
+    a = numpy.tile(every_half(), 10)
+    b = r.randint(0, 65536, size=a.size).astype(numpy.uint16).view(numpy.float16)
+    b[-3 * 65536:] = numpy.repeat(numpy.array([0.0, -0.0, 1.0], numpy.float16), 65536)
+    n = a.size
+    out = numpy.zeros((7, n), numpy.float16)
+    flags = numpy.zeros(n, numpy.uint8)
+    mod.get_function('half_ops')((64,), (256,), (a, b, out, flags, numpy.int32(n)))
+    with numpy.errstate(all='ignore'):
+        # NumPy computes float16 operations in float32 and rounds once: correctly rounded, as the GPU
+        refs = [a + b, a - b, a * b, a / b, half_max(a, b), half_min(a, b),
+                (a.astype(numpy.float64) * b + b).astype(numpy.float16)]
+    for k, ref in enumerate(refs):
+        assert_same_halves(out[k], ref)
+    expect = ((a < b) * 1 | (a == b) * 2 | (a > b) * 4 | (a != b) * 8 |
+              ((a != b) & ~numpy.isnan(a) & ~numpy.isnan(b)) * 16 | numpy.isnan(a) * 32 |
+              numpy.isinf(a) * 64)
+    numpy.testing.assert_array_equal(flags, expect)
+
+
+def test_hmax_hmin_signed_zeros_and_nans(mod):
+    nan = numpy.float16('nan')
+    a = numpy.array([0.0, -0.0, 0.0, -0.0, nan, 1.0, nan, -2.0], numpy.float16)
+    b = numpy.array([-0.0, 0.0, 0.0, -0.0, 1.0, nan, nan, -3.0], numpy.float16)
+    out = numpy.zeros((7, a.size), numpy.float16)
+    mod.get_function('half_ops')((1,), (32,), (a, b, out, numpy.zeros(a.size, numpy.uint8),
+                                               numpy.int32(a.size)))
+    assert list(out[4].view(numpy.uint16)[:4]) == [0x0000, 0x0000, 0x0000, 0x8000]     # max
+    assert list(out[5].view(numpy.uint16)[:4]) == [0x8000, 0x8000, 0x0000, 0x8000]     # min
+    assert list(out[4, 4:]) [:2] == [1.0, 1.0] and out[4, 7] == -2.0
+    assert list(out[5, 4:])[:2] == [1.0, 1.0] and out[5, 7] == -3.0
+    assert out[4].view(numpy.uint16)[6] == 0x7fff and out[5].view(numpy.uint16)[6] == 0x7fff
+
+
+def test_hfma_rounds_once():
+    # a * b + c = 1 + 3 * 2^-11 - 2^-31: just below the midpoint between 1 + 2^-10 and 1 + 2^-9.
+    # Rounded to float first it becomes the midpoint itself, and then rounds up, to even: wrong.
+    a = numpy.array([1.998046875 * 2 ** -6], numpy.float16)
+    b = numpy.array([1.0009765625 * 2 ** -6], numpy.float16)
+    c = numpy.array([1.0009765625], numpy.float16)
+    code = '''#include <cuda_fp16.h>
+    extern "C" __global__ void k(const __half* a, const __half* b, const __half* c, __half* out) {
+      out[0] = __hfma(a[0], b[0], c[0]);
+    }'''
+    out = numpy.zeros(1, numpy.float16)
+    emulator.RawModule(code=code).get_function('k')((1,), (1,), (a, b, c, out))
+    exact = a.astype(numpy.float64) * b + c
+    assert exact[0] == 1 + 3 * 2 ** -11 - 2 ** -31
+    assert out[0] == exact.astype(numpy.float16)[0] == numpy.float16(1.0009765625)
+
+
+def float_to_half_boundaries():
+    """Every midpoint between consecutive finite halves, one float ulp either side of it, and every
+    power of two in and around the half range, one ulp either side."""
+    h = every_half()
+    h = h[numpy.isfinite(h) & (h.view(numpy.uint16) < 0x7bff)]          # positive, below max
+    lo = h.astype(numpy.float64)
+    mid = ((lo + numpy.nextafter(h, numpy.float16(numpy.inf)).astype(numpy.float64)) / 2)
+    mid = mid.astype(numpy.float32)                                     # exact: 12 bits
+    pow2 = numpy.float32(2.0) ** numpy.arange(-30, 18, dtype=numpy.float32)
+    top = numpy.array([65504, 65520], numpy.float32)
+    x = numpy.concatenate([mid, pow2, top, h.astype(numpy.float32)])
+    x = numpy.concatenate([x, numpy.nextafter(x, numpy.float32(0)),
+                           numpy.nextafter(x, numpy.float32(numpy.inf))])
+    return numpy.concatenate([x, -x])
+
+
+def test_float_to_half_rounds_at_every_boundary(mod):
+    x = float_to_half_boundaries()
+    y = numpy.zeros(x.size, numpy.float16)
+    mod.get_function('to_half')((blocks(x.size),), (BLOCK,), (x, y, numpy.int32(x.size)))
+    with numpy.errstate(over='ignore'):
+        ref = x.astype(numpy.float16)
+    numpy.testing.assert_array_equal(y.view(numpy.uint16), ref.view(numpy.uint16))
+
+
+def test_double_to_half_rounds_once(mod):
+    # the float boundaries, and the same points moved by a tiny amount that float cannot hold:
+    # double -> float -> half would round those twice
+    x = float_to_half_boundaries().astype(numpy.float64)
+    x = numpy.concatenate([x, x * (1 + 2.0 ** -40), x * (1 - 2.0 ** -40), [numpy.inf, -numpy.inf,
+                           1e300, -1e300, 5e-324, 0.0, -0.0]])
+    y = numpy.zeros((x.size, 3), numpy.float16)
+    mod.get_function('double_to_half')((blocks(x.size),), (BLOCK,), (x, y, numpy.int32(x.size)))
+    with numpy.errstate(over='ignore'):
+        ref = x.astype(numpy.float16)       # NumPy rounds float64 -> float16 directly
+    for k in range(3):
+        numpy.testing.assert_array_equal(y[:, k].view(numpy.uint16), ref.view(numpy.uint16))
+
+
+# ---- CUDA idioms and parameter passing ---------------------------------------------------------------
+
+@pytest.mark.parametrize('n', [1, 33, 1000])
+def test_common_idioms_compile_and_run(mod, n):
+    r = rng()
+    x = r.randn(n).astype(numpy.float32)
+    extra = r.randn(n).astype(numpy.float32)
+    y = numpy.zeros(n, numpy.float32)
+    h = numpy.zeros(n, numpy.float16)
+    counter = numpy.zeros(1, numpy.float32)
+    tickets = numpy.full(n, -1, numpy.float32)
+    table = numpy.array([extra.ctypes.data], numpy.uint64)       # addresses, as CuPy's .data.ptr
+    mod.get_function('idioms')((3,), (128,), (x, y, h, numpy.uint64(n), numpy.int64(3), table,
+                                              counter, tickets))
+    i = numpy.arange(n)
+    tid = i % (3 * 128) % 128
+    f32 = numpy.float32
+    acc = x + x
+    acc = (acc + (x + x)) + (x + x) + (x + x)      # the kernel's order, in float32
+    expect = (acc + numpy.minimum(i, n - 1).astype(f32) + numpy.maximum(tid, 3).astype(f32) +
+              numpy.minimum(i, 5).astype(f32) + extra)
+    numpy.testing.assert_array_equal(y, expect)
+    f16 = numpy.float16
+    numpy.testing.assert_array_equal(h, (i.astype(f16) + f16(3)) + (f16(0.5) + f16(0)))
+    assert counter[0] == n
+    numpy.testing.assert_array_equal(numpy.sort(tickets), numpy.arange(n))   # each old value once
+
+
+def test_float_rn_intrinsics_are_ieee(mod):
+    r = rng()
+    a = (r.randn(5000) * 10.0 ** r.randint(-30, 30, 5000)).astype(numpy.float32)
+    b = (r.randn(5000) * 10.0 ** r.randint(-30, 30, 5000)).astype(numpy.float32)
+    n = a.size
+    out = numpy.zeros((7, n), numpy.float32)
+    mod.get_function('float_rn')((blocks(n),), (BLOCK,), (a, b, out, numpy.int32(n)))
+    with numpy.errstate(all='ignore'):
+        numpy.testing.assert_array_equal(out[0], a + b)
+        numpy.testing.assert_array_equal(out[1], a - b)
+        numpy.testing.assert_array_equal(out[2], a * b)
+        numpy.testing.assert_array_equal(out[3], a / b)
+        numpy.testing.assert_array_equal(out[4], numpy.float32(1) / a)
+        numpy.testing.assert_array_equal(out[5], numpy.sqrt(numpy.abs(a)))
+    # fma: the exact a * b + a, rounded once (float64 holds a * b exactly; the sum's rounding to
+    # float64 cannot move it across a float32 rounding boundary here)
+    small = numpy.abs(numpy.log2(numpy.abs(a / b))) < 20
+    exact = (a.astype(numpy.float64) * b + a).astype(numpy.float32)
+    numpy.testing.assert_array_equal(out[6][small], exact[small])
+
+
+def by_value_args():
+    float4 = numpy.dtype({'names': list('xyzw'), 'formats': [numpy.float32] * 4})
+    half2 = numpy.dtype({'names': list('xy'), 'formats': [numpy.float16] * 2})
+    affine = numpy.dtype({'names': ['scale', 'shift', 'n', 'pad'],
+                          'formats': [numpy.float32, numpy.float32, numpy.int32, numpy.int32]})
+    return (numpy.array((1, 2, 3, 4), float4)[()], numpy.array((0.5, -2), half2)[()],
+            numpy.array((1.5, 0.25, 6, 0), affine)[()])
+
+
+def test_vector_types_and_structs_by_value(mod):
+    # as CuPy takes them: NumPy structured scalars (numpy.void) of the type's size
+    k = mod.get_function('by_value')
+    assert k.signature == 'by_value(float4, __half2, struct of 16 bytes, float*)'
+    out = numpy.zeros(7, numpy.float32)
+    v, h, a = by_value_args()
+    for _ in range(20):        # the values sit at different addresses each time: alignment
+        k((1,), (32,), (v, h, a, out))
+        numpy.testing.assert_array_equal(out, [1, 2, 3, 4, 0.5, -2, 1.5 * 6 + 0.25])
+    with pytest.raises(TypeError, match=r'argument 0 \(float4\).*expected 16 bytes \(a NumPy '
+                                        r'structured scalar\); got numpy scalar float32'):
+        k((1,), (32,), (numpy.float32(1), h, a, out))
+    with pytest.raises(TypeError, match=r'argument 1 \(__half2\).*expected 4 bytes.*got numpy '
+                                        r'scalar float16'):
+        k((1,), (32,), (v, numpy.float16(1), a, out))
+    with pytest.raises(TypeError, match=r'argument 2 \(struct of 16 bytes\).*got Python int'):
+        k((1,), (32,), (v, h, 16, out))
+
+
+def test_dynamic_shared_memory_name_is_scoped_to_its_kernel():
+    # `extern __shared__ float buf[]` in one kernel must not rename a `buf` of a later kernel
+    code = '''
+    extern "C" __global__ void first(float* out) {
+      extern __shared__ float buf[];
+      buf[threadIdx.x] = (float)threadIdx.x;
+      __syncthreads();
+      out[threadIdx.x] = buf[blockDim.x - 1 - threadIdx.x];
+    }
+    extern "C" __global__ void second(float* out) {
+      __shared__ float buf[32];
+      float local[2] = {1.0f, 2.0f};
+      buf[threadIdx.x] = local[threadIdx.x % 2];
+      __syncthreads();
+      out[threadIdx.x] = buf[threadIdx.x];
+    }'''
+    m = emulator.RawModule(code=code)
+    out = numpy.zeros(32, numpy.float32)
+    m.get_function('first')((1,), (32,), (out,), shared_mem=32 * 4)
+    numpy.testing.assert_array_equal(out, numpy.arange(32)[::-1])
+    m.get_function('second')((1,), (32,), (out,))
+    numpy.testing.assert_array_equal(out, numpy.tile([1, 2], 16))
+
+
+def test_kernels_in_comments_are_not_entry_points():
+    code = '''// extern "C" __global__ void old_kernel(float* x) {  (removed)
+    /* extern "C" __global__ void older(float* x) */
+    extern "C" __global__ void fill(float* x) { x[threadIdx.x] = 2.0f; }  // "quoted */ braces {"
+    '''
+    assert emulator.entry_points(code) == ['fill']
+    x = numpy.zeros(4, numpy.float32)
+    emulator.RawModule(code=code).get_function('fill')((1,), (4,), (x,))
+    assert (x == 2).all()
+
+
+def test_many_parameters():
+    n = 100             # CUDA takes up to 4 KiB of parameters
+    params = ', '.join('const float* a{}'.format(i) for i in range(n))
+    body = ' + '.join('a{}[threadIdx.x]'.format(i) for i in range(n))
+    code = 'extern "C" __global__ void k({}, float* out) {{ out[threadIdx.x] = {}; }}'.format(
+        params, body)
+    arrays = [numpy.full(8, i, numpy.float32) for i in range(n)]
+    out = numpy.zeros(8, numpy.float32)
+    emulator.RawModule(code=code).get_function('k')((1,), (8,), (*arrays, out))
+    assert (out == sum(range(n))).all()
+
+
+def test_empty_views_and_read_only_arrays(mod):
+    k = mod.get_function('vector_add')
+    big = numpy.arange(8, dtype=numpy.float32)
+    c = numpy.zeros(0, numpy.float32)
+    # empty views inside another argument overlap nothing
+    inside = numpy.ndarray((0,), numpy.float32, buffer=big, offset=8)
+    assert big.ctypes.data < inside.ctypes.data
+    k((1,), (4,), (inside, big, c, numpy.int32(0)))
+    k((1,), (4,), (big, inside, c, numpy.int32(0)))
+    k((1,), (4,), (big[3:3], big[3:3], big[5:5], numpy.int32(0)))
+    ro = numpy.arange(4, dtype=numpy.float32)
+    ro.flags.writeable = False
+    out = numpy.zeros(4, numpy.float32)
+    k((1,), (4,), (ro, ro, out, numpy.int32(4)))            # the same read-only array twice
+    numpy.testing.assert_array_equal(out, ro * 2)
+
+
+def sigsegv_state():
+    """The SIGSEGV and SIGBUS handlers and flags, and this thread's alternate signal stack (glibc's
+    x86-64 / aarch64 layouts: handler at 0, the kernel's 8 mask bytes at 8, flags at 136)."""
+    import ctypes.util
+    libc = ctypes.CDLL(ctypes.util.find_library('c'), use_errno=True)
+    state = []
+    for sig in (signal.SIGSEGV, signal.SIGBUS):
+        buf = ctypes.create_string_buffer(512)
+        assert libc.sigaction(int(sig), None, buf) == 0
+        state.append((buf.raw[0:16], buf.raw[136:140]))
+    ss = ctypes.create_string_buffer(64)
+    assert libc.sigaltstack(None, ss) == 0
+    return state + [ss.raw[:24]]
+
+
+def test_fault_handlers_are_restored_after_each_launch(mod, buggy):
+    import faulthandler
+    faulthandler.enable()                 # its handler and alternate stack must come back
+    before = sigsegv_state()
+    test_vector_add_grid_stride(mod, 33)
+    assert sigsegv_state() == before
+    with pytest.raises(KernelLaunchError):
+        buggy.get_function('copy_no_bounds_check')((4,), (BLOCK,), (numpy.zeros(1000, numpy.float32),
+                                                                    numpy.zeros(1000, numpy.float32),
+                                                                    numpy.int32(1000)))
+    assert sigsegv_state() == before
+    with pytest.raises(KernelLaunchError, match='stack overflow'):
+        buggy.get_function('recurse')((1,), (2,), (numpy.zeros(2, numpy.int32),))
+    assert sigsegv_state() == before
+    # and the emulator still works after all of that, faults included
+    with pytest.raises(KernelLaunchError, match='element 1000 of 1000'):
+        buggy.get_function('copy_no_bounds_check')((4,), (BLOCK,), (numpy.zeros(1000, numpy.float32),
+                                                                    numpy.zeros(1000, numpy.float32),
+                                                                    numpy.int32(1000)))
+    test_vector_add_grid_stride(mod, 1000)
+
+
+def test_shuffle_from_a_lane_that_does_not_exist(buggy):
+    out = numpy.zeros(48, numpy.int32)
+    with pytest.raises(KernelLaunchError, match=r'warp shuffle reads lane 16, which does not exist '
+                                                r'\(this warp has 16 lanes: blockDim 48\) in thread '
+                                                r'\(32,0,0\)'):
+        buggy.get_function('reduce_partial_warp')((1,), (48,), (out,))
+
+
+def test_shuffle_from_an_exited_lane(buggy):
+    out = numpy.zeros(32, numpy.int32)
+    with pytest.raises(KernelLaunchError, match=r'warp shuffle reads lane 20, which has exited in '
+                                                r'thread \(4,0,0\)'):
+        buggy.get_function('shuffle_after_return')((1,), (32,), (out,))
+
+
+def test_lanes_in_different_collectives_are_reported(buggy):
+    out = numpy.zeros(32, numpy.int32)
+    with pytest.raises(KernelLaunchError, match=r'warp collective mismatch: lane \d+ is in .* with '
+                                                r'mask 0xffffffff while lane \d+ is in '):
+        buggy.get_function('mismatched_collectives')((1,), (32,), (out,))
+
+
+def test_blocks_and_barriers_are_fast(mod):
+    import time
+    x = numpy.zeros(1024 * 100, numpy.float32)
+    t = time.perf_counter()
+    mod.get_function('block_sum')((100,), (1024,), (x.astype(numpy.float64), numpy.zeros(100),
+                                                    numpy.int32(x.size)), shared_mem=1024 * 8)
+    n = 1000 * 100
+    out = numpy.zeros(blocks(n, 1024), numpy.int32)
+    mod.get_function('warp_sum')((blocks(n, 1024),), (1024,), (numpy.ones(n, numpy.int32), out,
+                                                                numpy.int32(n)))
+    elapsed = time.perf_counter() - t
+    assert (out[:-1] == 1024).all()
+    assert elapsed < 1.0, elapsed      # 200 blocks of 1024 threads, 11 barriers / 10 shuffles each

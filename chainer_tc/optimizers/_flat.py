@@ -7,9 +7,8 @@ buffers: one kernel on a GPU, a few vectorised operations on the CPU. Only the g
 where Chainer's backward puts them (it allocates a new array for each one every step), so their
 addresses are passed with every launch.
 
-Layout of a buffer: parameters that take weight decay first, then the others (so the CPU path
-applies decay to one prefix slice), each starting at a multiple of ALIGN elements (256 bytes for
-float16), padding zero. The work list for the kernel (``chunks``) cuts every parameter into
+Layout of a buffer: the parameters in the model's order, each starting at a multiple of ALIGN
+elements (256 bytes for float16), padding zero. The work list for the kernel (``chunks``) cuts every parameter into
 pieces of at most CHUNK elements; see kernels/optimizer.cu for its format.
 """
 import numpy
@@ -60,15 +59,12 @@ class FlatParams:
                                  ', '.join('{} on {}'.format(n, d) for d, n in devices.items())))
         self.device = next(iter(devices))
         self.xp = _array_module(entries[0].param.array)
-        # flat order: group by dtype, decayed parameters first; the model's order within
-        order = sorted(entries, key=lambda e: (e.group, not e.decay))
-        sizes, self.decay_end = [0, 0], [0, 0]
+        order = sorted(entries, key=lambda e: e.group)      # stable: the model's order within
+        sizes = [0, 0]
         for i, e in enumerate(order):
             e.index = i
             e.offset = sizes[e.group]
             sizes[e.group] += -(-e.size // ALIGN) * ALIGN
-            if e.decay:
-                self.decay_end[e.group] = sizes[e.group]
         self.entries = order
         self.sizes = sizes
         self._allocate()

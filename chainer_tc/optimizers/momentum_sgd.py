@@ -23,6 +23,7 @@ from chainer_tc.optimizers import _flat
 from chainer_tc.optimizers import _scaler
 
 BLOCK = 256                 # threads per block of kernels/optimizer.cu (OPT_BLOCK)
+_CPU_BLOCK = 1 << 15        # elements per step of the CPU path: its temporaries stay in cache
 _DEFINES = {'OPT_BLOCK': BLOCK, 'OPT_GRAD_TABLE': _flat.GRAD_TABLE}
 
 # kernels/optimizer.cu StepParams, passed by value
@@ -78,7 +79,7 @@ class MomentumSGD(chainer_optimizer.Optimizer):
         self.decay_filter = decay_filter or decay_all
         self._flat = None
         self._scaler = _scaler.LossScaler()
-        self._grad_buffers = None
+        self._temps = None
         self._warned = set()
 
     # ---- set-up ---------------------------------------------------------------------------------
@@ -88,7 +89,6 @@ class MomentumSGD(chainer_optimizer.Optimizer):
         the first update if some are not initialized yet."""
         super().setup(link)
         self._flat = None
-        self._grad_buffers = None
         self._try_build()
         return self
 
@@ -230,48 +230,56 @@ class MomentumSGD(chainer_optimizer.Optimizer):
                                              state))
 
     def _update_numpy(self, flat, grads):
-        """The CPU path: the kernel's arithmetic, in the same order, as vectorised NumPy."""
-        if self._grad_buffers is None:
-            self._grad_buffers = [numpy.zeros(n, numpy.float32) for n in flat.sizes]
-        g = self._grad_buffers
-        for e, grad in zip(flat.entries, grads):
-            dst = g[e.group][e.offset:e.offset + e.size]
-            if grad is None:
-                dst[...] = 0
-            else:
-                dst[...] = grad.reshape(-1)
+        """The CPU path: the kernel's arithmetic, in the same order, as vectorised NumPy over
+        cache-sized blocks of each parameter, reading the gradients where they are."""
+        if self._temps is None:
+            self._temps = [numpy.empty(_CPU_BLOCK, numpy.float32) for _ in range(3)]
+        t1, t2, t3 = self._temps
         sc = self._scaler
-        if sc.mode != _scaler.NONE:
-            scale = sc.state[_scaler.SCALE:_scaler.SCALE + 1].view(numpy.float32)[0]
-            for b in g:
-                b /= scale
-        if sc.mode == _scaler.DYNAMIC:
-            with numpy.errstate(invalid='ignore', over='ignore'):
-                found_inf = not all(numpy.isfinite(b).all() for b in g)
-            if found_inf:
+        scale = sc.state[_scaler.SCALE:_scaler.SCALE + 1].view(numpy.float32)[0]
+        blocks = [(e, None if g is None else g.reshape(-1), a, min(a + _CPU_BLOCK, e.size))
+                  for e, g in zip(flat.entries, grads) for a in range(0, e.size, _CPU_BLOCK)]
+
+        def load_grad(g, a, b, out):          # g = grad / scale, in float32
+            if g is None:
+                out[...] = 0
+            elif sc.mode == _scaler.NONE:
+                out[...] = g[a:b]
+            else:
+                numpy.divide(g[a:b], scale, out=out, dtype=numpy.float32)
+            return out
+
+        with numpy.errstate(invalid='ignore', over='ignore', divide='ignore'):
+            if sc.mode == _scaler.DYNAMIC and not all(
+                    numpy.isfinite(load_grad(g, a, b, t1[:b - a])).all()
+                    for e, g, a, b in blocks if g is not None):
                 sc.finish_step_host(True)
                 return
         lr, mom, wd = (numpy.float32(x) for x in (self.lr, self.momentum, self.weight_decay))
-        for grp in (0, 1):
-            if not flat.sizes[grp]:
-                continue
-            gg, v = g[grp], flat.momentum[grp]
-            p = flat.params[0] if grp == 0 else flat.master
-            if grp == 1:        # adopt float16 values written from outside the optimizer
-                p16 = flat.params[1]
-                stale = p16.view(numpy.uint16) != p.astype(numpy.float16).view(numpy.uint16)
-                p[stale] = p16[stale]
-            d = flat.decay_end[grp]
-            if wd != 0 and d:
-                gg[:d] += wd * p[:d]
-            v *= mom
-            v -= lr * gg
-            if self.nesterov:
-                p += v * mom - lr * gg
-            else:
+        p16 = flat.params[1]
+        for e, g, a, b in blocks:
+            n, lo, hi = b - a, e.offset + a, e.offset + b
+            p = (flat.params[0] if e.group == 0 else flat.master)[lo:hi]
+            v = flat.momentum[e.group][lo:hi]
+            gb, tb, ub = load_grad(g, a, b, t1[:n]), t2[:n], t3[:n]
+            if e.group == 1:        # adopt float16 values written from outside the optimizer
+                stale = p16[lo:hi].view(numpy.uint16) != p.astype(numpy.float16).view(numpy.uint16)
+                if stale.any():
+                    p[stale] = p16[lo:hi][stale]
+            if e.decay and wd != 0:
+                numpy.multiply(p, wd, out=tb)           # g = g + wd * p
+                gb += tb
+            v *= mom                                    # v = v * momentum - lr * g
+            numpy.multiply(gb, lr, out=tb)
+            v -= tb
+            if self.nesterov:                           # p = p + (v * momentum - lr * g)
+                numpy.multiply(v, mom, out=ub)
+                ub -= tb
+                p += ub
+            else:                                       # p = p + v
                 p += v
-            if grp == 1:
-                flat.params[1][...] = p.astype(numpy.float16)
+            if e.group == 1:
+                p16[lo:hi] = p                          # rounds to nearest even
         if sc.mode == _scaler.DYNAMIC:
             sc.finish_step_host(False)
 

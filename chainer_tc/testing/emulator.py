@@ -37,6 +37,7 @@ INCLUDE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'include'
 _EMULATOR_VERSION = '1'
 _ERR_LEN = 1024
 _SCALAR = 2 ** 64 - 1
+_ALIGN = 64            # by-value arguments are copied to addresses aligned to this (__align__(16) ...)
 
 _launch_lock = threading.RLock()
 _modules = {}          # cache key -> loaded ctypes library, so each module is loaded once
@@ -63,6 +64,34 @@ _ENTRY_RE = re.compile(
 _DYN_SHARED_RE = re.compile(
     r'extern\s+__shared__\s+(?:__align__\s*\(\s*\d+\s*\)\s*)?([A-Za-z_][\w:\s]*?)\s*'
     r'(?:__align__\s*\(\s*\d+\s*\)\s*)?\b(\w+)\s*\[\s*\]\s*;')
+
+
+# Comments and string / character literals, to blank out before matching code.
+_LEXEME_RE = re.compile(r'//[^\n]*|/\*.*?\*/|"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'', re.S)
+
+
+def _blank(code, literals=False):
+    """``code`` with its comments (and, if ``literals``, the insides of its string and character
+    literals) replaced by spaces: same length and newlines, so positions and lines still match."""
+    def sub(m):
+        text = m.group(0)
+        if text[0] in '"\'':
+            return text[0] + re.sub(r'[^\n]', ' ', text[1:-1]) + text[-1] if literals else text
+        return re.sub(r'[^\n]', ' ', text)
+    return _LEXEME_RE.sub(sub, code)
+
+
+def _block_end(code, pos):
+    """Index of the '}' closing the block that contains ``pos``, or None at file scope."""
+    depth = 0
+    for m in re.finditer(r'[{}]', code[pos:]):
+        if m.group(0) == '{':
+            depth += 1
+        elif depth == 0:
+            return pos + m.start()
+        else:
+            depth -= 1
+    return None
 
 
 class _LaunchArgs(ctypes.Structure):
@@ -92,6 +121,13 @@ class _Param:
             self.ctype, self.dtype = 'struct of {} bytes'.format(self.code[1:]), None
         else:
             raise RuntimeError('emulator: unknown parameter code {!r}'.format(code))
+        # By value, a struct or a vector type (float4, __half2: 'f4x4', 'f2x2') is raw bytes of its
+        # size, which CuPy takes as a NumPy structured scalar (numpy.void).
+        self.nbytes = None
+        if self.kind == 'S' and self.dtype is None:
+            self.nbytes = int(self.code[1:])
+        elif self.kind == 'S' and 'x' in self.code:
+            self.nbytes = numpy.dtype(self.dtype).itemsize * int(self.code.split('x')[1])
 
     def describe(self):
         if self.is_pointer:
@@ -120,6 +156,14 @@ def _dim3(value, what):
         raise ValueError('{} dimensions must be >= 1 (CUDA rejects empty launches); got {!r}'
                          .format(what, value))
     return dims + (1,) * (3 - len(dims))
+
+
+def _aligned_copy(raw):
+    """(buffer, address): ``raw`` copied to an address aligned to _ALIGN bytes inside ``buffer``."""
+    buf = ctypes.create_string_buffer(len(raw) + _ALIGN)
+    address = -(-ctypes.addressof(buf) // _ALIGN) * _ALIGN
+    ctypes.memmove(address, raw, len(raw))
+    return buf, address
 
 
 def _guard_front():
@@ -171,25 +215,37 @@ def _host_options(options):
 def _rewrite_dynamic_shared(code):
     """``extern __shared__ T name[];`` -> a macro giving the launch's dynamic shared memory.
 
-    A macro works at any scope; ``#line`` keeps compiler messages on the original line numbers.
+    A macro works at any scope. It is ``#undef``'d where the enclosing block (the kernel's body)
+    ends, so a later kernel may use the name for something else; ``#line`` keeps compiler messages
+    on the original line numbers.
     """
-    out, pos = [], 0
-    for m in _DYN_SHARED_RE.finditer(code):
+    plain = _blank(code, literals=True)
+    edits, at_end = [], []                 # (start, end, replacement), names defined at file scope
+    for m in _DYN_SHARED_RE.finditer(plain):
         ctype, name = ' '.join(m.group(1).split()), m.group(2)
-        line = code.count('\n', 0, m.end()) + 1
-        out.append(code[pos:m.start()])
-        out.append('\n#undef {n}\n#define {n} (reinterpret_cast<{t}*>(::ctemu::dyn_smem()))\n'
-                   '#line {l}\n'.format(n=name, t=ctype, l=line))
-        pos = m.end()
+        edits.append((m.start(), m.end(),
+                      '\n#undef {n}\n#define {n} (reinterpret_cast<{t}*>(::ctemu::dyn_smem()))\n'
+                      '#line {l}\n'.format(n=name, t=ctype, l=code.count('\n', 0, m.end()) + 1)))
+        close = _block_end(plain, m.end())
+        if close is None:
+            at_end.append(name)
+        else:
+            edits.append((close + 1, close + 1, '\n#undef {}\n#line {}\n'.format(
+                name, code.count('\n', 0, close) + 1)))
+    out, pos = [], 0
+    for start, end, text in sorted(edits):
+        out.append(code[pos:start])
+        out.append(text)
+        pos = end
     out.append(code[pos:])
-    # the macros end with the source, so they cannot capture names in the generated exports
-    out.extend('\n#undef {}'.format(m.group(2)) for m in _DYN_SHARED_RE.finditer(code))
+    # the rest end with the source, so they cannot capture names in the generated exports
+    out.extend('\n#undef {}'.format(name) for name in at_end)
     return ''.join(out)
 
 
 def entry_points(code):
-    """Names of the ``extern "C" __global__`` kernels defined in ``code``."""
-    return list(dict.fromkeys(_ENTRY_RE.findall(code)))
+    """Names of the ``extern "C" __global__`` kernels defined in ``code`` (not in its comments)."""
+    return list(dict.fromkeys(_ENTRY_RE.findall(_blank(code))))
 
 
 def _translation_unit(code, source_name, names):
@@ -308,8 +364,8 @@ class Function:
                     alias[i] = seen[span]
                     writeback[seen[span]] |= int(p.kind == 'P')
                 else:
-                    for (q, qn), j in seen.items():
-                        if ptr < q + qn and q < ptr + a.nbytes:
+                    for (q, qn), j in seen.items():      # (an empty array overlaps nothing)
+                        if ptr < q + qn and q < ptr + a.nbytes and qn and a.nbytes:
                             raise ValueError(
                                 'kernel {}: arguments {} and {} overlap without being the same '
                                 'array; the emulator cannot guard partial overlaps'
@@ -317,12 +373,13 @@ class Function:
                     seen[span] = i
                     writeback[i] = int(p.kind == 'P')
                 holder = ctypes.c_void_p(ptr)
+                address = ctypes.addressof(holder)
                 nbytes[i], itemsize[i] = a.nbytes, a.itemsize
             else:
-                holder = self._scalar(i, p, a)
+                holder, address = _aligned_copy(self._scalar(i, p, a))
                 nbytes[i] = _SCALAR
             keep.append(holder)
-            values[i] = ctypes.cast(ctypes.pointer(holder), ctypes.c_void_p)
+            values[i] = address
         err = ctypes.create_string_buffer(_ERR_LEN)
         la = _LaunchArgs(grid=(ctypes.c_uint * 3)(*grid), block=(ctypes.c_uint * 3)(*block),
                          shared_mem=shared_mem, nargs=n, args=values, nbytes=nbytes,
@@ -360,13 +417,20 @@ class Function:
                              'read-only'.format(where))
 
     def _scalar(self, i, p, a):
+        """The bytes of a by-value argument, checked against the parameter."""
         where = 'argument {} ({}) of kernel {}'.format(i, p.describe(), self.signature)
-        if p.dtype is None:                        # struct by value: raw bytes of its size
-            size = int(p.code[1:])
-            raw = a.tobytes() if isinstance(a, (numpy.generic, numpy.ndarray)) else bytes(a)
-            if len(raw) != size:
-                raise TypeError('{}: expected {} bytes; got {}'.format(where, size, len(raw)))
-            return ctypes.create_string_buffer(raw, size)
+        if p.nbytes is not None:                   # struct or vector type: raw bytes of its size
+            expected = '{}: expected {} bytes (a NumPy structured scalar); got {}'.format(
+                where, p.nbytes, _describe(a))
+            if isinstance(a, (numpy.generic, numpy.ndarray)):
+                raw = a.tobytes()
+            elif isinstance(a, (bytes, bytearray)):
+                raw = bytes(a)
+            else:
+                raise TypeError(expected)
+            if len(raw) != p.nbytes:
+                raise TypeError('{} of {} bytes'.format(expected, len(raw)))
+            return raw
         if not isinstance(a, numpy.generic) or a.dtype != p.dtype:
             hint = ''
             if isinstance(a, (bool, int, float)):
@@ -374,7 +438,7 @@ class Function:
                         .format(numpy.dtype(p.dtype).name, type(a).__name__))
             raise TypeError('{}: expected a numpy.{} scalar; got {}{}'
                             .format(where, numpy.dtype(p.dtype).name, _describe(a), hint))
-        return ctypes.create_string_buffer(a.tobytes(), a.itemsize)
+        return a.tobytes()
 
 
 class RawModule:

@@ -226,3 +226,65 @@ extern "C" __global__ void double_to_half(const double* x, __half* y, int n) {
     y[3 * i + 2] = a;
   }
 }
+
+namespace emu_idioms {
+template <typename T> __device__ __forceinline__ T twice(T v) { return v + v; }
+}  // namespace emu_idioms
+
+// Idioms that must compile against the emulator as they do with NVRTC: const __restrict__
+// pointers, __launch_bounds__ with two arguments, #pragma unroll, size_t / long long scalars,
+// min/max of mixed integer types, __half from and to integers and floats, __ldg, a table of array
+// addresses, atomicAdd returning the old value, templates in a namespace. Per element i < n:
+//   y[i] = 8 x[i] + min(i, n - 1) + max(threadIdx.x, 3) + min(int(i), 5u) + table[0][i]
+//   h[i] = half(i) + half(shift) + half(0.5f) + half(0)
+//   tickets[i] = the value atomicAdd(counter, 1.0f) returned to thread i
+extern "C" __global__ void __launch_bounds__(128, 2)
+idioms(const float* __restrict__ x, float* __restrict__ y, __half* __restrict__ h, size_t n,
+       long long shift, const unsigned long long* __restrict__ table, float* counter,
+       float* tickets) {
+  const unsigned stride = blockDim.x * gridDim.x;
+  for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+    const float v = __ldg(x + i);
+    float acc = 0.0f;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) acc += emu_idioms::twice(v);
+    const float* extra = reinterpret_cast<const float*>(table[0]);
+    y[i] = acc + (float)min(i, n - 1) + (float)max(threadIdx.x, 3) + (float)min((int)i, 5u) +
+           extra[i];
+    const __half hi = i, hs = shift, half_ = static_cast<__half>(0.5f);
+    __half zero = 0.0f;
+    zero = 0;
+    h[i] = __hadd(__hadd(hi, hs), __hadd(half_, zero));
+    tickets[i] = atomicAdd(counter, 1.0f) + float(zero);
+  }
+}
+
+// The _rn float intrinsics (IEEE round to nearest even, never contracted into an fma):
+// out[k * n + i] for k = add, sub, mul, div, rcp(a), sqrt(|a|), fma(a, b, a).
+extern "C" __global__ void float_rn(const float* a, const float* b, float* out, int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) {
+    const float x = a[i], y = b[i];
+    out[0 * n + i] = __fadd_rn(x, y);
+    out[1 * n + i] = __fsub_rn(x, y);
+    out[2 * n + i] = __fmul_rn(x, y);
+    out[3 * n + i] = __fdiv_rn(x, y);
+    out[4 * n + i] = __frcp_rn(x);
+    out[5 * n + i] = __fsqrt_rn(fabsf(x));
+    out[6 * n + i] = __fmaf_rn(x, y, x);
+  }
+}
+
+// Vector types and a 16-byte aligned struct passed by value.
+struct __align__(16) Affine {
+  float scale, shift;
+  int n, pad;
+};
+extern "C" __global__ void by_value(float4 v, __half2 h, Affine a, float* out) {
+  if (threadIdx.x == 0) {
+    out[0] = v.x; out[1] = v.y; out[2] = v.z; out[3] = v.w;
+    out[4] = __low2float(h);
+    out[5] = __high2float(h);
+    out[6] = a.scale * (float)a.n + a.shift;
+  }
+}

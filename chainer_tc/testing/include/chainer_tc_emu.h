@@ -11,8 +11,11 @@
 //   read-modify-writes and `__shared__` maps to static storage (one block at a time uses it).
 // - __syncthreads waits for every live (not yet returned) thread of the block.
 // - Warp collectives (__shfl_*_sync, __ballot_sync, __syncwarp, ...) wait only for the lanes named
-//   in their mask that are still live; reading a lane that is not in the mask is reported as an error.
-// - A round of the scheduler in which no fiber makes progress is a deadlock, reported as an error.
+//   in their mask that are still live; the lane that completes one (the last to arrive, or the last
+//   to return) computes every participant's result. Reading a lane that is not in the mask, or
+//   lanes of one mask meeting in different collectives, is reported as an error.
+// - A waiting fiber is not resumed until its barrier or collective completes; a round of the
+//   scheduler in which no fiber can run is a deadlock, reported as an error.
 // - Array arguments live in guarded copies: the data ends exactly at a PROT_NONE page and starts after
 //   one, so an out-of-bounds access faults; the fault is turned into an error message naming the
 //   argument, the offset and the thread.
@@ -33,6 +36,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 #include <pthread.h>
+#include <limits>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -84,15 +88,26 @@ struct Fiber {
   uint3 tid;
   unsigned lane, warp;
   bool done;
+  bool at_bar;             // waiting at the __syncthreads of generation bar_gen
+  unsigned bar_gen;
 };
+
+enum Op : unsigned char { kSync, kShfl, kVote };      // the kinds of warp collective
 
 struct Warp {
-  unsigned live;        // lanes that exist and have not returned
-  unsigned arrived;     // lanes waiting in a warp collective
-  uint64_t slot[32];    // values exchanged by a collective
+  unsigned live;           // lanes that exist and have not returned
+  unsigned arrived;        // lanes waiting in a warp collective (cleared when it completes)
+  unsigned lanes;          // lanes that exist in this warp (blockDim may leave the last one partial)
+  // per lane, what it brought to the collective it waits in, and what it gets back
+  unsigned mask[32];
+  unsigned char op[32];
+  int src[32];             // shuffle: the lane it reads
+  uint64_t slot[32];       // the value it publishes
+  uint64_t result[32];     // shuffle: the value read; vote: ballot | voters << 32
 };
 
-enum { kMaxParams = 64, kMaxWarps = 32, kErrLen = 1024 };
+// CUDA allows 4 KiB of parameters (32 KiB on Volta and later with CUDA 12.1): 512 pointers.
+enum { kMaxParams = 512, kMaxWarps = 32, kErrLen = 1024 };
 
 struct Region {        // one guarded copy of an array argument
   char* base;          // start of the mapping (leading guard page)
@@ -114,10 +129,9 @@ struct Runtime {
   unsigned nthreads, live;
   Fiber* cur;
   ucontext_t sched;
-  bool progress;
-  // __syncthreads
+  // __syncthreads: arrivals and votes of the open generation; count and participants of the last
   unsigned bar_arrived, bar_gen;
-  int bar_acc, bar_result;
+  int bar_acc, bar_count, bar_total;
   Warp warps[kMaxWarps];
   // dynamic shared memory (guarded like an argument)
   Region smem;
@@ -164,51 +178,101 @@ static inline void where(char* buf, size_t n) {
   fail("kernel '%s': %s in %s", rt.kernel_name, what, w);
 }
 
-// Give control back to the scheduler; it resumes this fiber in its next round.
+// Give control back to the scheduler; it resumes this fiber once what it waits for has happened.
 static inline void yield() { swapcontext(&rt.cur->ctx, &rt.sched); }
 
 // ---- block barrier --------------------------------------------------------------------------
+// Completed by the last live thread to arrive, or by the return of the last one missing.
+static inline void release_block_barrier() {
+  rt.bar_count = rt.bar_acc;
+  rt.bar_total = (int)rt.bar_arrived;
+  rt.bar_arrived = 0;
+  rt.bar_acc = 0;
+  rt.bar_gen++;
+}
+
+// Returns how many of the threads that took part passed a nonzero `pred` (rt.bar_total took part).
 static inline int block_barrier(int pred) {
-  unsigned gen = rt.bar_gen;
-  rt.bar_arrived++;
+  Fiber* f = rt.cur;
   rt.bar_acc += pred ? 1 : 0;
-  rt.progress = true;
-  for (;;) {
-    if (rt.bar_gen != gen) return rt.bar_result;
-    if (rt.bar_arrived >= rt.live) {        // everyone still alive is here: release
-      rt.bar_result = rt.bar_acc;
-      rt.bar_arrived = 0;
-      rt.bar_acc = 0;
-      rt.bar_gen++;
-      return rt.bar_result;
-    }
-    yield();
+  if (++rt.bar_arrived >= rt.live) {
+    release_block_barrier();
+  } else {
+    f->at_bar = true;
+    f->bar_gen = rt.bar_gen;
+    while (f->bar_gen == rt.bar_gen) yield();
+    f->at_bar = false;
   }
+  return rt.bar_count;      // not overwritten before this thread reaches the next barrier
 }
 
 // ---- warp collectives -----------------------------------------------------------------------
 static inline Warp& my_warp() { return rt.warps[rt.cur->warp]; }
 
-static inline void warp_barrier(unsigned mask) {
+static inline const char* op_name(unsigned char op) {
+  return op == kShfl ? "a shuffle" : op == kVote ? "a vote (__ballot/__any/__all_sync)" : "__syncwarp";
+}
+
+// A shuffle of lane k (of warp w) read lane src, which did not take part: reported as lane k's error.
+[[noreturn]] static inline void bad_shuffle(Warp& w, unsigned k, unsigned src) {
+  char msg[160];
+  int n = snprintf(msg, sizeof msg, "warp shuffle reads lane %u, which ", src);
+  if (!(w.mask[k] >> src & 1u)) snprintf(msg + n, sizeof msg - n, "is not in mask 0x%08x", w.mask[k]);
+  else if (w.lanes >> src & 1u) snprintf(msg + n, sizeof msg - n, "has exited");
+  else snprintf(msg + n, sizeof msg - n, "does not exist (this warp has %d lanes: blockDim %u)",
+                __builtin_popcount(w.lanes), rt.nthreads);
+  rt.cur = &rt.fibers[(&w - rt.warps) * 32 + k];
+  fail_here(msg);
+}
+
+// Completes the collective lane `l` waits in if every live lane of its mask has arrived: checks that
+// they all are in the same kind of collective with the same mask, computes every result, releases.
+static inline void try_complete(Warp& w, unsigned l) {
+  unsigned m = w.mask[l] & w.live;
+  if ((w.arrived & m) != m) return;
+  for (unsigned k = 0; k < 32; ++k) {
+    if (!(m >> k & 1u) || (w.op[k] == w.op[l] && w.mask[k] == w.mask[l])) continue;
+    char msg[256];
+    snprintf(msg, sizeof msg, "warp collective mismatch: lane %u is in %s with mask 0x%08x while "
+             "lane %u is in %s with mask 0x%08x (all lanes of a mask must call the same one)",
+             l, op_name(w.op[l]), w.mask[l], k, op_name(w.op[k]), w.mask[k]);
+    fail_here(msg);
+  }
+  if (w.op[l] == kShfl) {
+    for (unsigned k = 0; k < 32; ++k) {
+      if (!(m >> k & 1u)) continue;
+      unsigned src = (unsigned)w.src[k];
+      if (!(m >> src & 1u)) bad_shuffle(w, k, src);      // the lowest lane that reads badly
+      w.result[k] = w.slot[src];
+    }
+  } else if (w.op[l] == kVote) {
+    uint64_t ballot = 0;                         // over the lanes that took part
+    for (unsigned k = 0; k < 32; ++k)
+      if ((m >> k & 1u) && w.slot[k]) ballot |= 1u << k;
+    for (unsigned k = 0; k < 32; ++k)
+      if (m >> k & 1u) w.result[k] = ballot | (uint64_t)m << 32;
+  }
+  w.arrived &= ~m;
+}
+
+// One lane's part in a collective: publish, wait until the collective completes, take the result.
+static inline uint64_t warp_collective(unsigned char op, unsigned mask, uint64_t value, int src) {
   Warp& w = my_warp();
-  unsigned bit = 1u << rt.cur->lane;
+  unsigned lane = rt.cur->lane, bit = 1u << lane;
   if (!(mask & bit)) {
     char msg[96];
     snprintf(msg, sizeof msg, "warp collective with mask 0x%08x that excludes the calling lane %u",
-             mask, rt.cur->lane);
+             mask, lane);
     fail_here(msg);
   }
+  w.mask[lane] = mask;
+  w.op[lane] = op;
+  w.src[lane] = src;
+  w.slot[lane] = value;
   w.arrived |= bit;
-  rt.progress = true;
-  for (;;) {
-    if (!(w.arrived & bit)) return;          // released by another lane
-    unsigned m = mask & w.live;
-    if ((w.arrived & m) == m) {
-      w.arrived &= ~m;
-      return;
-    }
-    yield();
-  }
+  try_complete(w, lane);
+  while (w.arrived & bit) yield();
+  return w.result[lane];
 }
 
 template <typename T>
@@ -225,25 +289,11 @@ static inline T from_bits(uint64_t r) {
   return v;
 }
 
-// Exchange: every lane of `mask` publishes v, then reads the value of lane `src` (its own if src < 0).
+// Every lane of `mask` publishes v and gets the value of lane `src` (its own if src < 0).
 template <typename T>
 static inline T exchange(unsigned mask, T v, int src) {
-  Warp& w = my_warp();
-  unsigned lane = rt.cur->lane;
-  w.slot[lane] = to_bits(v);
-  warp_barrier(mask);
-  uint64_t r = w.slot[lane];
-  if (src >= 0 && (unsigned)src != lane) {
-    if (!((mask & w.live) >> src & 1u)) {
-      char msg[128];
-      snprintf(msg, sizeof msg, "warp shuffle reads lane %d, which is not in mask 0x%08x or has exited",
-               src, mask);
-      fail_here(msg);
-    }
-    r = w.slot[src];
-  }
-  warp_barrier(mask);                          // nobody overwrites a slot before all have read
-  return from_bits<T>(r);
+  int lane = (int)rt.cur->lane;
+  return from_bits<T>(warp_collective(kShfl, mask, to_bits(v), src < 0 ? lane : src));
 }
 
 static inline void check_width(int width) {
@@ -253,25 +303,23 @@ static inline void check_width(int width) {
 
 // Ballot of `pred` over the lanes of `mask`; *voters receives the lanes that took part.
 static inline unsigned vote(unsigned mask, int pred, unsigned* voters = nullptr) {
-  Warp& w = my_warp();
-  w.slot[rt.cur->lane] = pred ? 1 : 0;
-  warp_barrier(mask);
-  unsigned m = mask & w.live, r = 0;
-  for (unsigned l = 0; l < 32; ++l)
-    if ((m >> l & 1u) && w.slot[l]) r |= 1u << l;
-  warp_barrier(mask);
-  if (voters) *voters = m;
-  return r;
+  uint64_t r = warp_collective(kVote, mask, pred ? 1 : 0, 0);
+  if (voters) *voters = (unsigned)(r >> 32);
+  return (unsigned)r;
 }
 
 // ---- fibers and the scheduler -----------------------------------------------------------------
 static void fiber_main() {
   rt.body(rt.body_ctx);
   Fiber* f = rt.cur;
+  Warp& w = rt.warps[f->warp];
   f->done = true;
   rt.live--;
-  rt.warps[f->warp].live &= ~(1u << f->lane);
-  rt.progress = true;
+  w.live &= ~(1u << f->lane);
+  // collectives and a barrier that waited only for this thread complete now
+  for (unsigned l = 0; l < 32; ++l)
+    if (w.arrived >> l & 1u) try_complete(w, l);
+  if (rt.bar_arrived && rt.bar_arrived >= rt.live) release_block_barrier();
   // returning switches to uc_link (the scheduler)
 }
 
@@ -279,6 +327,9 @@ static inline void ensure_stacks(unsigned n) {
   if (n <= rt.nfibers_cap) return;
   if (rt.stacks) munmap(rt.stacks, rt.stacks_len);
   delete[] rt.fibers;
+  rt.stacks = nullptr;
+  rt.fibers = nullptr;
+  rt.nfibers_cap = 0;
   size_t page = page_size();
   const char* env = getenv("CHAINER_TC_EMULATOR_STACK_KB");
   size_t kb = env ? strtoul(env, nullptr, 10) : 128;
@@ -289,9 +340,11 @@ static inline void ensure_stacks(unsigned n) {
                  MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (m == MAP_FAILED) fail("emulator: cannot map %zu bytes of fiber stacks", rt.stacks_len);
   rt.stacks = (char*)m;
-  for (unsigned i = 0; i < n; ++i)
-    mprotect(rt.stacks + (size_t)i * (rt.stack_bytes + page), page, PROT_NONE);
   rt.fibers = new Fiber[n];
+  for (unsigned i = 0; i < n; ++i) {
+    mprotect(rt.stacks + (size_t)i * (rt.stack_bytes + page), page, PROT_NONE);
+    getcontext(&rt.fibers[i].ctx);     // once; each block only re-makes the context
+  }
   rt.nfibers_cap = n;
 }
 
@@ -310,27 +363,30 @@ static inline void run_block() {
     f.lane = i % 32;
     f.warp = i / 32;
     f.done = false;
+    f.at_bar = false;
     rt.warps[f.warp].live |= 1u << f.lane;
-    getcontext(&f.ctx);
     f.ctx.uc_stack.ss_sp = rt.stacks + (size_t)i * (rt.stack_bytes + page) + page;
     f.ctx.uc_stack.ss_size = rt.stack_bytes;
     f.ctx.uc_link = &rt.sched;
     makecontext(&f.ctx, fiber_main, 0);
   }
+  for (unsigned w = 0; w < kMaxWarps; ++w) rt.warps[w].lanes = rt.warps[w].live;
   if (rt.smem.nbytes) memset(rt.smem.data, 0xff, rt.smem.nbytes);   // uninitialised: NaN pattern
   for (;;) {
-    bool any = false;
-    rt.progress = false;
+    bool any = false, ran = false;
     for (unsigned i = 0; i < rt.nthreads; ++i) {
       Fiber& f = rt.fibers[i];
       if (f.done) continue;
       any = true;
+      if (f.at_bar && f.bar_gen == rt.bar_gen) continue;             // still at __syncthreads
+      if (rt.warps[f.warp].arrived >> f.lane & 1u) continue;         // still in a collective
+      ran = true;
       rt.cur = &f;
       swapcontext(&rt.sched, &f.ctx);
     }
     rt.cur = nullptr;
     if (!any) return;
-    if (!rt.progress) {
+    if (!ran) {
       unsigned at_bar = rt.bar_arrived, at_warp = 0;
       for (unsigned w = 0; w < kMaxWarps; ++w) at_warp += __builtin_popcount(rt.warps[w].arrived);
       fail("kernel '%s': deadlock in block (%u,%u,%u): %u live threads, %u waiting at __syncthreads, "
@@ -475,7 +531,7 @@ struct Body {
 
 template <typename... A>
 static int launch(void (*k)(A...), const char* name, const LaunchArgs* la) {
-  static_assert(sizeof...(A) <= kMaxParams, "too many kernel parameters");
+  static_assert(sizeof...(A) <= kMaxParams, "more kernel parameters than CUDA's 4 KiB can hold");
   rt.kernel_name = name;
   rt.err[0] = 0;
   rt.nregions = 0;
@@ -484,6 +540,7 @@ static int launch(void (*k)(A...), const char* name, const LaunchArgs* la) {
   rt.smem.nbytes = 0;
   void* slots[kMaxParams];
   void* vals[kMaxParams];
+  static constexpr size_t aligns[] = {alignof(std::remove_cv_t<std::remove_reference_t<A>>)..., 1};
   int rc = 0;
   rt.launch_thread = pthread_self();
   install_fault_handler();
@@ -494,7 +551,13 @@ static int launch(void (*k)(A...), const char* name, const LaunchArgs* la) {
     for (int i = 0; i < la->nargs; ++i) rt.regions[i].base = nullptr;
     rt.nregions = la->nargs;
     for (int i = 0; i < la->nargs; ++i) {
-      if (la->nbytes[i] == UINT64_MAX) { vals[i] = la->args[i]; continue; }
+      if (la->nbytes[i] == UINT64_MAX) {          // by value: read in place, so it must be aligned
+        if ((uintptr_t)la->args[i] % aligns[i])
+          fail("emulator: the value of argument %d is at %p, not aligned to the %zu bytes of its type",
+               i, la->args[i], aligns[i]);
+        vals[i] = la->args[i];
+        continue;
+      }
       if (la->alias[i] >= 0) {                 // the same array passed twice: one copy
         rt.regions[i].base = nullptr;
         slots[i] = slots[la->alias[i]];
@@ -616,10 +679,17 @@ static std::string signature(void (*)(A...)) {
 static inline void __syncthreads() { ::ctemu::block_barrier(0); }
 static inline int __syncthreads_count(int p) { return ::ctemu::block_barrier(p); }
 static inline int __syncthreads_or(int p) { return ::ctemu::block_barrier(p) != 0; }
-static inline int __syncthreads_and(int p) { return ::ctemu::block_barrier(p) == (int)::ctemu::rt.live; }
-static inline void __syncwarp(unsigned mask = 0xffffffffu) { ::ctemu::warp_barrier(mask); }
+static inline int __syncthreads_and(int p) {
+  int yes = ::ctemu::block_barrier(p);
+  return yes == ::ctemu::rt.bar_total;        // every thread that took part, not those left now
+}
+static inline void __syncwarp(unsigned mask = 0xffffffffu) {
+  ::ctemu::warp_collective(::ctemu::kSync, mask, 0, 0);
+}
 static inline void __threadfence() {}
 static inline void __threadfence_block() {}
+static inline void __threadfence_system() {}
+static inline void __nanosleep(unsigned) {}
 static inline unsigned __activemask() { return ::ctemu::my_warp().live; }
 static inline unsigned __ballot_sync(unsigned mask, int p) { return ::ctemu::vote(mask, p); }
 static inline int __any_sync(unsigned mask, int p) { return ::ctemu::vote(mask, p) != 0; }
@@ -629,6 +699,8 @@ static inline int __all_sync(unsigned mask, int p) {
   return yes == voters;
 }
 
+// Source lanes as PTX's shfl.sync computes them (the lane operand is its low 5 bits); a source
+// outside the lane's group of `width` gives the lane its own value.
 template <typename T>
 static inline T __shfl_sync(unsigned mask, T v, int src, int width = 32) {
   ::ctemu::check_width(width);
@@ -638,23 +710,22 @@ static inline T __shfl_sync(unsigned mask, T v, int src, int width = 32) {
 template <typename T>
 static inline T __shfl_down_sync(unsigned mask, T v, unsigned delta, int width = 32) {
   ::ctemu::check_width(width);
-  int lane = (int)::ctemu::rt.cur->lane;
-  int in_seg = (lane & (width - 1)) + (int)delta;
-  return ::ctemu::exchange(mask, v, in_seg < width ? lane + (int)delta : -1);
+  int lane = (int)::ctemu::rt.cur->lane, d = (int)(delta & 31u);
+  return ::ctemu::exchange(mask, v, (lane & (width - 1)) + d < width ? lane + d : -1);
 }
 template <typename T>
 static inline T __shfl_up_sync(unsigned mask, T v, unsigned delta, int width = 32) {
   ::ctemu::check_width(width);
-  int lane = (int)::ctemu::rt.cur->lane;
-  return ::ctemu::exchange(mask, v, (lane & (width - 1)) >= (int)delta ? lane - (int)delta : -1);
+  int lane = (int)::ctemu::rt.cur->lane, d = (int)(delta & 31u);
+  return ::ctemu::exchange(mask, v, (lane & (width - 1)) >= d ? lane - d : -1);
 }
 template <typename T>
 static inline T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = 32) {
   ::ctemu::check_width(width);
   int lane = (int)::ctemu::rt.cur->lane;
-  int src = lane ^ lane_mask;
-  int seg_end = (lane & ~(width - 1)) + width;
-  return ::ctemu::exchange(mask, v, (src < seg_end && src < 32) ? src : -1);
+  int src = lane ^ (lane_mask & 31);
+  int seg_end = (lane & ~(width - 1)) + width;     // earlier groups may be read, later ones not
+  return ::ctemu::exchange(mask, v, src < seg_end ? src : -1);
 }
 
 [[noreturn]] static inline void __trap() { ::ctemu::fail_here("__trap() called"); }
@@ -710,13 +781,44 @@ static inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
 // __expf, __logf and __powf come from glibc (same names, full precision).
 static inline double rsqrt(double x) { return 1.0 / sqrt(x); }
 static inline float __fdividef(float x, float y) { return x / y; }
+// The _rn intrinsics: IEEE operations rounded to nearest even (the CPU's own; never contracted).
+static inline float __fadd_rn(float x, float y) { return x + y; }
+static inline float __fsub_rn(float x, float y) { return x - y; }
+static inline float __fmul_rn(float x, float y) { return x * y; }
+static inline float __fdiv_rn(float x, float y) { return x / y; }
 static inline float __frcp_rn(float x) { return 1.0f / x; }
 static inline float __fsqrt_rn(float x) { return sqrtf(x); }
-static inline float __fadd_rn(float x, float y) { return x + y; }
-static inline float __fmul_rn(float x, float y) { return x * y; }
+static inline float __frsqrt_rn(float x) { return (float)(1.0 / sqrt((double)x)); }
 static inline float __fmaf_rn(float x, float y, float z) { return fmaf(x, y, z); }
-static inline float __fsub_rn(float x, float y) { return x - y; }
-static inline float __fdiv_rn(float x, float y) { return x / y; }
+static inline double __dadd_rn(double x, double y) { return x + y; }
+static inline double __dsub_rn(double x, double y) { return x - y; }
+static inline double __dmul_rn(double x, double y) { return x * y; }
+static inline double __ddiv_rn(double x, double y) { return x / y; }
+static inline double __drcp_rn(double x) { return 1.0 / x; }
+static inline double __dsqrt_rn(double x) { return sqrt(x); }
+static inline double __fma_rn(double x, double y, double z) { return fma(x, y, z); }
+// float -> integer as CUDA converts: nan gives 0, out of range saturates
+template <typename I>
+static inline I ctemu_f2i(double f) {
+  if (f != f) return 0;
+  if (f <= (double)std::numeric_limits<I>::min()) return std::numeric_limits<I>::min();
+  if (f >= (double)std::numeric_limits<I>::max()) return std::numeric_limits<I>::max();
+  return (I)f;
+}
+static inline int __float2int_rn(float x) { return ctemu_f2i<int>(nearbyintf(x)); }
+static inline int __float2int_rz(float x) { return ctemu_f2i<int>(truncf(x)); }
+static inline int __float2int_rd(float x) { return ctemu_f2i<int>(floorf(x)); }
+static inline int __float2int_ru(float x) { return ctemu_f2i<int>(ceilf(x)); }
+static inline unsigned __float2uint_rn(float x) { return ctemu_f2i<unsigned>(nearbyintf(x)); }
+static inline unsigned __float2uint_rz(float x) { return ctemu_f2i<unsigned>(truncf(x)); }
+static inline long long __float2ll_rn(float x) { return ctemu_f2i<long long>(nearbyintf(x)); }
+static inline long long __float2ll_rz(float x) { return ctemu_f2i<long long>(truncf(x)); }
+static inline int __double2int_rn(double x) { return ctemu_f2i<int>(nearbyint(x)); }
+static inline int __double2int_rz(double x) { return ctemu_f2i<int>(trunc(x)); }
+static inline float __int2float_rn(int x) { return (float)x; }
+static inline float __uint2float_rn(unsigned x) { return (float)x; }
+static inline float __ll2float_rn(long long x) { return (float)x; }
+static inline float __double2float_rn(double x) { return (float)x; }
 static inline float __saturatef(float x) { return x < 0.0f ? 0.0f : (x > 1.0f ? 1.0f : (x == x ? x : 0.0f)); }
 static inline int __float_as_int(float x) { int r; memcpy(&r, &x, 4); return r; }
 static inline unsigned __float_as_uint(float x) { unsigned r; memcpy(&r, &x, 4); return r; }
@@ -737,19 +839,55 @@ static inline unsigned __brev(unsigned x) {
 }
 static inline int __mul24(int x, int y) { return x * y; }
 static inline unsigned __umul24(unsigned x, unsigned y) { return x * y; }
+static inline int __mulhi(int x, int y) { return (int)(((long long)x * y) >> 32); }
+static inline unsigned __umulhi(unsigned x, unsigned y) { return (unsigned)(((unsigned long long)x * y) >> 32); }
+static inline long long __mul64hi(long long x, long long y) { return (long long)(((__int128)x * y) >> 64); }
+static inline unsigned long long __umul64hi(unsigned long long x, unsigned long long y) {
+  return (unsigned long long)(((unsigned __int128)x * y) >> 64);
+}
+// Loads and stores with cache hints: plain accesses here.
 template <typename T> static inline T __ldg(const T* p) { return *p; }
-#define CTEMU_MINMAX(T) \
-  static inline T min(T a, T b) { return a < b ? a : b; } \
-  static inline T max(T a, T b) { return a > b ? a : b; }
-CTEMU_MINMAX(int)
-CTEMU_MINMAX(unsigned int)
-CTEMU_MINMAX(long long)
-CTEMU_MINMAX(unsigned long long)
+template <typename T> static inline T __ldca(const T* p) { return *p; }
+template <typename T> static inline T __ldcg(const T* p) { return *p; }
+template <typename T> static inline T __ldcs(const T* p) { return *p; }
+template <typename T> static inline T __ldlu(const T* p) { return *p; }
+template <typename T> static inline T __ldcv(const T* p) { return *p; }
+template <typename T> static inline void __stwb(T* p, T v) { *p = v; }
+template <typename T> static inline void __stcg(T* p, T v) { *p = v; }
+template <typename T> static inline void __stcs(T* p, T v) { *p = v; }
+template <typename T> static inline void __stwt(T* p, T v) { *p = v; }
+// min/max: the overloads of CUDA's math_functions.hpp, mixed signedness included (an int and an
+// unsigned compare as unsigned), so that every call nvcc accepts resolves the same way here.
+#define CTEMU_MINMAX(R, A, B) \
+  static inline R min(A a, B b) { return (R)a < (R)b ? (R)a : (R)b; } \
+  static inline R max(A a, B b) { return (R)a > (R)b ? (R)a : (R)b; }
+CTEMU_MINMAX(int, int, int)
+CTEMU_MINMAX(unsigned int, unsigned int, unsigned int)
+CTEMU_MINMAX(unsigned int, int, unsigned int)
+CTEMU_MINMAX(unsigned int, unsigned int, int)
+CTEMU_MINMAX(long, long, long)
+CTEMU_MINMAX(unsigned long, unsigned long, unsigned long)
+CTEMU_MINMAX(unsigned long, long, unsigned long)
+CTEMU_MINMAX(unsigned long, unsigned long, long)
+CTEMU_MINMAX(long long, long long, long long)
+CTEMU_MINMAX(unsigned long long, unsigned long long, unsigned long long)
+CTEMU_MINMAX(unsigned long long, long long, unsigned long long)
+CTEMU_MINMAX(unsigned long long, unsigned long long, long long)
 #undef CTEMU_MINMAX
 static inline float min(float a, float b) { return fminf(a, b); }
 static inline float max(float a, float b) { return fmaxf(a, b); }
 static inline double min(double a, double b) { return fmin(a, b); }
 static inline double max(double a, double b) { return fmax(a, b); }
+static inline double min(float a, double b) { return fmin(a, b); }
+static inline double max(float a, double b) { return fmax(a, b); }
+static inline double min(double a, float b) { return fmin(a, b); }
+static inline double max(double a, float b) { return fmax(a, b); }
+static inline unsigned umin(unsigned a, unsigned b) { return min(a, b); }
+static inline unsigned umax(unsigned a, unsigned b) { return max(a, b); }
+static inline long long llmin(long long a, long long b) { return min(a, b); }
+static inline long long llmax(long long a, long long b) { return max(a, b); }
+static inline unsigned long long ullmin(unsigned long long a, unsigned long long b) { return min(a, b); }
+static inline unsigned long long ullmax(unsigned long long a, unsigned long long b) { return max(a, b); }
 using std::isfinite;
 using std::isinf;
 using std::isnan;

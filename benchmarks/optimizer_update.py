@@ -1,0 +1,235 @@
+"""Optimizer update on the full ResNet-50 parameter set: chainer_tc against Chainer.
+
+    .venv/bin/python benchmarks/optimizer_update.py              # CPU (and the GPU if there is one)
+    .venv/bin/python benchmarks/optimizer_update.py --repeat 20 --out results.json
+
+Measures, in one run so that the ratios are fair:
+- time per update of chainer.optimizers.MomentumSGD + optimizer_hooks.WeightDecay (float32, and
+  float16 parameters with use_fp32_update, as Chainer's mixed-precision recipe does) against
+  chainer_tc.optimizers.MomentumSGD (float32, and float16 with dynamic loss scaling);
+- chainer_tc's bytes moved per update and the bandwidth that achieves, against this machine's
+  copy bandwidth (a large NumPy copy);
+- kernel launches per update: chainer_tc's counted through the emulator; Chainer's from its code
+  (per parameter: the WeightDecay and momentum elementwise kernels, plus two casts with
+  use_fp32_update, plus an isfinite and an all() with a host synchronisation each under dynamic
+  loss scaling);
+- on a GPU (when CuPy finds one): the same updates timed with CUDA events, and GB/s against the
+  device's memory bandwidth.
+Prints a table and writes JSON. Not part of the tests.
+"""
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+import numpy
+
+import chainer_tc  # noqa: F401  (before chainer)
+import chainer
+
+from chainer_tc import kernels
+from chainer_tc import optimizers
+
+LR, MOMENTUM, WD = 0.1, 0.9, 1e-4
+
+
+def resnet50_params(dtype):
+    """The 162 parameters of chainer.links.ResNet50Layers (25.6M elements), as a Link."""
+    model = chainer.links.ResNet50Layers(pretrained_model=None)
+    for p in model.params():
+        p.array = p.array.astype(dtype)
+    return model
+
+
+def set_grads(model, xp, seed=0):
+    r = numpy.random.default_rng(seed)
+    for p in model.params():
+        g = (r.standard_normal(p.shape, dtype=numpy.float32) * 1e-3).astype(p.dtype)
+        p.grad = xp.asarray(g)
+
+
+def chainer_optimizer(model, fp16):
+    opt = chainer.optimizers.MomentumSGD(lr=LR, momentum=MOMENTUM)
+    if fp16:
+        opt.use_fp32_update()
+    opt.setup(model)
+    opt.add_hook(chainer.optimizer_hooks.WeightDecay(WD))
+    return opt
+
+
+def ours_optimizer(model, fp16):
+    opt = optimizers.MomentumSGD(lr=LR, momentum=MOMENTUM, weight_decay=WD).setup(model)
+    if fp16:
+        opt.loss_scaling(initial_scale=1.0)     # scale 1: the synthetic gradients stay finite
+    return opt
+
+
+def time_host(update, repeat):
+    update()                                    # warm-up (allocates Chainer's states)
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        update()
+        times.append(time.perf_counter() - t)
+    return float(numpy.median(times))
+
+
+def time_gpu(update, repeat):
+    import cupy
+    update()
+    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+    times = []
+    for _ in range(repeat):
+        start.record()
+        update()
+        end.record()
+        end.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, end) / 1e3)
+    return float(numpy.median(times))
+
+
+def copy_bandwidth(n_bytes=512 * 2 ** 20, repeat=5):
+    a = numpy.ones(n_bytes // 4, numpy.float32)
+    b = numpy.empty_like(a)
+    best = min(_timed(lambda: numpy.copyto(b, a)) for _ in range(repeat))
+    return 2 * a.nbytes / best                  # read + write
+
+
+def _timed(f):
+    t = time.perf_counter()
+    f()
+    return time.perf_counter() - t
+
+
+def bytes_per_update(model, fp16):
+    """Bytes chainer_tc reads and writes per update (see kernels/optimizer.cu)."""
+    n = sum(p.size for p in model.params())
+    # fp32: read g, p, v; write p, v.  fp16: read g, master, v, p16; write master, v, p16;
+    # plus the finite check reading g once more.
+    return n * (22 + 2 if fp16 else 20)
+
+
+def chainer_launches(n_params, fp16):
+    per = 2 + (2 if fp16 else 0)                # WeightDecay + momentum (+ 2 casts)
+    return n_params * per
+
+
+def ours_launches(n_params, fp16):
+    """Count through the emulator, with the same number of (tiny) parameters."""
+    model = chainer.Link()
+    with model.init_scope():
+        for i in range(n_params):
+            setattr(model, 'p{}'.format(i),
+                    chainer.Parameter(numpy.zeros(3, numpy.float16 if fp16 else numpy.float32)))
+    opt = ours_optimizer(model, fp16)
+    set_grads(model, numpy)
+    old = os.environ.get(kernels.ENV_EMULATE)
+    os.environ[kernels.ENV_EMULATE] = '1'
+    try:
+        opt.update()
+        with kernels.count_launches() as c:
+            opt.update()
+    finally:
+        if old is None:
+            del os.environ[kernels.ENV_EMULATE]
+        else:
+            os.environ[kernels.ENV_EMULATE] = old
+    return c.total
+
+
+def run_device(device, repeat, progress):
+    xp = numpy
+    timer = time_host
+    if device == 'gpu':
+        import cupy
+        xp, timer = cupy, time_gpu
+    rows = []
+    for fp16 in (False, True):
+        for who, make in (('chainer', chainer_optimizer), ('chainer_tc', ours_optimizer)):
+            progress('{} {} {}'.format(device, 'fp16' if fp16 else 'fp32', who))
+            model = resnet50_params(numpy.float16 if fp16 else numpy.float32)
+            if device == 'gpu':
+                model.to_gpu()
+            opt = make(model, fp16)
+            set_grads(model, xp)
+            seconds = timer(opt.update, repeat)
+            n_params = len(list(model.params()))
+            rows.append({
+                'device': device, 'precision': 'fp16' if fp16 else 'fp32', 'optimizer': who,
+                'params': n_params, 'elements': int(sum(p.size for p in model.params())),
+                'ms_per_update': seconds * 1e3,
+                'launches_per_update': (ours_launches(n_params, fp16) if who == 'chainer_tc'
+                                        else chainer_launches(n_params, fp16)),
+                'bytes_per_update': bytes_per_update(model, fp16) if who == 'chainer_tc' else None,
+            })
+            del opt, model
+    for r in rows:
+        base = next(b for b in rows if b['precision'] == r['precision']
+                    and b['optimizer'] == 'chainer')
+        r['speedup_vs_chainer'] = base['ms_per_update'] / r['ms_per_update']
+        if r['bytes_per_update']:
+            r['GB_per_s'] = r['bytes_per_update'] / (r['ms_per_update'] / 1e3) / 1e9
+    return rows
+
+
+def gpu_available():
+    try:
+        import cupy
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+def table(rows, peak):
+    head = ('device', 'precision', 'optimizer', 'ms/update', 'speedup', 'launches', 'GB/s',
+            '% of peak')
+    body = []
+    for r in rows:
+        gbs = r.get('GB_per_s')
+        pk = peak.get(r['device'])
+        body.append((r['device'], r['precision'], r['optimizer'], '{:.2f}'.format(r['ms_per_update']),
+                     '{:.2f}x'.format(r['speedup_vs_chainer']), str(r['launches_per_update']),
+                     '-' if gbs is None else '{:.1f}'.format(gbs),
+                     '-' if gbs is None or not pk else '{:.0f}%'.format(100 * gbs * 1e9 / pk)))
+    w = [max(len(x) for x in col) for col in zip(head, *body)]
+    return '\n'.join('  '.join(x.rjust(n) for x, n in zip(line, w)) for line in [head] + body)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    p.add_argument('--repeat', type=int, default=7, help='timed updates per case (median)')
+    p.add_argument('--out', default=os.path.join(os.path.dirname(__file__), 'results',
+                                                 'optimizer_update.json'))
+    p.add_argument('--cpu-only', action='store_true')
+    args = p.parse_args(argv)
+
+    def progress(msg):
+        sys.stderr.write('\r  measuring {:<40}'.format(msg))
+        sys.stderr.flush()
+
+    peak = {'cpu': copy_bandwidth()}
+    rows = run_device('cpu', args.repeat, progress)
+    if not args.cpu_only and gpu_available():
+        import cupy
+        dev = cupy.cuda.Device()
+        attrs = dev.attributes
+        peak['gpu'] = 2 * attrs['MemoryClockRate'] * 1e3 * attrs['GlobalMemoryBusWidth'] / 8
+        rows += run_device('gpu', args.repeat, progress)
+    sys.stderr.write('\r' + ' ' * 60 + '\r')
+    print(table(rows, peak))
+    print('CPU copy bandwidth (read+write): {:.1f} GB/s'.format(peak['cpu'] / 1e9))
+    result = {'benchmark': 'optimizer_update', 'command': ' '.join(['benchmarks/optimizer_update.py']
+                                                                     + (argv or sys.argv[1:])),
+              'machine': platform.platform(), 'cpus': os.cpu_count(),
+              'peak_bytes_per_s': peak, 'rows': rows}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, 'w') as f:
+        json.dump(result, f, indent=1)
+    print('wrote', args.out)
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
