@@ -216,7 +216,8 @@ class MomentumSGD(chainer_optimizer.Optimizer):
         for c0, nc, e0, ne in flat.launches:
             sp = base.copy()
             sp['grad'][:ne] = [0 if g is None else _address(g) for g in grads[e0:e0 + ne]]
-            steps.append((sp[()], flat.chunks[c0:c0 + nc], nc))
+            # a size-1 structured NumPy array: CuPy (>= 9) passes it by value, as the struct
+            steps.append((sp, flat.chunks[c0:c0 + nc], nc))
         state = self._scaler.state
         with _flat.on_device(flat):
             if dynamic:
