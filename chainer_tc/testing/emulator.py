@@ -34,7 +34,7 @@ from chainer_tc.errors import CompileError
 from chainer_tc.errors import KernelLaunchError
 
 INCLUDE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'include')
-_EMULATOR_VERSION = '1'
+_EMULATOR_VERSION = '2'        # part of the cache key: bump when the g++ command changes
 _ERR_LEN = 1024
 _SCALAR = 2 ** 64 - 1
 _ALIGN = 64            # by-value arguments are copied to addresses aligned to this (__align__(16) ...)
@@ -254,9 +254,9 @@ def _translation_unit(code, source_name, names):
              '#line 1 "<chainer_tc emulator exports>"']
     for i, expr in enumerate(names):
         lines.append(
-            'extern "C" int ctemu_launch_{i}(const ::ctemu::LaunchArgs* la) {{ '
-            'return ::ctemu::launch(&{e}, "{q}", la); }}\n'
-            'extern "C" const char* ctemu_signature_{i}() {{ '
+            'extern "C" __attribute__((visibility("default"))) int ctemu_launch_{i}('
+            'const ::ctemu::LaunchArgs* la) {{ return ::ctemu::launch(&{e}, "{q}", la); }}\n'
+            'extern "C" __attribute__((visibility("default"))) const char* ctemu_signature_{i}() {{ '
             'static std::string sig = ::ctemu::signature(&{e}); return sig.c_str(); }}'
             .format(i=i, e=expr, q=expr.replace('"', '')))
     return '\n'.join(lines) + '\n'
@@ -272,8 +272,12 @@ def _build(unit, options, source_name):
             src, so = os.path.join(tmp, 'kernel.cpp'), os.path.join(tmp, 'kernel.so')
             with open(src, 'w') as f:
                 f.write(unit)
+            # -fvisibility=hidden: only the launchers are exported. Otherwise g++ makes the runtime
+            # and every static in a template or inline function (a __shared__ array) one
+            # process-wide STB_GNU_UNIQUE object, shared by all modules whatever their sizes.
             cmd = [cxx, '-std=c++17', '-O1', '-fPIC', '-shared', '-fno-strict-aliasing',
-                   '-U_FORTIFY_SOURCE', '-I' + INCLUDE_DIR, '-include', 'chainer_tc_emu.h',
+                   '-fvisibility=hidden', '-U_FORTIFY_SOURCE', '-I' + INCLUDE_DIR,
+                   '-include', 'chainer_tc_emu.h',
                    *options, '-x', 'c++', src, '-o', so, '-lpthread']
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode != 0:

@@ -288,3 +288,16 @@ extern "C" __global__ void by_value(float4 v, __half2 h, Affine a, float* out) {
     out[6] = a.scale * (float)a.n + a.shift;
   }
 }
+
+// Vector loads from a float array whose length need not be a multiple of 4 (as CuPy's 256-byte
+// aligned allocations allow): out[0] = the sum of x[0..n), read as float4s, then the tail as floats.
+extern "C" __global__ void sum_float4(const float4* __restrict__ x, float* out, int n) {
+  if (threadIdx.x != 0) return;
+  float s = 0.0f;
+  for (int i = 0; i < n / 4; ++i) {
+    const float4 v = x[i];
+    s += (v.x + v.y) + (v.z + v.w);
+  }
+  for (int i = n / 4 * 4; i < n; ++i) s += reinterpret_cast<const float*>(x)[i];
+  out[0] = s;
+}

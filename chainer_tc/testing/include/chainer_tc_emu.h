@@ -9,6 +9,8 @@
 //   the launching OS thread; a fiber runs until it reaches a barrier or a warp collective, then the
 //   scheduler resumes the next one. No two fibers ever run at the same time, so atomics are plain
 //   read-modify-writes and `__shared__` maps to static storage (one block at a time uses it).
+//   A fiber is started with makecontext/setcontext; after that the switches are _setjmp/_longjmp,
+//   which, unlike swapcontext, make no system call (the signal mask is the same in every fiber).
 // - __syncthreads waits for every live (not yet returned) thread of the block.
 // - Warp collectives (__shfl_*_sync, __ballot_sync, __syncwarp, ...) wait only for the lanes named
 //   in their mask that are still live; the lane that completes one (the last to arrive, or the last
@@ -84,7 +86,9 @@ CTEMU_VEC4(unsigned char, uchar4, 4)
 namespace ctemu {
 
 struct Fiber {
-  ucontext_t ctx;
+  ucontext_t ctx;          // to start it
+  jmp_buf jb;              // where it waits once started
+  bool started;
   uint3 tid;
   unsigned lane, warp;
   bool done;
@@ -128,7 +132,7 @@ struct Runtime {
   unsigned nfibers_cap;
   unsigned nthreads, live;
   Fiber* cur;
-  ucontext_t sched;
+  jmp_buf sched;           // the scheduler, while a fiber runs
   // __syncthreads: arrivals and votes of the open generation; count and participants of the last
   unsigned bar_arrived, bar_gen;
   int bar_acc, bar_count, bar_total;
@@ -179,7 +183,18 @@ static inline void where(char* buf, size_t n) {
 }
 
 // Give control back to the scheduler; it resumes this fiber once what it waits for has happened.
-static inline void yield() { swapcontext(&rt.cur->ctx, &rt.sched); }
+__attribute__((noinline)) static void yield() {
+  if (!_setjmp(rt.cur->jb)) _longjmp(rt.sched, 1);
+}
+
+// Run fiber f until it yields or ends.
+__attribute__((noinline)) static void resume(Fiber* f) {
+  rt.cur = f;
+  if (_setjmp(rt.sched)) return;
+  if (f->started) _longjmp(f->jb, 1);
+  f->started = true;
+  setcontext(&f->ctx);
+}
 
 // ---- block barrier --------------------------------------------------------------------------
 // Completed by the last live thread to arrive, or by the return of the last one missing.
@@ -320,7 +335,7 @@ static void fiber_main() {
   for (unsigned l = 0; l < 32; ++l)
     if (w.arrived >> l & 1u) try_complete(w, l);
   if (rt.bar_arrived && rt.bar_arrived >= rt.live) release_block_barrier();
-  // returning switches to uc_link (the scheduler)
+  _longjmp(rt.sched, 1);      // never returns (uc_link is unused)
 }
 
 static inline void ensure_stacks(unsigned n) {
@@ -367,7 +382,8 @@ static inline void run_block() {
     rt.warps[f.warp].live |= 1u << f.lane;
     f.ctx.uc_stack.ss_sp = rt.stacks + (size_t)i * (rt.stack_bytes + page) + page;
     f.ctx.uc_stack.ss_size = rt.stack_bytes;
-    f.ctx.uc_link = &rt.sched;
+    f.ctx.uc_link = nullptr;
+    f.started = false;
     makecontext(&f.ctx, fiber_main, 0);
   }
   for (unsigned w = 0; w < kMaxWarps; ++w) rt.warps[w].lanes = rt.warps[w].live;
@@ -381,8 +397,7 @@ static inline void run_block() {
       if (f.at_bar && f.bar_gen == rt.bar_gen) continue;             // still at __syncthreads
       if (rt.warps[f.warp].arrived >> f.lane & 1u) continue;         // still in a collective
       ran = true;
-      rt.cur = &f;
-      swapcontext(&rt.sched, &f.ctx);
+      resume(&f);
     }
     rt.cur = nullptr;
     if (!any) return;
@@ -686,10 +701,12 @@ static inline int __syncthreads_and(int p) {
 static inline void __syncwarp(unsigned mask = 0xffffffffu) {
   ::ctemu::warp_collective(::ctemu::kSync, mask, 0, 0);
 }
-static inline void __threadfence() {}
-static inline void __threadfence_block() {}
-static inline void __threadfence_system() {}
-static inline void __nanosleep(unsigned) {}
+// Fences and __nanosleep let the other threads run: a thread spinning on a flag that another one
+// sets needs them to (any interleaving is one a GPU may produce).
+static inline void __threadfence() { ::ctemu::yield(); }
+static inline void __threadfence_block() { ::ctemu::yield(); }
+static inline void __threadfence_system() { ::ctemu::yield(); }
+static inline void __nanosleep(unsigned) { ::ctemu::yield(); }
 static inline unsigned __activemask() { return ::ctemu::my_warp().live; }
 static inline unsigned __ballot_sync(unsigned mask, int p) { return ::ctemu::vote(mask, p); }
 static inline int __any_sync(unsigned mask, int p) { return ::ctemu::vote(mask, p) != 0; }
