@@ -19,6 +19,8 @@ import base64
 import json
 import os
 import re
+import shutil
+import subprocess
 import sys
 
 from chainer_tc import _cache
@@ -101,6 +103,28 @@ def parse_ptxas_log(log):
     return out
 
 
+def demangle(names):
+    """{mangled: 'kernel<args>'} for C++ names (templates), through c++filt when it is there;
+    names it cannot demangle map to themselves."""
+    mangled = [n for n in names if n.startswith('_Z')]
+    out = {n: n for n in names}
+    cxxfilt = shutil.which('c++filt')
+    if not mangled or not cxxfilt:
+        return out
+    proc = subprocess.run([cxxfilt], input='\n'.join(mangled), capture_output=True, text=True)
+    for m, d in zip(mangled, proc.stdout.splitlines()):
+        if d.startswith('void '):
+            d = d[5:]
+        depth = 0
+        for i, ch in enumerate(d):             # cut the parameter list: the first '(' at depth 0
+            depth += (ch == '<') - (ch == '>')
+            if ch == '(' and depth == 0:
+                d = d[:i]
+                break
+        out[m] = d
+    return out
+
+
 def check(families=None, archs=ARCHS):
     """Compile the given kernel families (all by default); a list of result dicts (FIELDS)."""
     rows = []
@@ -111,8 +135,10 @@ def check(families=None, archs=ARCHS):
         rel = os.path.relpath(path, os.path.dirname(kernels.kernel_dir()))
         for arch in archs:
             _, log = compile_source(code, rel, arch)
-            for fn, r in sorted(parse_ptxas_log(log).items()):
-                rows.append(dict(file=rel, kernel=fn, arch=arch, **r))
+            parsed = parse_ptxas_log(log)
+            names = demangle(list(parsed))
+            for fn, r in sorted(parsed.items(), key=lambda kv: names[kv[0]]):
+                rows.append(dict(file=rel, kernel=names[fn], arch=arch, **r))
     return rows
 
 

@@ -831,3 +831,18 @@ print(out[0])
     import sys
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=30)
     assert proc.stdout.strip() == '7', proc.stderr
+
+
+def test_none_is_a_null_pointer():
+    code = '''extern "C" __global__ void maybe_add(const float* a, const float* b, float* out) {
+      int i = threadIdx.x;
+      out[i] = a[i] + (b ? b[i] : 100.0f);
+    }'''
+    m = emulator.RawModule(code=code)
+    a, b, out = numpy.ones(4, numpy.float32), numpy.full(4, 2, numpy.float32), numpy.zeros(4, numpy.float32)
+    m.get_function('maybe_add')((1,), (4,), (a, b, out))
+    assert (out == 3).all()
+    m.get_function('maybe_add')((1,), (4,), (a, None, out))
+    assert (out == 101).all()
+    with pytest.raises(TypeError, match='expected a NumPy array; got Python int'):
+        m.get_function('maybe_add')((1,), (4,), (a, 0, out))

@@ -360,7 +360,11 @@ class Function:
         seen = {}
         for i, (p, a) in enumerate(zip(self.params, args)):
             alias[i] = -1
-            if p.is_pointer:
+            if p.is_pointer and a is None:               # a null pointer, as CuPy passes None
+                holder = ctypes.c_void_p(0)
+                address = ctypes.addressof(holder)
+                nbytes[i] = _SCALAR
+            elif p.is_pointer:
                 self._check_array(i, p, a)
                 ptr = a.ctypes.data
                 span = (ptr, a.nbytes)

@@ -1,0 +1,93 @@
+"""BatchNormalization (+ Add + ReLU) over channels-last arrays with kernels/batchnorm.cu: the GPU
+path (CuPy) and, under CHAINER_TC_EMULATE=1, the emulated one. Arrays are 2-D (rows, C)."""
+import numpy
+
+from chainer_tc import kernels
+
+TILE_C, ROWS, THREADS = 32, 8, 256
+_DEFINES = {'BN_TILE_C': TILE_C, 'BN_ROWS': ROWS, 'BN_THREADS': THREADS}
+_CTYPE = {numpy.dtype(numpy.float16): '__half', numpy.dtype(numpy.float32): 'float',
+          numpy.dtype(numpy.float64): 'double'}
+PAIRS = [(numpy.float16, numpy.float16), (numpy.float16, numpy.float32),
+         (numpy.float32, numpy.float32), (numpy.float64, numpy.float64)]
+_NAMES = (['bn_stats_partial<{}>'.format(t) for t in ('__half', 'float', 'double')]
+          + ['bn_backward_partial<{}>'.format(t) for t in ('__half', 'float', 'double')]
+          + ['bn_stats_finalize<{}>'.format(t) for t in ('__half', 'float', 'double')]
+          + ['bn_backward_finalize<{}>'.format(t) for t in ('__half', 'float', 'double')]
+          + ['{}<{}, {}>'.format(k, _CTYPE[numpy.dtype(t)], _CTYPE[numpy.dtype(p)])
+             for k in ('bn_apply', 'bn_backward_apply') for t, p in PAIRS])
+
+
+def _kernel(name, *dtypes, xp):
+    full = '{}<{}>'.format(name, ', '.join(_CTYPE[numpy.dtype(d)] for d in dtypes))
+    return kernels.get_function('batchnorm', full, xp, _DEFINES, name_expressions=_NAMES)
+
+
+def acc_dtype(dtype):
+    return numpy.float64 if dtype == numpy.float64 else numpy.float32
+
+
+def _row_blocks(rows, C):
+    """Rows per block of the reductions: about 1024 blocks in all, at least 4 rows per thread."""
+    tiles = -(-C // TILE_C)
+    blocks = max(1, min(-(-rows // (4 * ROWS)), max(1, 1024 // tiles)))
+    per = -(-rows // blocks)
+    return per, -(-rows // per), tiles
+
+
+def _grid_1d(n):
+    return (max(1, min(-(-n // THREADS), 8192)),)
+
+
+def statistics(x, eps, decay, running_mean, running_var, xp):
+    """(mean, invstd) in the accumulation dtype; updates the running statistics if given."""
+    rows, C = x.shape
+    a = acc_dtype(x.dtype)
+    per, blocks, tiles = _row_blocks(rows, C)
+    partial = xp.empty((blocks, C, 3), a)
+    _kernel('bn_stats_partial', x.dtype, xp=xp)(
+        (tiles, blocks), (TILE_C, ROWS),
+        (x, numpy.int64(rows), numpy.int32(C), numpy.int64(per), partial))
+    mean, invstd = xp.empty(C, a), xp.empty(C, a)
+    update = running_mean is not None
+    p_dtype = running_mean.dtype if update else x.dtype     # None: null pointers
+    _kernel('bn_stats_finalize', p_dtype, xp=xp)(
+        (-(-C // THREADS),), (THREADS,),
+        (partial, numpy.int32(blocks), numpy.int32(C), numpy.int64(rows), numpy.float64(eps),
+         numpy.float64(decay), numpy.int32(update), running_mean, running_var, mean, invstd))
+    return mean, invstd
+
+
+def forward(x, z, gamma, beta, mean, invstd, relu, xp):
+    rows, C = x.shape
+    y = xp.empty_like(x)
+    _kernel('bn_apply', x.dtype, gamma.dtype, xp=xp)(
+        _grid_1d(rows * C), (THREADS,),
+        (x, z, gamma, beta, mean, invstd, y, numpy.int64(rows),
+         numpy.int32(C), numpy.int32(relu)))
+    return y
+
+
+def backward(gy, y, x, gamma, mean, invstd, relu, fixed, want_gz, xp):
+    rows, C = x.shape
+    a = acc_dtype(x.dtype)
+    per, blocks, tiles = _row_blocks(rows, C)
+    partial = xp.empty((blocks, C, 2), a)
+    _kernel('bn_backward_partial', x.dtype, xp=xp)(
+        (tiles, blocks), (TILE_C, ROWS),
+        (gy, y, x, mean, invstd, numpy.int64(rows), numpy.int32(C), numpy.int64(per),
+         numpy.int32(relu), partial))
+    sums = xp.empty(2 * C, a)
+    ggamma, gbeta = xp.empty_like(gamma), xp.empty_like(gamma)
+    _kernel('bn_backward_finalize', gamma.dtype, xp=xp)(
+        (-(-C // THREADS),), (THREADS,),
+        (partial, numpy.int32(blocks), numpy.int32(C), sums, ggamma, gbeta))
+    if fixed:               # inference statistics are constants: gx = gamma * invstd * g
+        sums = xp.zeros(2 * C, a)
+    gx = xp.empty_like(x)
+    gz = xp.empty_like(x) if want_gz else None
+    _kernel('bn_backward_apply', x.dtype, gamma.dtype, xp=xp)(
+        _grid_1d(rows * C), (THREADS,),
+        (gy, y, x, gamma, mean, invstd, sums, numpy.int64(rows), numpy.int32(C),
+         numpy.int32(relu), gx, gz))
+    return gx, ggamma, gbeta, gz

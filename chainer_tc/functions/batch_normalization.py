@@ -1,0 +1,163 @@
+"""BatchNormalization, and the fused relu(BN(x) + z), over channels-last (NHWC) arrays.
+
+    from chainer_tc import functions as TF
+    y = TF.batch_normalization(x, gamma, beta, running_mean=rm, running_var=rv)    # x: (N,H,W,C)
+    y = TF.batch_normalization_add_relu(x, z, gamma, beta, running_mean=rm, running_var=rv)
+    y = TF.fixed_batch_normalization(x, gamma, beta, mean, var)                    # inference
+
+Same arguments and semantics as ``chainer.functions.batch_normalization`` with ``axis=(0, 1, 2)``
+(statistics over every axis but the last), except that float16 data is normalised in float32
+(Chainer computes in the promoted dtype of x and gamma, i.e. float16). One FunctionNode each way:
+NumPy arrays take a NumPy path; CuPy arrays (and NumPy arrays under ``CHAINER_TC_EMULATE=1``) take
+kernels/batchnorm.cu (3 launches forward in training, 3 backward). Double backpropagation is not
+supported. See docs/functions.md.
+"""
+import numpy
+
+import chainer
+from chainer import function_node
+from chainer.utils import type_check
+
+from chainer_tc import kernels
+from chainer_tc.functions import _bn_kernels
+from chainer_tc.functions import _bn_numpy
+
+_PAIRS = {(numpy.dtype(t), numpy.dtype(p)) for t, p in _bn_kernels.PAIRS}
+
+
+def _rows(a):
+    return a.reshape(-1, a.shape[-1])
+
+
+def _backend(x):
+    return kernels.backend(chainer.backend.get_array_module(x))
+
+
+class BatchNormAddAct(function_node.FunctionNode):
+    """y = act(gamma * (x - mean) * invstd + beta [+ z]) over the last axis of x.
+
+    ``mean``/``var`` given: inference with those statistics; else batch statistics, and the
+    running statistics (if given) are updated in place.
+    """
+
+    def __init__(self, eps, relu, has_z, decay=0.9, running_mean=None, running_var=None,
+                 mean=None, var=None):
+        if eps <= 0:
+            raise ValueError('eps must be positive; got {}'.format(eps))
+        self.eps, self.relu, self.has_z, self.decay = eps, bool(relu), bool(has_z), decay
+        self.running_mean, self.running_var = running_mean, running_var
+        self.fixed = mean is not None
+        self.fixed_mean, self.fixed_var = mean, var
+
+    def check_type_forward(self, in_types):
+        n = 4 if self.has_z else 3
+        type_check.expect(in_types.size() == n)
+        x_type, gamma_type, beta_type = in_types[:3]
+        type_check.expect(
+            x_type.dtype.kind == 'f',
+            x_type.ndim >= 2,
+            gamma_type.ndim == 1,
+            gamma_type.shape[0] == x_type.shape[x_type.ndim - 1],
+            beta_type.shape == gamma_type.shape,
+            beta_type.dtype == gamma_type.dtype,
+        )
+        if self.has_z:
+            type_check.expect(in_types[3].shape == x_type.shape,
+                              in_types[3].dtype == x_type.dtype)
+
+    def forward(self, inputs):
+        x, gamma, beta = inputs[:3]
+        z = inputs[3] if self.has_z else None
+        if (x.dtype, gamma.dtype) not in _PAIRS:
+            raise TypeError('x is {} and gamma {}; supported (x, gamma) dtypes: {}'.format(
+                x.dtype, gamma.dtype, ', '.join(sorted('({}, {})'.format(t, p) for t, p in
+                                                       _PAIRS))))
+        self.retain_inputs((0, 1))
+        x2, z2 = _rows(x), None if z is None else _rows(z)
+        rows = x2.shape[0]
+        if not self.fixed and rows < 1:
+            raise ValueError('batch statistics need at least one row; got x of shape {}'
+                             .format(x.shape))
+        xp = chainer.backend.get_array_module(x)
+        self._path = _backend(x)
+        a = _bn_numpy.acc_dtype(x.dtype)
+        if self.fixed:
+            self.mean = xp.asarray(self.fixed_mean, a)
+            self.invstd = xp.reciprocal(xp.sqrt(xp.asarray(self.fixed_var, a) + a(self.eps)))
+        elif self._path == 'numpy':
+            self.mean, self.invstd, var = _bn_numpy.statistics(x2, self.eps)
+            if self.running_mean is not None:
+                _bn_numpy.update_running(self.running_mean, self.running_var, self.mean, var,
+                                         rows, self.decay)
+        else:
+            self.mean, self.invstd = _bn_kernels.statistics(
+                x2, self.eps, self.decay, self.running_mean, self.running_var, xp)
+        if self._path == 'numpy':
+            y = _bn_numpy.forward(x2, z2, gamma, beta, self.mean, self.invstd, self.relu)
+        else:
+            y = _bn_kernels.forward(xp.ascontiguousarray(x2), None if z2 is None else
+                                    xp.ascontiguousarray(z2), gamma, beta, self.mean,
+                                    self.invstd, self.relu, xp)
+        self.retain_outputs((0,))
+        return y.reshape(x.shape),
+
+    def backward(self, indexes, grad_outputs):
+        x, gamma = self.get_retained_inputs()
+        y, = self.get_retained_outputs()
+        gy, = grad_outputs
+        grads = BatchNormAddActGrad(self).apply((x, gamma, y, gy))
+        return tuple(grads[i] for i in indexes)
+
+
+class BatchNormAddActGrad(function_node.FunctionNode):
+    """Gradients of BatchNormAddAct: (gx, ggamma, gbeta[, gz]). Not differentiable again."""
+
+    def __init__(self, f):
+        self.f = f
+
+    def forward(self, inputs):
+        x, gamma, y, gy = inputs
+        f = self.f
+        x2, y2, gy2 = _rows(x), _rows(y), _rows(gy)
+        if f._path == 'numpy':
+            gx, ggamma, gbeta, g = _bn_numpy.backward(gy2, y2, x2, gamma, f.mean, f.invstd,
+                                                      f.relu, f.fixed)
+        else:
+            xp = chainer.backend.get_array_module(x)
+            gx, ggamma, gbeta, g = _bn_kernels.backward(
+                xp.ascontiguousarray(gy2), y2, xp.ascontiguousarray(x2), gamma, f.mean, f.invstd, f.relu, f.fixed,
+                f.has_z, xp)
+        out = (gx.reshape(x.shape), ggamma, gbeta)
+        if f.has_z:
+            out += (g.reshape(x.shape),)
+        return out
+
+    def backward(self, indexes, grad_outputs):
+        raise NotImplementedError('chainer_tc: double backpropagation through BatchNormalization '
+                                  'is not supported')
+
+
+def batch_normalization(x, gamma, beta, eps=2e-5, running_mean=None, running_var=None,
+                        decay=0.9):
+    """BatchNormalization of NHWC ``x`` over all axes but the last (training statistics)."""
+    return BatchNormAddAct(eps, False, False, decay, running_mean, running_var).apply(
+        (x, gamma, beta))[0]
+
+
+def batch_normalization_add_relu(x, z, gamma, beta, eps=2e-5, running_mean=None,
+                                 running_var=None, decay=0.9):
+    """relu(BN(x) + z) in one pass (``z=None``: relu(BN(x)))."""
+    inputs = (x, gamma, beta) if z is None else (x, gamma, beta, z)
+    return BatchNormAddAct(eps, True, z is not None, decay, running_mean,
+                           running_var).apply(inputs)[0]
+
+
+def fixed_batch_normalization(x, gamma, beta, mean, var, eps=2e-5):
+    """BatchNormalization with given statistics (inference); no gradient for mean and var."""
+    return BatchNormAddAct(eps, False, False, mean=mean, var=var).apply((x, gamma, beta))[0]
+
+
+def fixed_batch_normalization_add_relu(x, z, gamma, beta, mean, var, eps=2e-5):
+    """relu(fixed BN(x) + z) (``z=None``: relu(fixed BN(x)))."""
+    inputs = (x, gamma, beta) if z is None else (x, gamma, beta, z)
+    return BatchNormAddAct(eps, True, z is not None, mean=mean, var=var).apply(inputs)[0]

@@ -1,0 +1,3 @@
+"""Drop-in links for channels-last (NHWC) models (see docs/functions.md)."""
+from chainer_tc.links.batch_normalization import BatchNormAddReLU  # NOQA
+from chainer_tc.links.batch_normalization import BatchNormalization  # NOQA

@@ -1,0 +1,75 @@
+"""Drop-in BatchNormalization links for channels-last (NHWC) input.
+
+    from chainer_tc import links as TL
+    bn = TL.BatchNormalization(64)            # same arguments as L.BatchNormalization
+    y = bn(x)                                 # x: (N, H, W, 64)
+    bnr = TL.BatchNormAddReLU(64)
+    y = bnr(x, z)                             # relu(bn(x) + z); bnr(x) is relu(bn(x))
+
+Same parameters and persistent values (gamma, beta, avg_mean, avg_var, N) as
+``chainer.links.BatchNormalization``, so weights load from either with ``serializers.load_npz``.
+"""
+import chainer
+import chainer.links as L
+
+from chainer_tc import functions as bn_functions
+
+
+class BatchNormalization(L.BatchNormalization):
+    """``L.BatchNormalization`` over the channels (last axis) of NHWC input.
+
+    ``axis`` is not accepted: the statistics are always over every axis but the last.
+    """
+
+    _relu = False
+
+    def __init__(self, size=None, decay=0.9, eps=2e-5, dtype=None, use_gamma=True,
+                 use_beta=True, initial_gamma=None, initial_beta=None, axis=None,
+                 initial_avg_mean=None, initial_avg_var=None):
+        if axis is not None:
+            raise ValueError('{} normalises NHWC input over every axis but the last (the '
+                             'channels); axis={} is not supported'
+                             .format(type(self).__name__, axis))
+        # Chainer needs an axis to defer the size; ours comes from x.shape[-1] at the first call
+        super().__init__(size, decay, eps, dtype, use_gamma, use_beta, initial_gamma,
+                         initial_beta, axis=(0,) if size is None else None,
+                         initial_avg_mean=initial_avg_mean, initial_avg_var=initial_avg_var)
+
+    def forward(self, x, z=None, finetune=False):
+        if self.avg_mean is None:
+            self._initialize_params((x.shape[-1],))
+        channels = self.avg_mean.shape[0]
+        if x.ndim < 2 or x.shape[-1] != channels:
+            raise ValueError('{} expects channels-last (NHWC) input with its {} channels on the '
+                             'last axis; got shape {}'.format(type(self).__name__, channels,
+                                                             x.shape))
+        if z is not None and not self._relu:
+            raise TypeError('BatchNormalization takes no residual z; use BatchNormAddReLU')
+        gamma = self.gamma if self.gamma is not None else self._get_gamma()[0]
+        beta = self.beta if self.beta is not None else self._get_beta()[0]
+        if chainer.config.train:
+            if finetune:
+                self.N += 1
+                decay = 1. - 1. / self.N
+            else:
+                decay = self.decay
+            mean, var = self.avg_mean, self.avg_var
+            if chainer.config.in_recomputing:       # no statistics update on recomputation
+                if finetune:
+                    self.N -= 1
+                mean = var = None
+            if self._relu:
+                return bn_functions.batch_normalization_add_relu(
+                    x, z, gamma, beta, self.eps, mean, var, decay)
+            return bn_functions.batch_normalization(x, gamma, beta, self.eps, mean, var, decay)
+        if self._relu:
+            return bn_functions.fixed_batch_normalization_add_relu(
+                x, z, gamma, beta, self.avg_mean, self.avg_var, self.eps)
+        return bn_functions.fixed_batch_normalization(x, gamma, beta, self.avg_mean,
+                                                      self.avg_var, self.eps)
+
+
+class BatchNormAddReLU(BatchNormalization):
+    """``relu(BatchNormalization(x) + z)`` in one pass; called as ``link(x, z=None)``."""
+
+    _relu = True
