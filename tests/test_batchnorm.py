@@ -1,0 +1,326 @@
+"""NHWC BatchNormalization and the fused relu(BN(x) + z): against Chainer's NCHW-free reference
+(``F.batch_normalization(axis=(0, 1, 2))``), the emulated kernels against the NumPy path,
+gradient checks, the links."""
+import copy
+
+import numpy
+import pytest
+
+import chainer_tc  # noqa: F401  (before chainer)
+import chainer
+import chainer.functions as F
+import chainer.links as L
+from chainer import gradient_check
+from chainer import serializers
+
+from chainer_tc import functions as TF
+from chainer_tc import kernels
+from chainer_tc import links as TL
+
+# (x dtype, gamma dtype) pairs the kernels support
+PAIRS = [(numpy.float64, numpy.float64), (numpy.float32, numpy.float32),
+         (numpy.float16, numpy.float32), (numpy.float16, numpy.float16)]
+
+
+def data(shape, dtype, pdtype, seed=0, with_z=True):
+    r = numpy.random.RandomState(seed)
+    C = shape[-1]
+    x = (r.randn(*shape) * 2 + r.randn(C) * 3).astype(dtype)     # per-channel offsets
+    gamma = (r.rand(C) + 0.5).astype(pdtype)
+    beta = r.randn(C).astype(pdtype)
+    z = r.randn(*shape).astype(dtype) if with_z else None
+    return x, gamma, beta, z
+
+
+def tol(dtype):
+    """Forward tolerances: float64 is exact up to reduction order; float32 differs from Chainer
+    by reduction order (Welford vs two-pass) and rounding of invstd (~1e-6 relative of |y|~5);
+    float16 output is rounded to 11 bits (relative 2^-11) of values up to ~8 (Chainer even
+    computes in float16)."""
+    return {numpy.float64: dict(atol=1e-12, rtol=1e-12),
+            numpy.float32: dict(atol=1e-5, rtol=1e-5),
+            numpy.float16: dict(atol=2e-2, rtol=1e-2)}[dtype]
+
+
+@pytest.fixture(params=['numpy', 'emulator'])
+def path(request, monkeypatch):
+    monkeypatch.setenv('CHAINER_TC_EMULATE', '1' if request.param == 'emulator' else '0')
+    return request.param
+
+
+# ---- forward against Chainer --------------------------------------------------------------------
+
+@pytest.mark.parametrize('shape', [(2, 3, 5, 7), (1, 1, 1, 3), (4, 7), (1, 2, 2, 64), (3, 1, 1, 1)])
+@pytest.mark.parametrize('dtype,pdtype', PAIRS)
+def test_training_forward_and_running_statistics(path, shape, dtype, pdtype):
+    x, gamma, beta, _ = data(shape, dtype, pdtype)
+    C = shape[-1]
+    rm, rv = numpy.zeros(C, pdtype), numpy.ones(C, pdtype)
+    rm_ref, rv_ref = rm.copy(), rv.copy()
+    y = TF.batch_normalization(x, gamma, beta, eps=1e-3, running_mean=rm, running_var=rv,
+                               decay=0.8)
+    axes = tuple(range(x.ndim - 1))
+    x64 = x.astype(numpy.float64)
+    ref = F.batch_normalization(x64, gamma.astype(numpy.float64), beta.astype(numpy.float64),
+                                eps=1e-3, running_mean=rm_ref.astype(numpy.float64),
+                                running_var=rv_ref.astype(numpy.float64), decay=0.8, axis=axes)
+    assert y.dtype == dtype and y.shape == x.shape
+    numpy.testing.assert_allclose(y.array.astype(numpy.float64), ref.array, **tol(dtype))
+    mean, var = x64.reshape(-1, C).mean(0), x64.reshape(-1, C).var(0)
+    m = x.size // C
+    numpy.testing.assert_allclose(rm, 0.2 * mean, **tol(pdtype))
+    numpy.testing.assert_allclose(rv, 0.8 + 0.2 * var * m / max(m - 1, 1), **tol(pdtype))
+
+
+@pytest.mark.parametrize('dtype,pdtype', PAIRS)
+def test_fixed_forward(path, dtype, pdtype):
+    x, gamma, beta, _ = data((2, 3, 4, 5), dtype, pdtype)
+    mean, var = numpy.linspace(-1, 1, 5).astype(pdtype), numpy.linspace(0.5, 2, 5).astype(pdtype)
+    y = TF.fixed_batch_normalization(x, gamma, beta, mean, var, eps=1e-4)
+    f = [a.astype(numpy.float64) for a in (x, gamma, beta, mean, var)]
+    ref = F.fixed_batch_normalization(*f, eps=1e-4, axis=(0, 1, 2))
+    numpy.testing.assert_allclose(y.array.astype(numpy.float64), ref.array, **tol(dtype))
+
+
+@pytest.mark.parametrize('train', [True, False])
+@pytest.mark.parametrize('with_z', [True, False])
+def test_fused_equals_the_three_separate_ops(path, train, with_z):
+    x, gamma, beta, z = data((2, 3, 5, 6), numpy.float64, numpy.float64, with_z=with_z)
+    # make some outputs exactly zero: a constant channel normalises to beta, and z = -beta there
+    x[..., 2] = 4.0
+    if with_z:
+        z[..., 2] = -beta[2]
+    rm, rv = numpy.zeros(6), numpy.ones(6)
+    gy = numpy.random.RandomState(3).randn(*x.shape)
+
+    def ours(x, gamma, beta, *z):
+        zz = z[0] if z else None
+        if train:
+            return TF.batch_normalization_add_relu(x, zz, gamma, beta)
+        return TF.fixed_batch_normalization_add_relu(x, zz, gamma, beta, rm, rv)
+
+    def separate(x, gamma, beta, *z):
+        if train:
+            h = F.batch_normalization(x, gamma, beta, axis=(0, 1, 2))
+        else:
+            h = F.fixed_batch_normalization(x, gamma, beta, rm, rv, axis=(0, 1, 2))
+        return F.relu(h + z[0]) if z else F.relu(h)
+
+    inputs = (x, gamma, beta) + ((z,) if with_z else ())
+    results = []
+    for f in (ours, separate):
+        vs = [chainer.Variable(a.copy()) for a in inputs]
+        y = f(*vs)
+        y.grad = gy
+        y.backward()
+        results.append((y.array, [v.grad for v in vs]))
+    (y1, g1), (y2, g2) = results
+    if train and with_z:
+        assert (y1[..., 2] == 0).all(), 'the test must hit the ReLU kink exactly'
+    numpy.testing.assert_allclose(y1, y2, atol=1e-12, rtol=1e-12)
+    for a, b in zip(g1, g2):                # including the ReLU mask at exact zeros
+        numpy.testing.assert_allclose(a, b, atol=1e-12, rtol=1e-10)
+
+
+# ---- gradient checks ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize('with_z', [True, False])
+@pytest.mark.parametrize('train', [True, False])
+def test_gradient_check_float64(path, with_z, train):
+    x, gamma, beta, z = data((2, 2, 3, 4), numpy.float64, numpy.float64, seed=5, with_z=with_z)
+    if with_z:
+        z += 4.0            # keep BN(x) + z away from the ReLU kink: finite differences
+    gy = numpy.random.RandomState(6).randn(*x.shape)
+    mean, var = numpy.full(4, 0.3), numpy.full(4, 1.7)
+
+    def f(x, gamma, beta, *z):
+        zz = z[0] if z else None
+        if train:
+            return TF.batch_normalization_add_relu(x, zz, gamma, beta) if with_z else \
+                TF.batch_normalization(x, gamma, beta)
+        return TF.fixed_batch_normalization_add_relu(x, zz, gamma, beta, mean, var) if with_z \
+            else TF.fixed_batch_normalization(x, gamma, beta, mean, var)
+    inputs = (x, gamma, beta) + ((z,) if with_z else ())
+    gradient_check.check_backward(f, inputs, gy, eps=1e-6, atol=1e-7, rtol=1e-6)
+
+
+def test_gradient_check_float32(path):
+    """float32 finite differences with eps 1e-2 carry ~1e-4 relative error from rounding of
+    sums over 48 elements; atol/rtol 1e-2 as Chainer's own float32 BN tests."""
+    x, gamma, beta, z = data((2, 2, 3, 4), numpy.float32, numpy.float32, seed=7)
+    z += 4.0
+    gy = numpy.random.RandomState(8).randn(*x.shape).astype(numpy.float32)
+    gradient_check.check_backward(
+        lambda x, g, b, z: TF.batch_normalization_add_relu(x, z, g, b), (x, gamma, beta, z), gy,
+        eps=1e-2, atol=1e-2, rtol=1e-2, dtype=numpy.float64)
+
+
+@pytest.mark.parametrize('pdtype', [numpy.float16, numpy.float32])
+def test_float16_gradients_follow_float64(path, pdtype):
+    """float16 data: the analytic gradients equal the float64 ones up to float16 rounding of the
+    inputs and outputs (11 bits, |values| < 8: atol 2e-2) since the kernels accumulate in fp32."""
+    x, gamma, beta, z = data((2, 3, 4, 8), numpy.float16, pdtype, seed=9)
+    z += numpy.float16(4)
+    gy = numpy.random.RandomState(10).randn(*x.shape).astype(numpy.float16)
+    grads = []
+    for as64 in (False, True):
+        vs = [chainer.Variable(a.astype(numpy.float64) if as64 else a)
+              for a in (x, gamma, beta, z)]
+        y = TF.batch_normalization_add_relu(vs[0], vs[3], vs[1], vs[2])
+        y.grad = gy.astype(y.dtype)
+        y.backward()
+        grads.append([v.grad.astype(numpy.float64) for v in vs])
+    for name, a, b in zip(('x', 'gamma', 'beta', 'z'), *grads):
+        scale = max(1.0, numpy.abs(b).max())
+        numpy.testing.assert_allclose(a, b, atol=2e-2 * scale, rtol=2e-2, err_msg=name)
+
+
+# ---- the emulated kernels against the NumPy path, awkward shapes ---------------------------------
+
+@pytest.mark.parametrize('rows,C', [(1, 1), (7, 3), (4097, 1), (4097, 4), (7, 64), (1, 2048),
+                                    (7, 2048), (300, 33)])
+@pytest.mark.parametrize('dtype,pdtype', [(numpy.float32, numpy.float32),
+                                          (numpy.float16, numpy.float32),
+                                          (numpy.float16, numpy.float16)])
+def test_emulated_kernels_equal_numpy_path(monkeypatch, rows, C, dtype, pdtype):
+    x, gamma, beta, z = data((rows, C), dtype, pdtype, seed=rows + C)
+    gy = numpy.random.RandomState(1).randn(rows, C).astype(dtype)
+    out = []
+    for emulate in ('0', '1'):
+        monkeypatch.setenv('CHAINER_TC_EMULATE', emulate)
+        rm, rv = numpy.zeros(C, pdtype), numpy.ones(C, pdtype)
+        vs = [chainer.Variable(a.copy()) for a in (x, gamma, beta, z)]
+        with kernels.count_launches() as c:
+            y = TF.batch_normalization_add_relu(vs[0], vs[3], vs[1], vs[2], running_mean=rm,
+                                                running_var=rv)
+            y.grad = gy
+            y.backward()
+        out.append((y.array, rm, rv, [v.grad for v in vs], c.total))
+    (y0, rm0, rv0, g0, n0), (y1, rm1, rv1, g1, n1) = out
+    assert n0 == 0 and n1 == 6, 'three launches forward, three backward'
+    # Welford in blocks vs NumPy's two-pass mean: statistics agree to ~1e-6 relative in float32,
+    # which moves float16 outputs by at most one ulp
+    t = dict(atol=2e-6 * numpy.sqrt(rows), rtol=1e-5) if dtype == numpy.float32 else \
+        dict(atol=4e-3, rtol=2e-3)
+    numpy.testing.assert_allclose(y1.astype('f8'), y0.astype('f8'), **t)
+    numpy.testing.assert_allclose(rm1.astype('f8'), rm0.astype('f8'), **t)
+    numpy.testing.assert_allclose(rv1.astype('f8'), rv0.astype('f8'), **t)
+    for name, a, b in zip(('x', 'gamma', 'beta', 'z'), g1, g0):
+        scale = max(1.0, float(numpy.abs(b.astype('f8')).max()))
+        numpy.testing.assert_allclose(a.astype('f8'), b.astype('f8'), atol=t['atol'] * scale * 4,
+                                      rtol=t['rtol'] * 4, err_msg=name)
+
+
+def test_fixed_mode_launches(monkeypatch):
+    monkeypatch.setenv('CHAINER_TC_EMULATE', '1')
+    x, gamma, beta, _ = data((3, 5), numpy.float32, numpy.float32)
+    with kernels.count_launches() as c:
+        TF.fixed_batch_normalization(x, gamma, beta, numpy.zeros(5, 'f'), numpy.ones(5, 'f'))
+    assert c.per_kernel == {'bn_apply<float, float>': 1}
+
+
+# ---- bad input ----------------------------------------------------------------------------------
+
+def test_bad_input(path):
+    x, gamma, beta, _ = data((2, 3, 4), numpy.float32, numpy.float32)
+    with pytest.raises(chainer.utils.type_check.InvalidType):
+        TF.batch_normalization(x, gamma[:3], beta[:3])
+    with pytest.raises(ValueError, match='eps must be positive'):
+        TF.batch_normalization(x, gamma, beta, eps=0)
+    with pytest.raises(TypeError, match=r'x is float32 and gamma float16; supported \(x, gamma\)'):
+        TF.batch_normalization(x, gamma.astype(numpy.float16), beta.astype(numpy.float16))
+    with pytest.raises(ValueError, match='at least one row'):
+        TF.batch_normalization(x[:0], gamma, beta)
+
+
+# ---- links ----------------------------------------------------------------------------------------
+
+def test_link_matches_chainer_link_on_transposed_data(path):
+    r = numpy.random.RandomState(0)
+    nchw = L.BatchNormalization(6, decay=0.7, eps=1e-4)
+    nchw.gamma.array[...] = r.rand(6) + 0.5
+    nchw.beta.array[...] = r.randn(6)
+    nhwc = TL.BatchNormalization(6, decay=0.7, eps=1e-4)
+    nhwc.copyparams(nchw)
+    x = r.randn(3, 6, 4, 5).astype(numpy.float32)
+    for _ in range(3):
+        y_ref = nchw(x)
+        y = nhwc(x.transpose(0, 2, 3, 1))
+        numpy.testing.assert_allclose(y.array, y_ref.array.transpose(0, 2, 3, 1), atol=1e-5)
+    numpy.testing.assert_allclose(nhwc.avg_mean, nchw.avg_mean, rtol=1e-5, atol=1e-7)
+    numpy.testing.assert_allclose(nhwc.avg_var, nchw.avg_var, rtol=1e-5)
+    with chainer.using_config('train', False):
+        numpy.testing.assert_allclose(nhwc(x.transpose(0, 2, 3, 1)).array,
+                                      nchw(x).array.transpose(0, 2, 3, 1), atol=1e-5)
+
+
+def test_link_finetune_and_lazy_size(path):
+    x = numpy.random.RandomState(1).randn(4, 2, 2, 3).astype(numpy.float32)
+    ref = L.BatchNormalization(axis=(0, 1, 2))
+    ours = TL.BatchNormalization()
+    for _ in range(3):
+        ref(x, finetune=True)
+        ours(x, finetune=True)
+    assert ours.N == ref.N == 3
+    numpy.testing.assert_allclose(ours.avg_mean, ref.avg_mean, rtol=1e-6, atol=1e-7)
+    numpy.testing.assert_allclose(ours.avg_var, ref.avg_var, rtol=1e-6)
+
+
+def test_link_has_chainers_arguments_and_names(tmp_path):
+    ours = TL.BatchNormAddReLU(5, decay=0.8, eps=1e-3, use_gamma=False, initial_beta=0.5,
+                               dtype=numpy.float16)
+    assert ours.gamma is None and ours.beta.dtype == numpy.float16
+    assert (ours.beta.array == numpy.float16(0.5)).all()
+    ref = L.BatchNormalization(5)
+    ref.avg_mean[...] = 3
+    serializers.save_npz(str(tmp_path / 'bn.npz'), ref)
+    mine = TL.BatchNormalization(5)
+    serializers.load_npz(str(tmp_path / 'bn.npz'), mine)
+    assert (mine.avg_mean == 3).all()
+    assert sorted(n for n, _ in mine.namedparams()) == sorted(n for n, _ in ref.namedparams())
+    with pytest.raises(ValueError, match='axis=.* is not supported'):
+        TL.BatchNormalization(5, axis=(0, 2, 3))
+
+
+def test_link_rejects_nchw_input_with_a_clear_message():
+    bn = TL.BatchNormAddReLU(64)
+    with pytest.raises(ValueError, match=r'expects channels-last \(NHWC\) input with its 64 '
+                                         r'channels on the last axis; got shape \(2, 64, 7, 7\)'):
+        bn(numpy.zeros((2, 64, 7, 7), numpy.float32))
+
+
+def test_add_relu_link(path):
+    x, gamma, beta, z = data((2, 3, 3, 4), numpy.float32, numpy.float32)
+    link = TL.BatchNormAddReLU(4)
+    link.gamma.array[...], link.beta.array[...] = gamma, beta
+    ref = copy.deepcopy(link)
+    y = link(x, z)
+    y_ref = F.relu(F.batch_normalization(x, gamma, beta, axis=(0, 1, 2)) + z)
+    numpy.testing.assert_allclose(y.array, y_ref.array, atol=1e-5)
+    numpy.testing.assert_allclose(link(x).array, F.relu(F.batch_normalization(
+        x, gamma, beta, axis=(0, 1, 2))).array, atol=1e-5)
+    assert ref.N == 0
+
+
+# ---- GPU ----------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('dtype,pdtype', PAIRS)
+def test_gpu_kernels_equal_numpy_path(dtype, pdtype):
+    import cupy
+    x, gamma, beta, z = data((4, 7, 7, 64), dtype, pdtype)
+    gy = numpy.random.RandomState(2).randn(*x.shape).astype(dtype)
+    out = []
+    for xp in (numpy, cupy):
+        rm, rv = xp.zeros(64, pdtype), xp.ones(64, pdtype)
+        vs = [chainer.Variable(xp.asarray(a)) for a in (x, gamma, beta, z)]
+        y = TF.batch_normalization_add_relu(vs[0], vs[3], vs[1], vs[2], running_mean=rm,
+                                            running_var=rv)
+        y.grad = xp.asarray(gy)
+        y.backward()
+        out.append([chainer.backends.cuda.to_cpu(a) for a in
+                    [y.array, rm, rv] + [v.grad for v in vs]])
+    t = tol(dtype)
+    for a, b in zip(*out):
+        numpy.testing.assert_allclose(b.astype('f8'), a.astype('f8'), atol=t['atol'] * 10,
+                                      rtol=t['rtol'] * 10)
