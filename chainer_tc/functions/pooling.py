@@ -1,0 +1,217 @@
+"""Max and average pooling over channels-last (NHWC) arrays.
+
+    from chainer_tc import functions as TF
+    y = TF.max_pooling_2d(x, 3, stride=2, pad=1)          # x: (N, H, W, C)
+    y = TF.average_pooling_2d(x, 2)
+    y = TF.global_average_pooling_2d(x)                   # (N, 1, 1, C), ResNet's last pooling
+
+Chainer's semantics (``chainer.functions.max_pooling_2d`` with ``cover_all``, ties to the first
+maximum in row-major window order; ``average_pooling_2d`` counting padding as zeros), in NHWC.
+NumPy arrays take a NumPy path; CuPy arrays (and NumPy under ``CHAINER_TC_EMULATE=1``) one launch
+of kernels/pooling.cu each way. Double backpropagation is not supported.
+"""
+import numpy
+
+import chainer
+from chainer import function_node
+from chainer.utils import conv
+from chainer.utils import type_check
+
+from chainer_tc import kernels
+
+THREADS = 256
+_CTYPE = {numpy.dtype(numpy.float16): '__half', numpy.dtype(numpy.float32): 'float',
+          numpy.dtype(numpy.float64): 'double'}
+_NAMES = ['{}<{}>'.format(k, t) for k in ('max_pool_forward', 'max_pool_backward',
+                                          'avg_pool_forward', 'avg_pool_backward')
+          for t in ('__half', 'float', 'double')]
+SHAPE = numpy.dtype([(f, '<i4') for f in ('N', 'H', 'W', 'C', 'OH', 'OW', 'kh', 'kw', 'sy', 'sx',
+                                          'ph', 'pw')])
+
+
+def _pair(v, name):
+    if isinstance(v, (int, numpy.integer)):
+        v = (int(v), int(v))
+    v = tuple(int(a) for a in v)
+    if len(v) != 2:
+        raise ValueError('{} must be an int or a pair of ints; got {!r}'.format(name, v))
+    return v
+
+
+def _acc(dtype):
+    return numpy.float64 if dtype == numpy.float64 else numpy.float32
+
+
+class _Pooling2D(function_node.FunctionNode):
+
+    def __init__(self, ksize, stride, pad, cover_all):
+        self.kh, self.kw = _pair(ksize, 'ksize')
+        self.sy, self.sx = _pair(ksize if stride is None else stride, 'stride')
+        self.ph, self.pw = _pair(pad, 'pad')
+        if min(self.kh, self.kw, self.sy, self.sx) < 1 or min(self.ph, self.pw) < 0:
+            raise ValueError('ksize and stride must be >= 1 and pad >= 0; got ksize {}, stride {}, '
+                             'pad {}'.format((self.kh, self.kw), (self.sy, self.sx),
+                                             (self.ph, self.pw)))
+        self.cover_all = cover_all
+
+    def check_type_forward(self, in_types):
+        type_check.expect(in_types.size() == 1, in_types[0].dtype.kind == 'f',
+                          in_types[0].ndim == 4)
+
+    def _geometry(self, x):
+        n, h, w, c = x.shape
+        oh = conv.get_conv_outsize(h, self.kh, self.sy, self.ph, self.cover_all)
+        ow = conv.get_conv_outsize(w, self.kw, self.sx, self.pw, self.cover_all)
+        if oh < 1 or ow < 1:
+            raise ValueError('pooling window {} with stride {} and pad {} leaves no output for '
+                             'input of shape {} (N, H, W, C)'.format(
+                                 (self.kh, self.kw), (self.sy, self.sx), (self.ph, self.pw),
+                                 x.shape))
+        s = numpy.zeros((), SHAPE)
+        for f, v in zip(SHAPE.names, (n, h, w, c, oh, ow, self.kh, self.kw, self.sy, self.sx,
+                                      self.ph, self.pw)):
+            s[f] = v
+        return s
+
+    def _kernel(self, name, dtype, xp):
+        return kernels.get_function('pooling', '{}<{}>'.format(name, _CTYPE[numpy.dtype(dtype)]),
+                                    xp, {'POOL_THREADS': THREADS}, name_expressions=_NAMES)
+
+    def _windows(self, s):
+        """(i, j, slice of the padded array) for every window offset (the NumPy path)."""
+        oh, ow, sy, sx = int(s['OH']), int(s['OW']), self.sy, self.sx
+        for i in range(self.kh):
+            for j in range(self.kw):
+                yield i, j, (slice(None), slice(i, i + sy * (oh - 1) + 1, sy),
+                             slice(j, j + sx * (ow - 1) + 1, sx), slice(None))
+
+    def _padded(self, x, s, value):
+        extra_h = max(0, (int(s['OH']) - 1) * self.sy + self.kh - (int(s['H']) + 2 * self.ph))
+        extra_w = max(0, (int(s['OW']) - 1) * self.sx + self.kw - (int(s['W']) + 2 * self.pw))
+        return numpy.pad(x, ((0, 0), (self.ph, self.ph + extra_h), (self.pw, self.pw + extra_w),
+                             (0, 0)), constant_values=value)
+
+    def _crop(self, gp, s):
+        return gp[:, self.ph:self.ph + int(s['H']), self.pw:self.pw + int(s['W']), :]
+
+
+def _grid(n):
+    return (max(1, min(-(-n // THREADS), 8192)),)
+
+
+class MaxPooling2D(_Pooling2D):
+
+    def forward(self, inputs):
+        x, = inputs
+        s = self.shape = self._geometry(x)
+        self._in_dtype = x.dtype
+        xp = chainer.backend.get_array_module(x)
+        if kernels.backend(xp) == 'numpy':
+            xpad = self._padded(x, s, -numpy.inf)
+            y = argmax = None
+            for i, j, sl in self._windows(s):
+                v = xpad[sl]
+                if y is None:
+                    y, argmax = v.copy(), numpy.zeros(v.shape, numpy.int32)
+                else:
+                    better = v > y
+                    y[better] = v[better]
+                    argmax[better] = i * self.kw + j
+        else:
+            x = xp.ascontiguousarray(x)
+            y = xp.empty((int(s['N']), int(s['OH']), int(s['OW']), int(s['C'])), x.dtype)
+            argmax = xp.empty(y.shape, numpy.int32)
+            self._kernel('max_pool_forward', x.dtype, xp)(_grid(y.size), (THREADS,),
+                                                          (s, x, y, argmax))
+        self.argmax = argmax
+        return y,
+
+    def backward(self, indexes, grad_outputs):
+        return _MaxPooling2DGrad(self).apply(grad_outputs)
+
+
+class _MaxPooling2DGrad(function_node.FunctionNode):
+
+    def __init__(self, f):
+        self.f = f
+
+    def forward(self, inputs):
+        gy, = inputs
+        f, s = self.f, self.f.shape
+        xp = chainer.backend.get_array_module(gy)
+        in_shape = (int(s['N']), int(s['H']), int(s['W']), int(s['C']))
+        if kernels.backend(xp) == 'numpy':
+            a = _acc(gy.dtype)
+            gp = f._padded(numpy.zeros(in_shape, a), s, 0)
+            for i, j, sl in f._windows(s):
+                gp[sl] += numpy.where(f.argmax == i * f.kw + j, gy.astype(a), a(0))
+            return f._crop(gp, s).astype(gy.dtype),
+        gx = xp.empty(in_shape, gy.dtype)
+        f._kernel('max_pool_backward', gy.dtype, xp)(
+            _grid(gx.size), (THREADS,), (s, xp.ascontiguousarray(gy), f.argmax, gx))
+        return gx,
+
+    def backward(self, indexes, grad_outputs):
+        raise NotImplementedError('chainer_tc: double backpropagation through pooling is not '
+                                  'supported')
+
+
+class AveragePooling2D(_Pooling2D):
+
+    def forward(self, inputs):
+        x, = inputs
+        s = self.shape = self._geometry(x)
+        xp = chainer.backend.get_array_module(x)
+        if kernels.backend(xp) == 'numpy':
+            a = _acc(x.dtype)
+            xpad = self._padded(x, s, 0)
+            total = sum(xpad[sl].astype(a) for _, _, sl in self._windows(s))
+            return (total / a(self.kh * self.kw)).astype(x.dtype),
+        x = xp.ascontiguousarray(x)
+        y = xp.empty((int(s['N']), int(s['OH']), int(s['OW']), int(s['C'])), x.dtype)
+        self._kernel('avg_pool_forward', x.dtype, xp)(_grid(y.size), (THREADS,), (s, x, y))
+        return y,
+
+    def backward(self, indexes, grad_outputs):
+        return _AveragePooling2DGrad(self).apply(grad_outputs)
+
+
+class _AveragePooling2DGrad(function_node.FunctionNode):
+
+    def __init__(self, f):
+        self.f = f
+
+    def forward(self, inputs):
+        gy, = inputs
+        f, s = self.f, self.f.shape
+        xp = chainer.backend.get_array_module(gy)
+        in_shape = (int(s['N']), int(s['H']), int(s['W']), int(s['C']))
+        if kernels.backend(xp) == 'numpy':
+            a = _acc(gy.dtype)
+            gp = f._padded(numpy.zeros(in_shape, a), s, 0)
+            for _, _, sl in f._windows(s):
+                gp[sl] += gy.astype(a)
+            return (f._crop(gp, s) / a(f.kh * f.kw)).astype(gy.dtype),
+        gx = xp.empty(in_shape, gy.dtype)
+        f._kernel('avg_pool_backward', gy.dtype, xp)(
+            _grid(gx.size), (THREADS,), (s, xp.ascontiguousarray(gy), gx))
+        return gx,
+
+    def backward(self, indexes, grad_outputs):
+        raise NotImplementedError('chainer_tc: double backpropagation through pooling is not '
+                                  'supported')
+
+
+def max_pooling_2d(x, ksize, stride=None, pad=0, cover_all=True):
+    """Max pooling of NHWC ``x`` (Chainer's arguments and defaults)."""
+    return MaxPooling2D(ksize, stride, pad, cover_all).apply((x,))[0]
+
+
+def average_pooling_2d(x, ksize, stride=None, pad=0):
+    """Average pooling of NHWC ``x``; padding counts as zeros (as Chainer's)."""
+    return AveragePooling2D(ksize, stride, pad, False).apply((x,))[0]
+
+
+def global_average_pooling_2d(x):
+    """Average over H and W: (N, H, W, C) -> (N, 1, 1, C)."""
+    return average_pooling_2d(x, x.shape[1:3])

@@ -1,0 +1,153 @@
+"""NHWC max/average pooling against Chainer's NCHW functions on transposed data, the emulated
+kernels against the NumPy path, gradient checks."""
+import numpy
+import pytest
+
+import chainer_tc  # noqa: F401  (before chainer)
+import chainer
+import chainer.functions as F
+from chainer import gradient_check
+
+from chainer_tc import functions as TF
+from chainer_tc import kernels
+
+# (shape NHWC, ksize, stride, pad, cover_all): overlapping, strided, padded, odd, global
+CASES = [((2, 5, 7, 3), 2, None, 0, True), ((1, 7, 7, 4), 3, 2, 1, True),
+         ((2, 6, 5, 1), 3, 2, 1, False), ((1, 9, 9, 64), 3, 1, 1, True),
+         ((3, 4, 4, 2), (2, 3), (1, 2), (0, 1), True), ((2, 7, 7, 33), 7, 1, 0, False),
+         ((1, 1, 1, 5), 1, 1, 0, False)]
+
+
+def distinct(shape, dtype, seed=0):
+    """Values with no ties (a permutation), so max pooling's gradient is well defined."""
+    r = numpy.random.RandomState(seed)
+    return (r.permutation(int(numpy.prod(shape))).reshape(shape) / 7.0 - 3).astype(dtype)
+
+
+def nchw(a):
+    return a.transpose(0, 3, 1, 2)
+
+
+def nhwc(a):
+    return a.transpose(0, 2, 3, 1)
+
+
+@pytest.fixture(params=['numpy', 'emulator'])
+def path(request, monkeypatch):
+    monkeypatch.setenv('CHAINER_TC_EMULATE', '1' if request.param == 'emulator' else '0')
+    return request.param
+
+
+def run(f, x, gy):
+    v = chainer.Variable(x)
+    y = f(v)
+    y.grad = gy
+    y.backward()
+    return y.array, v.grad
+
+
+@pytest.mark.parametrize('case', CASES)
+@pytest.mark.parametrize('dtype', [numpy.float64, numpy.float32, numpy.float16])
+def test_max_pooling_matches_chainer(path, case, dtype):
+    shape, k, s, p, cover_all = case
+    x = distinct(shape, numpy.float64).astype(dtype)
+    ours_y = TF.max_pooling_2d(x, k, s, p, cover_all)
+    gy = numpy.random.RandomState(1).randn(*ours_y.shape).astype(dtype)
+    y, gx = run(lambda v: TF.max_pooling_2d(v, k, s, p, cover_all), x, gy)
+    y_ref, gx_ref = run(lambda v: F.max_pooling_2d(v, k, s, p, cover_all),
+                        nchw(x).copy(), nchw(gy).copy())
+    numpy.testing.assert_array_equal(y, nhwc(y_ref))          # a max is exact
+    # overlapping windows add up to kh*kw gradients per input: we add in float32 and round once,
+    # Chainer adds in float16 (a rounding per term, half an ulp of 2^-11 each: 9 terms ~ 0.5%)
+    t = dict(atol=1e-2, rtol=1e-2) if dtype == numpy.float16 else dict(atol=1e-6, rtol=1e-6)
+    numpy.testing.assert_allclose(gx.astype('f8'), nhwc(gx_ref).astype('f8'), **t)
+
+
+@pytest.mark.parametrize('case', CASES)
+@pytest.mark.parametrize('dtype', [numpy.float64, numpy.float32, numpy.float16])
+def test_average_pooling_matches_chainer(path, case, dtype):
+    shape, k, s, p, _ = case
+    x = numpy.random.RandomState(2).randn(*shape).astype(dtype)
+    y0 = TF.average_pooling_2d(x, k, s, p)
+    gy = numpy.random.RandomState(3).randn(*y0.shape).astype(dtype)
+    y, gx = run(lambda v: TF.average_pooling_2d(v, k, s, p), x, gy)
+    y_ref, gx_ref = run(lambda v: F.average_pooling_2d(v, k, s, p), nchw(x).copy(),
+                        nchw(gy).copy())
+    # float32 sums of up to 49 values in a different order: 1e-6; float16: we sum in float32,
+    # Chainer in float16 (numpy's mean promotes, its col2im does not): half an ulp of 2^-11
+    t = {numpy.float64: dict(atol=1e-12, rtol=1e-12), numpy.float32: dict(atol=1e-6, rtol=1e-6),
+         numpy.float16: dict(atol=4e-3, rtol=4e-3)}[dtype]
+    numpy.testing.assert_allclose(y.astype('f8'), nhwc(y_ref).astype('f8'), **t)
+    numpy.testing.assert_allclose(gx.astype('f8'), nhwc(gx_ref).astype('f8'), **t)
+
+
+def test_global_average_pooling(path):
+    x = numpy.random.RandomState(4).randn(2, 7, 7, 8)
+    y = TF.global_average_pooling_2d(x)
+    assert y.shape == (2, 1, 1, 8)
+    numpy.testing.assert_allclose(y.array[:, 0, 0], x.mean(axis=(1, 2)), rtol=1e-12)
+
+
+@pytest.mark.parametrize('case', CASES[:5])
+def test_gradient_checks_float64(path, case):
+    shape, k, s, p, cover_all = case
+    x = distinct(shape, numpy.float64)
+    gy_max = numpy.random.RandomState(5).randn(*TF.max_pooling_2d(x, k, s, p, cover_all).shape)
+    gradient_check.check_backward(lambda v: TF.max_pooling_2d(v, k, s, p, cover_all), x, gy_max,
+                                  eps=1e-4, atol=1e-8, rtol=1e-7)
+    gy_avg = numpy.random.RandomState(6).randn(*TF.average_pooling_2d(x, k, s, p).shape)
+    gradient_check.check_backward(lambda v: TF.average_pooling_2d(v, k, s, p), x, gy_avg,
+                                  eps=1e-4, atol=1e-8, rtol=1e-7)
+
+
+@pytest.mark.parametrize('case', CASES)
+@pytest.mark.parametrize('dtype', [numpy.float32, numpy.float16])
+def test_emulated_kernels_equal_numpy_path(monkeypatch, case, dtype):
+    shape, k, s, p, cover_all = case
+    x = distinct(shape, numpy.float64).astype(dtype)
+    results = []
+    for emulate in ('0', '1'):
+        monkeypatch.setenv('CHAINER_TC_EMULATE', emulate)
+        with kernels.count_launches() as c:
+            gy = numpy.ones(TF.max_pooling_2d(x, k, s, p, cover_all).shape, dtype)
+            ym, gm = run(lambda v: TF.max_pooling_2d(v, k, s, p, cover_all), x, gy)
+            ga = numpy.ones(TF.average_pooling_2d(x, k, s, p).shape, dtype)
+            ya, gaa = run(lambda v: TF.average_pooling_2d(v, k, s, p), x, ga)
+        results.append(([ym, gm, ya, gaa], c.total))
+    (r0, n0), (r1, n1) = results
+    assert n0 == 0 and n1 == 6       # forward+backward of each, plus the two shape probes
+    for a, b in zip(r0, r1):
+        # max and its gradient are exact; averages may differ by summation order (one ulp)
+        numpy.testing.assert_allclose(a.astype('f8'), b.astype('f8'), rtol=2e-3 if dtype ==
+                                      numpy.float16 else 1e-6, atol=1e-7)
+
+
+def test_bad_input(path):
+    x = numpy.zeros((1, 4, 4, 2), numpy.float32)
+    with pytest.raises(ValueError, match='ksize and stride must be >= 1'):
+        TF.max_pooling_2d(x, 0)
+    with pytest.raises(ValueError, match=r'leaves no output for input of shape \(1, 4, 4, 2\)'):
+        TF.average_pooling_2d(x, 5)
+    with pytest.raises(ValueError, match='ksize must be an int or a pair'):
+        TF.max_pooling_2d(x, (2, 2, 2))
+    with pytest.raises(chainer.utils.type_check.InvalidType):
+        TF.max_pooling_2d(numpy.zeros((4, 4, 2), numpy.float32), 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('case', CASES)
+@pytest.mark.parametrize('dtype', [numpy.float32, numpy.float16])
+def test_gpu_equals_numpy_path(case, dtype):
+    import cupy
+    shape, k, s, p, cover_all = case
+    x = distinct(shape, numpy.float64).astype(dtype)
+    for f in (lambda v: TF.max_pooling_2d(v, k, s, p, cover_all),
+              lambda v: TF.average_pooling_2d(v, k, s, p)):
+        y0 = f(x).array
+        gy = numpy.random.RandomState(7).randn(*y0.shape).astype(dtype)
+        a = run(f, x, gy)
+        b = run(f, cupy.asarray(x), cupy.asarray(gy))
+        for u, w in zip(a, b):
+            numpy.testing.assert_allclose(cupy.asnumpy(w).astype('f8'), u.astype('f8'),
+                                          rtol=2e-3 if dtype == numpy.float16 else 1e-6,
+                                          atol=1e-7)
