@@ -1,3 +1,4 @@
 """Drop-in links for channels-last (NHWC) models (see docs/functions.md)."""
 from chainer_tc.links.batch_normalization import BatchNormAddReLU  # NOQA
 from chainer_tc.links.batch_normalization import BatchNormalization  # NOQA
+from chainer_tc.links.convolution_2d import Convolution2D  # NOQA

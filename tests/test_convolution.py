@@ -1,0 +1,173 @@
+"""NHWC convolution_2d and the Convolution2D link against Chainer's NCHW ones on transposed data;
+gradient checks; npz round trips between NCHW and NHWC models."""
+import itertools
+
+import numpy
+import pytest
+
+import chainer_tc  # noqa: F401  (before chainer)
+import chainer
+import chainer.functions as F
+import chainer.links as L
+from chainer import gradient_check
+from chainer import serializers
+
+from chainer_tc import functions as TF
+from chainer_tc import links as TL
+
+
+def nchw(a):
+    return numpy.ascontiguousarray(a.transpose(0, 3, 1, 2))
+
+
+def nhwc(a):
+    return numpy.ascontiguousarray(a.transpose(0, 2, 3, 1))
+
+
+# (ksize, stride, pad, dilate, groups, bias, batch, H, W): the issue's grid, covered pairwise
+GRID = [(k, s, p, d, g, b, n, h, w) for (k, s, p, d, g, b), (n, h, w) in zip(
+    [(1, 1, 0, 1, 1, True), (3, 1, 1, 1, 1, False), (3, 2, 1, 1, 2, True), (7, 2, 3, 1, 1, True),
+     (3, 1, 1, 2, 1, False), (3, 2, 0, 2, 2, True), (1, 2, 0, 1, 2, False), (7, 1, 3, 2, 1, False)],
+    itertools.cycle([(1, 9, 7), (2, 8, 11), (3, 13, 9), (4, 7, 7)]))]
+TOL = {numpy.float64: dict(atol=1e-12, rtol=1e-12),
+       # float32: the same float32 BLAS calls, transposed inputs: bitwise or a few ulps
+       numpy.float32: dict(atol=1e-5, rtol=1e-5),
+       # float16: identical algorithm on identical float16 data; sums of up to 7*7*4 products
+       # rounded to float16 (2^-11 relative of |y| ~ 10)
+       numpy.float16: dict(atol=2e-2, rtol=1e-2)}
+
+
+def problem(case, dtype, seed=0):
+    k, s, p, d, g, bias, n, h, w = case
+    r = numpy.random.RandomState(seed)
+    cin, cout = 4, 6
+    x = r.randn(n, h, w, cin).astype(dtype)
+    W = (r.randn(cout, k, k, cin // g) * 0.3).astype(dtype)
+    b = r.randn(cout).astype(dtype) if bias else None
+    return x, W, b, dict(stride=s, pad=p, dilate=d, groups=g)
+
+
+def grads(f, inputs, gy):
+    vs = [None if a is None else chainer.Variable(a) for a in inputs]
+    y = f(*vs)
+    y.grad = gy
+    y.backward()
+    return [y.array] + [None if v is None else v.grad for v in vs]
+
+
+@pytest.mark.parametrize('case', GRID)
+@pytest.mark.parametrize('dtype', [numpy.float64, numpy.float32, numpy.float16])
+def test_matches_chainer_on_transposed_data(case, dtype):
+    x, W, b, kw = problem(case, dtype)
+    y = TF.convolution_2d(x, W, b, **kw)
+    gy = numpy.random.RandomState(1).randn(*y.shape).astype(dtype)
+    ours = grads(lambda x, W, b: TF.convolution_2d(x, W, b, **kw), (x, W, b), gy)
+    ref = grads(lambda x, W, b: F.convolution_2d(x, W, b, **kw), (nchw(x), nchw(W), b), nchw(gy))
+    for name, a, r in zip(('y', 'gx', 'gW', 'gb'), ours, ref):
+        if a is None:
+            continue
+        r = r if r.ndim == 1 else nhwc(r)
+        numpy.testing.assert_allclose(a.astype('f8'), r.astype('f8'), err_msg=name, **TOL[dtype])
+
+
+@pytest.mark.parametrize('case', GRID[:4])
+def test_gradient_check_float64(case):
+    x, W, b, kw = problem(case, numpy.float64, seed=2)
+    gy = numpy.random.RandomState(3).randn(*TF.convolution_2d(x, W, b, **kw).shape)
+    inputs = (x, W) if b is None else (x, W, b)
+    gradient_check.check_backward(lambda *a: TF.convolution_2d(*a, **kw), inputs, gy, eps=1e-6,
+                                  atol=1e-7, rtol=1e-6)
+
+
+def test_bad_input():
+    x = numpy.zeros((1, 5, 5, 4), numpy.float32)
+    W = numpy.zeros((6, 3, 3, 4), numpy.float32)
+    with pytest.raises(chainer.utils.type_check.InvalidType):
+        TF.convolution_2d(x, numpy.zeros((6, 4, 3, 3), numpy.float32))      # an OIHW filter
+    with pytest.raises(ValueError, match='stride, dilate and groups must be >= 1'):
+        TF.convolution_2d(x, W, stride=0)
+    with pytest.raises(ValueError, match=r'leaves no output for input of shape \(1, 5, 5, 4\)'):
+        TF.convolution_2d(x, numpy.zeros((6, 7, 7, 4), numpy.float32))
+
+
+# ---- the link --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize('kwargs', [dict(ksize=3, pad=1), dict(ksize=1, stride=2, nobias=True),
+                                    dict(ksize=3, pad=2, dilate=2, groups=2)])
+def test_link_equals_chainer_link(kwargs):
+    numpy.random.seed(7)
+    ref = L.Convolution2D(4, 6, **kwargs)
+    numpy.random.seed(7)
+    ours = TL.Convolution2D(4, 6, **kwargs)
+    numpy.testing.assert_array_equal(ours.W.array, nhwc(ref.W.array))  # same initial filters
+    x = numpy.random.RandomState(0).randn(2, 4, 9, 8).astype(numpy.float32)
+    numpy.testing.assert_allclose(ours(nhwc(x)).array, nhwc(ref(x).array), atol=1e-5)
+
+
+def test_link_lazy_in_channels_and_initialW_in_chainers_layout():
+    w = numpy.arange(6 * 4 * 3 * 3, dtype=numpy.float32).reshape(6, 4, 3, 3)
+    ours = TL.Convolution2D(None, 6, 3, initialW=w, initial_bias=0.5)
+    ours(numpy.zeros((1, 5, 5, 4), numpy.float32))
+    numpy.testing.assert_array_equal(ours.W.array, nhwc(w))
+    assert (ours.b.array == 0.5).all()
+
+
+def test_npz_round_trip_nchw_to_nhwc_and_back(tmp_path):
+    class Net(chainer.Chain):
+        def __init__(self, conv, bn):
+            super().__init__()
+            with self.init_scope():
+                self.conv = conv(3, 8, 3, pad=1, nobias=True)
+                self.bn = bn(8)
+
+    ref = Net(L.Convolution2D, L.BatchNormalization)
+    ref.bn.avg_mean[...] = numpy.linspace(-1, 1, 8)
+    x = numpy.random.RandomState(5).randn(2, 3, 6, 6).astype(numpy.float32)
+    ref.conv(x)
+    serializers.save_npz(str(tmp_path / 'nchw.npz'), ref)
+    ours = Net(TL.Convolution2D, TL.BatchNormalization)
+    serializers.load_npz(str(tmp_path / 'nchw.npz'), ours)     # lazy W: created from the file
+    with chainer.using_config('train', False):
+        numpy.testing.assert_allclose(ours.bn(ours.conv(nhwc(x))).array,
+                                      nhwc(ref.bn(ref.conv(x)).array), atol=1e-5)
+    serializers.save_npz(str(tmp_path / 'nhwc.npz'), ours)
+    back = Net(L.Convolution2D, L.BatchNormalization)
+    back.conv(x)
+    serializers.load_npz(str(tmp_path / 'nhwc.npz'), back)
+    numpy.testing.assert_array_equal(back.conv.W.array, ref.conv.W.array)
+
+
+def test_loading_keeps_the_array_object(tmp_path):
+    ref = L.Convolution2D(3, 4, 3)
+    ref(numpy.zeros((1, 3, 5, 5), numpy.float32))
+    serializers.save_npz(str(tmp_path / 'w.npz'), ref)
+    ours = TL.Convolution2D(3, 4, 3)
+    ours(numpy.zeros((1, 5, 5, 3), numpy.float32))
+    w = ours.W.array
+    serializers.load_npz(str(tmp_path / 'w.npz'), ours)
+    assert ours.W.array is w, 'in place, so an optimizer holding views keeps working'
+    numpy.testing.assert_array_equal(w, nhwc(ref.W.array))
+
+
+def test_link_rejects_nchw_input():
+    conv = TL.Convolution2D(64, 64, 3)
+    with pytest.raises(ValueError, match=r'expects channels-last \(NHWC\) input with its 64 '
+                                         r'channels on the last axis; got shape \(2, 64, 9, 9\)'):
+        conv(numpy.zeros((2, 64, 9, 9), numpy.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('case', GRID)
+@pytest.mark.parametrize('dtype', [numpy.float32, numpy.float16])
+def test_cudnn_path_equals_cpu(case, dtype):
+    import cupy
+    x, W, b, kw = problem(case, dtype)
+    gy = numpy.random.RandomState(1).randn(*TF.convolution_2d(x, W, b, **kw).shape).astype(dtype)
+    cpu = grads(lambda x, W, b: TF.convolution_2d(x, W, b, **kw), (x, W, b), gy)
+    gpu = grads(lambda x, W, b: TF.convolution_2d(x, W, b, **kw),
+                tuple(None if a is None else cupy.asarray(a) for a in (x, W, b)),
+                cupy.asarray(gy))
+    t = dict(atol=2e-2, rtol=1e-2) if dtype == numpy.float16 else dict(atol=1e-4, rtol=1e-4)
+    for a, g in zip(cpu, gpu):
+        if a is not None:
+            numpy.testing.assert_allclose(cupy.asnumpy(g).astype('f8'), a.astype('f8'), **t)
