@@ -12,6 +12,8 @@ NumPy arrays take a NumPy path; CuPy arrays (and NumPy arrays under ``CHAINER_TC
 kernels/batchnorm.cu (3 launches forward in training, 3 backward). Double backpropagation is not
 supported. See docs/functions.md.
 """
+import warnings
+
 import numpy
 
 import chainer
@@ -78,6 +80,10 @@ class BatchNormAddAct(function_node.FunctionNode):
         if not self.fixed and rows < 1:
             raise ValueError('batch statistics need at least one row; got x of shape {}'
                              .format(x.shape))
+        if not self.fixed and rows == 1:
+            warnings.warn('batch normalization of a single sample per channel (x of shape {}) '
+                          'outputs beta: is chainer.config.train meant to be True here?'
+                          .format(x.shape), UserWarning, stacklevel=3)
         xp = chainer.backend.get_array_module(x)
         self._path = _backend(x)
         a = _bn_numpy.acc_dtype(x.dtype)

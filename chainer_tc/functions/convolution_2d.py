@@ -16,8 +16,8 @@ import chainer
 from chainer import function_node
 from chainer.utils import conv
 from chainer.utils import type_check
-import chainer.functions as F
 from chainer.functions.connection import convolution_2d as chainer_conv
+from chainer.functions.connection import deconvolution_2d as chainer_deconv
 
 
 def _pair(v, name):
@@ -35,6 +35,12 @@ def _nchw(a):
 
 def _nhwc(a):
     return numpy.ascontiguousarray(a.transpose(0, 2, 3, 1))
+
+
+def _run_cpu(node, inputs):
+    """Chainer's CPU implementation of ``node`` on standard-layout arrays, outside the graph."""
+    node._input_layouts = (None,) * len(inputs)
+    return node.forward_cpu(inputs)
 
 
 def _cudnn():
@@ -93,10 +99,11 @@ class Convolution2DNHWC(function_node.FunctionNode):
         b = inputs[2] if len(inputs) == 3 else None
         oh, ow = self._outsize(x, W)
         if isinstance(x, numpy.ndarray):
-            with chainer.no_backprop_mode():
-                y = F.convolution_2d(_nchw(x), _nchw(W), b, (self.sy, self.sx),
-                                     (self.ph, self.pw), dilate=(self.dy, self.dx),
-                                     groups=self.groups).array
+            # Chainer's CPU convolution, called directly: no FunctionNode enters the graph
+            node = chainer_conv.Convolution2DFunction(
+                (self.sy, self.sx), (self.ph, self.pw), dilate=(self.dy, self.dx),
+                groups=self.groups)
+            y, = _run_cpu(node, (_nchw(x), _nchw(W)) + (() if b is None else (b,)))
             return _nhwc(y),
         xp, cudnn, opts = _cudnn()
         y = xp.empty((x.shape[0], oh, ow, W.shape[0]), x.dtype)
@@ -132,15 +139,14 @@ class _Convolution2DNHWCGrad(function_node.FunctionNode):
     def _cpu(self, x, W, gy):
         f = self.f
         x_c, w_c, gy_c = _nchw(x), _nchw(W), _nchw(gy)
-        with chainer.no_backprop_mode():
-            gx = F.deconvolution_2d(gy_c, w_c, None, (f.sy, f.sx), (f.ph, f.pw),
-                                    outsize=x_c.shape[2:], dilate=(f.dy, f.dx),
-                                    groups=f.groups).array
-            node = chainer_conv.Convolution2DFunction((f.sy, f.sx), (f.ph, f.pw),
-                                                      dilate=(f.dy, f.dx), groups=f.groups)
-            node._use_ideep = False
-            gW = chainer_conv.Convolution2DGradW(node, w_c.shape, w_c.dtype, None).apply(
-                (x_c, gy_c))[0].array
+        # gx by deconvolution and gW by Chainer's own kernels, called directly (no graph nodes)
+        geometry = dict(dilate=(f.dy, f.dx), groups=f.groups)
+        gx, = _run_cpu(chainer_deconv.Deconvolution2DFunction(
+            (f.sy, f.sx), (f.ph, f.pw), outsize=x_c.shape[2:], **geometry), (gy_c, w_c))
+        node = chainer_conv.Convolution2DFunction((f.sy, f.sx), (f.ph, f.pw), **geometry)
+        node._use_ideep = False
+        gW, = _run_cpu(chainer_conv.Convolution2DGradW(node, w_c.shape, w_c.dtype, None),
+                       (x_c, gy_c))
         return _nhwc(gx), _nhwc(gW)
 
     def _cudnn(self, x, W, gy):
