@@ -1,0 +1,97 @@
+"""Convert a model's convolution and BatchNormalization links between NCHW and NHWC, in place.
+
+    model = chainer_tc.links.to_nhwc(model)     # L.Convolution2D -> TL.Convolution2D, and BN
+    model = chainer_tc.links.to_nchw(model)     # and back, e.g. for export
+
+Weights, biases, BN parameters and running statistics are carried over (filters transposed), so
+the converted link computes the same function on transposed data. Only the links change: a
+model's ``forward`` that reshapes, concatenates or pools along fixed axes must itself be written
+for the layout it receives (chainer_tc.models.ResNet50 takes ``layout=``).
+"""
+import chainer
+import chainer.links as L
+
+from chainer_tc.links.batch_normalization import BatchNormalization
+from chainer_tc.links.convolution_2d import Convolution2D
+
+
+def _conv(old, to_nhwc):
+    cls = Convolution2D if to_nhwc else L.Convolution2D
+    new = cls(old.in_channels, old.out_channels, old.ksize, old.stride, old.pad,
+              nobias=old.b is None, dilate=old.dilate, groups=old.groups)
+    new.to_device(old.device)
+    if old.W.array is not None:
+        w = old.W.array.transpose(0, 2, 3, 1) if to_nhwc else old.W.array.transpose(0, 3, 1, 2)
+        new.W.array = old.W.device.xp.ascontiguousarray(w)
+    if old.b is not None:
+        new.b.array = old.b.array.copy()
+    return new
+
+
+def _bn(old, to_nhwc):
+    if not to_nhwc:
+        new = L.BatchNormalization(old.avg_mean.shape[0], decay=old.decay, eps=old.eps,
+                                   use_gamma=old.gamma is not None, use_beta=old.beta is not None)
+    elif old.axis not in (None, (0, 2, 3)):
+        raise ValueError('cannot convert a BatchNormalization over axis {} to NHWC: it must '
+                         'normalise the channels of NCHW input (axis None or (0, 2, 3))'
+                         .format(old.axis))
+    else:
+        new = BatchNormalization(old.avg_mean.shape[0], decay=old.decay, eps=old.eps,
+                                 use_gamma=old.gamma is not None, use_beta=old.beta is not None)
+    new.to_device(old.device)
+    for name in ('gamma', 'beta'):
+        if getattr(old, name) is not None:
+            getattr(new, name).array = getattr(old, name).array.copy()
+    new.avg_mean, new.avg_var, new.N = old.avg_mean.copy(), old.avg_var.copy(), old.N
+    return new
+
+
+def _replacement(link, to_nhwc):
+    if to_nhwc:
+        if type(link) is L.Convolution2D:
+            return _conv(link, True)
+        if type(link) is L.BatchNormalization:
+            return _bn(link, True)
+    else:
+        if isinstance(link, Convolution2D):
+            return _conv(link, False)
+        if isinstance(link, BatchNormalization):
+            if getattr(link, '_relu', False):
+                raise ValueError('{} fuses BatchNorm, Add and ReLU; it has no single NCHW link '
+                                 'to become'.format(link.name))
+            return _bn(link, False)
+    return None
+
+
+def _convert(model, to_nhwc):
+    if not isinstance(model, chainer.Link):
+        raise TypeError('model must be a chainer.Link; got {}'.format(type(model).__name__))
+    top = _replacement(model, to_nhwc)
+    if top is not None:
+        return top
+    if isinstance(model, chainer.ChainList):
+        for i, child in enumerate(list(model.children())):
+            new = _convert(child, to_nhwc)
+            if new is not child:
+                new.name = child.name
+                model._children[i] = new
+    elif isinstance(model, chainer.Chain):
+        for name in list(model._children):
+            child = getattr(model, name)
+            new = _convert(child, to_nhwc)
+            if new is not child:
+                delattr(model, name)
+                with model.init_scope():
+                    setattr(model, name, new)
+    return model
+
+
+def to_nhwc(model):
+    """Replace every ``L.Convolution2D`` and ``L.BatchNormalization`` by its NHWC counterpart."""
+    return _convert(model, True)
+
+
+def to_nchw(model):
+    """Replace chainer_tc's NHWC convolution and BatchNormalization links by Chainer's."""
+    return _convert(model, False)

@@ -1,0 +1,64 @@
+"""to_nhwc / to_nchw: links replaced in place, same function on transposed data, and back."""
+import numpy
+import pytest
+
+import chainer_tc  # noqa: F401  (before chainer)
+import chainer
+import chainer.functions as F
+import chainer.links as L
+
+from chainer_tc import links as TL
+
+
+class Net(chainer.Chain):
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.conv = L.Convolution2D(3, 8, 3, pad=1)
+            self.bn = L.BatchNormalization(8)
+            self.blocks = chainer.ChainList(L.Convolution2D(8, 8, 1, nobias=True, groups=2),
+                                            L.BatchNormalization(8, use_gamma=False))
+            self.fc = L.Linear(8, 4)
+
+    def forward(self, x, nhwc=False):
+        h = F.relu(self.bn(self.conv(x)))
+        h = self.blocks[1](self.blocks[0](h))
+        h = F.mean(h, axis=(1, 2) if nhwc else (2, 3))
+        return self.fc(h)
+
+
+def test_to_nhwc_and_back():
+    numpy.random.seed(0)
+    model = Net()
+    x = numpy.random.RandomState(1).randn(2, 3, 5, 5).astype(numpy.float32)
+    model(x)                                          # running statistics move away from 0/1
+    with chainer.using_config('train', False):
+        ref = model(x).array
+    TL.to_nhwc(model)
+    assert isinstance(model.conv, TL.Convolution2D) and isinstance(model.bn, TL.BatchNormalization)
+    assert isinstance(model.blocks[0], TL.Convolution2D) and model.blocks[0].groups == 2
+    assert model.blocks[1].gamma is None
+    assert sorted(n for n, _ in model.namedparams()) == [
+        '/blocks/0/W', '/blocks/1/beta', '/bn/beta', '/bn/gamma', '/conv/W', '/conv/b', '/fc/W',
+        '/fc/b']
+    with chainer.using_config('train', False):
+        out = model(x.transpose(0, 2, 3, 1).copy(), nhwc=True).array
+    numpy.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
+    TL.to_nchw(model)
+    assert type(model.conv) is L.Convolution2D and type(model.bn) is L.BatchNormalization
+    with chainer.using_config('train', False):
+        numpy.testing.assert_allclose(model(x).array, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_a_top_level_link_is_returned_converted():
+    conv = TL.to_nhwc(L.Convolution2D(3, 4, 3))
+    assert isinstance(conv, TL.Convolution2D)
+
+
+def test_unconvertible():
+    with pytest.raises(ValueError, match=r'axis \(0, 1\)'):
+        TL.to_nhwc(L.BatchNormalization(axis=(0, 1)))
+    with pytest.raises(ValueError, match='fuses BatchNorm, Add and ReLU'):
+        TL.to_nchw(TL.BatchNormAddReLU(4))
+    with pytest.raises(TypeError, match='must be a chainer.Link'):
+        TL.to_nhwc(object())
