@@ -324,3 +324,72 @@ def test_gpu_kernels_equal_numpy_path(dtype, pdtype):
     for a, b in zip(*out):
         numpy.testing.assert_allclose(b.astype('f8'), a.astype('f8'), atol=t['atol'] * 10,
                                       rtol=t['rtol'] * 10)
+
+
+# ---- the cuDNN fused path: when it applies ----------------------------------------------------------
+
+from chainer_tc.functions import _bn_cudnn  # noqa: E402
+
+
+@pytest.mark.parametrize('kwargs,reason', [
+    (dict(), None),
+    (dict(is_cupy=False), 'not a CuPy array'),
+    (dict(fixed=True), 'inference'),
+    (dict(x_dtype=numpy.float32), 'float16 data only'),
+    (dict(x_shape=(8, 64)), 'needs 4-D NHWC data'),
+    (dict(x_shape=(8, 7, 7, 66)), 'channel count divisible by 4'),
+    (dict(gamma_dtype=numpy.float16), 'float32 gamma'),
+    (dict(running_dtype=numpy.float16), 'float32 running statistics'),
+    (dict(eps=1e-6), 'below CUDNN_BN_MIN_EPSILON'),
+])
+def test_cudnn_eligibility(kwargs, reason):
+    args = dict(is_cupy=True, x_dtype=numpy.float16, x_shape=(8, 7, 7, 64),
+                gamma_dtype=numpy.float32, running_dtype=numpy.float32, relu=True, eps=2e-5,
+                fixed=False)
+    args.update(kwargs)
+    ok, why = _bn_cudnn.eligibility(**args)
+    assert ok == (reason is None)
+    if reason:
+        assert reason in why
+    with chainer.using_config('use_cudnn', 'never'):
+        assert _bn_cudnn.eligibility(**dict(args, **kwargs))[0] is False
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('with_z', [True, False])
+def test_cudnn_ex_path_is_taken_and_matches(monkeypatch, with_z):
+    import cupy
+    from cupy_backends.cuda.libs import cudnn as lib
+    calls = []
+    for name in ('batchNormalizationForwardTrainingEx', 'batchNormalizationBackwardEx'):
+        real = getattr(lib, name)
+        monkeypatch.setattr(lib, name, lambda *a, _real=real, _n=name: (calls.append(_n),
+                                                                         _real(*a))[1])
+    x, gamma, beta, z = data((4, 7, 7, 64), numpy.float16, numpy.float32, with_z=with_z)
+    gy = numpy.random.RandomState(2).randn(*x.shape).astype(numpy.float16)
+    out = []
+    for xp in (numpy, cupy):
+        rm, rv = xp.zeros(64, numpy.float32), xp.ones(64, numpy.float32)
+        vs = [chainer.Variable(xp.asarray(a)) for a in (x, gamma, beta)]
+        zv = chainer.Variable(xp.asarray(z)) if with_z else None
+        y = TF.batch_normalization_add_relu(vs[0], zv, vs[1], vs[2], running_mean=rm,
+                                            running_var=rv)
+        y.grad = xp.asarray(gy)
+        y.backward()
+        grads = [v.grad for v in vs] + ([zv.grad] if with_z else [])
+        out.append([chainer.backends.cuda.to_cpu(a) for a in [y.array, rm, rv] + grads])
+    assert calls == ['batchNormalizationForwardTrainingEx', 'batchNormalizationBackwardEx']
+    for a, b in zip(*out):
+        numpy.testing.assert_allclose(b.astype('f8'), a.astype('f8'), atol=3e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+def test_cudnn_ex_path_not_taken_for_float32(monkeypatch):
+    import cupy
+    from cupy_backends.cuda.libs import cudnn as lib
+    monkeypatch.setattr(lib, 'batchNormalizationForwardTrainingEx',
+                        lambda *a: pytest.fail('cuDNN Ex must not be used for float32'))
+    x, gamma, beta, z = data((2, 3, 3, 8), numpy.float32, numpy.float32)
+    y = TF.batch_normalization_add_relu(cupy.asarray(x), cupy.asarray(z), cupy.asarray(gamma),
+                                        cupy.asarray(beta))
+    assert y.creator.cudnn_reason.startswith('cuDNN fuses BN+Add+ReLU for float16 data only')

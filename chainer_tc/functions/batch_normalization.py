@@ -8,8 +8,11 @@
 Same arguments and semantics as ``chainer.functions.batch_normalization`` with ``axis=(0, 1, 2)``
 (statistics over every axis but the last), except that float16 data is normalised in float32
 (Chainer computes in the promoted dtype of x and gamma, i.e. float16). One FunctionNode each way:
-NumPy arrays take a NumPy path; CuPy arrays (and NumPy arrays under ``CHAINER_TC_EMULATE=1``) take
-kernels/batchnorm.cu (3 launches forward in training, 3 backward). Double backpropagation is not
+NumPy arrays take a NumPy path. CuPy float16 NHWC data with float32 gamma/beta and C divisible by
+4 (training) takes cuDNN's fused ``BatchNormalizationForwardTrainingEx``/``BackwardEx``
+(``_bn_cudnn.py``); other CuPy arrays (and NumPy arrays under ``CHAINER_TC_EMULATE=1``) take
+kernels/batchnorm.cu (3 launches forward in training, 3 backward). After ``apply``, the node's
+``cudnn_reason`` says why cuDNN was not used (None when it was). Double backpropagation is not
 supported. See docs/functions.md.
 """
 import warnings
@@ -21,6 +24,7 @@ from chainer import function_node
 from chainer.utils import type_check
 
 from chainer_tc import kernels
+from chainer_tc.functions import _bn_cudnn
 from chainer_tc.functions import _bn_kernels
 from chainer_tc.functions import _bn_numpy
 
@@ -74,7 +78,20 @@ class BatchNormAddAct(function_node.FunctionNode):
             raise TypeError('x is {} and gamma {}; supported (x, gamma) dtypes: {}'.format(
                 x.dtype, gamma.dtype, ', '.join(sorted('({}, {})'.format(t, p) for t, p in
                                                        _PAIRS))))
-        self.retain_inputs((0, 1))
+        self.retain_inputs((0, 1, 2))
+        xp = chainer.backend.get_array_module(x)
+        running_dtype = None if self.running_mean is None else self.running_mean.dtype
+        use_cudnn, self.cudnn_reason = _bn_cudnn.eligibility(
+            xp.__name__ == 'cupy', x.dtype, x.shape, gamma.dtype, running_dtype, self.relu,
+            self.eps, self.fixed)
+        if use_cudnn:
+            self._path = 'cudnn'
+            x = xp.ascontiguousarray(x)
+            self._fused = _bn_cudnn.FusedBatchNorm(x, self.has_z, self.relu)
+            y = self._fused.forward(x, None if z is None else xp.ascontiguousarray(z), gamma, beta,
+                                    self.eps, self.decay, self.running_mean, self.running_var)
+            self.retain_outputs((0,))
+            return y,
         x2, z2 = _rows(x), None if z is None else _rows(z)
         rows = x2.shape[0]
         if not self.fixed and rows < 1:
@@ -84,7 +101,6 @@ class BatchNormAddAct(function_node.FunctionNode):
             warnings.warn('batch normalization of a single sample per channel (x of shape {}) '
                           'outputs beta: is chainer.config.train meant to be True here?'
                           .format(x.shape), UserWarning, stacklevel=3)
-        xp = chainer.backend.get_array_module(x)
         self._path = _backend(x)
         a = _bn_numpy.acc_dtype(x.dtype)
         if self.fixed:
@@ -108,10 +124,10 @@ class BatchNormAddAct(function_node.FunctionNode):
         return y.reshape(x.shape),
 
     def backward(self, indexes, grad_outputs):
-        x, gamma = self.get_retained_inputs()
+        x, gamma, beta = self.get_retained_inputs()
         y, = self.get_retained_outputs()
         gy, = grad_outputs
-        grads = BatchNormAddActGrad(self).apply((x, gamma, y, gy))
+        grads = BatchNormAddActGrad(self).apply((x, gamma, beta, y, gy))
         return tuple(grads[i] for i in indexes)
 
 
@@ -122,9 +138,15 @@ class BatchNormAddActGrad(function_node.FunctionNode):
         self.f = f
 
     def forward(self, inputs):
-        x, gamma, y, gy = inputs
+        x, gamma, beta, y, gy = inputs
         f = self.f
         x2, y2, gy2 = _rows(x), _rows(y), _rows(gy)
+        if f._path == 'cudnn':
+            xp = chainer.backend.get_array_module(x)
+            gx, ggamma, gbeta, g = f._fused.backward(
+                xp.ascontiguousarray(x), y, xp.ascontiguousarray(gy), gamma, beta, f.eps)
+            out = (gx, ggamma, gbeta)
+            return out + ((g,) if f.has_z else ())
         if f._path == 'numpy':
             gx, ggamma, gbeta, g = _bn_numpy.backward(gy2, y2, x2, gamma, f.mean, f.invstd,
                                                       f.relu, f.fixed)
