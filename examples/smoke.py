@@ -1,5 +1,6 @@
 """The `make demo` smoke job, until the ImageNet example lands: what chainer_tc can do here, one
-kernel run through the CPU CUDA emulator against NumPy, and a few Chainer training steps on the CPU.
+kernel run through the CPU CUDA emulator against NumPy, and a few training steps of an NHWC
+ResNet-50 (fused BatchNorm+Add+ReLU links, batched optimizer) on the CPU.
 
     make demo                       # or: .venv/bin/python examples/smoke.py
 """
@@ -10,12 +11,12 @@ import time
 import numpy
 
 import chainer_tc  # noqa: F401  (first: makes the pip-installed CUDA libraries visible)
-import chainer
-import chainer.functions as F
 import chainer.links as L
 from chainer_tc import info
 from chainer_tc import kernels
 from chainer_tc import layout
+from chainer_tc import optimizers
+from chainer_tc.models import ResNet50
 
 
 def section(title):
@@ -47,39 +48,26 @@ def layout_through_the_emulator():
     return same
 
 
-class TinyNet(chainer.Chain):
-    def __init__(self):
-        super().__init__()
-        with self.init_scope():
-            self.conv = L.Convolution2D(3, 8, ksize=3, pad=1)
-            self.bn = L.BatchNormalization(8)
-            self.fc = L.Linear(8, 2)
-
-    def forward(self, x):
-        h = F.relu(self.bn(self.conv(x)))
-        return self.fc(F.average(h, axis=(2, 3)))
-
-
 def train_a_few_steps(steps=40):
-    section('{} training steps of a tiny CNN on the CPU (bright vs dark images)'.format(steps))
+    section('{} training steps of an NHWC ResNet-50 (width/16) with the batched optimizer'
+            .format(steps))
+    numpy.random.seed(0)
     rng = numpy.random.RandomState(0)
-    model = L.Classifier(TinyNet())
-    opt = chainer.optimizers.MomentumSGD(lr=0.05)
-    opt.setup(model)
-    first = last = None
+    model = L.Classifier(ResNet50('NHWC', n_classes=2, width=16))
+    opt = optimizers.MomentumSGD(lr=0.01, weight_decay=1e-4,
+                                 decay_filter=optimizers.skip_bn_and_bias).setup(model)
+    losses = []
     for i in range(steps):
-        t = rng.randint(0, 2, size=16).astype(numpy.int32)
-        x = (rng.rand(16, 3, 16, 16) * 0.5 + t[:, None, None, None] * 0.5).astype(numpy.float32)
-        model.cleargrads()
-        loss = model(x, t)
-        loss.backward()
-        opt.update()
-        first = float(loss.array) if first is None else first
-        last = float(loss.array)
+        t = rng.randint(0, 2, size=8).astype(numpy.int32)
+        x = (rng.rand(8, 32, 32, 3) * 0.5 + t[:, None, None, None] * 0.5).astype(numpy.float32)
+        opt.update(model, x, t)
+        loss = float(model.loss.array)
+        losses.append(loss)
         bar = '#' * int(30 * (i + 1) / steps)
-        sys.stdout.write('\r  [{:<30}] step {:>3}/{}  loss {:.4f}'.format(bar, i + 1, steps, last))
+        sys.stdout.write('\r  [{:<30}] step {:>3}/{}  loss {:.4f}'.format(bar, i + 1, steps, loss))
         sys.stdout.flush()
-    print('\n  loss {:.4f} -> {:.4f}'.format(first, last))
+    first, last = numpy.mean(losses[:5]), numpy.mean(losses[-5:])
+    print('\n  mean loss of the first 5 steps {:.4f} -> of the last 5 {:.4f}'.format(first, last))
     return last < first
 
 
