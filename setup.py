@@ -13,14 +13,14 @@ here = os.path.dirname(os.path.abspath(__file__))
 
 
 class BuildPyWithKernels(build_py):
-    """Ship kernels/*.cu inside the package (chainer_tc/_kernels) for non-editable installs; an
-    editable install reads them from kernels/ directly (see chainer_tc.kernels.kernel_dir)."""
+    """Ship kernels/*.cu and *.cuh inside the package (chainer_tc/_kernels) for non-editable
+    installs; an editable install reads them from kernels/ directly (chainer_tc.kernels)."""
 
     def run(self):
         super().run()
         dest = os.path.join(self.build_lib, 'chainer_tc', '_kernels')
         os.makedirs(dest, exist_ok=True)
-        for src in glob.glob(os.path.join(here, 'kernels', '*.cu')):
+        for src in glob.glob(os.path.join(here, 'kernels', '*.cu*')):
             shutil.copy(src, dest)
 
 # The stack, pinned where a newer release breaks it (see docs/stack.md).
@@ -43,6 +43,8 @@ extras_require = {
     ],
     'test': [
         'pytest>=7',
+        'pillow',           # DALI tests: reference decoding, test images; dali-check's decode
+        'scikit-learn',     # DALI tests: the sample photographs the test data set is cut from
     ],
 }
 

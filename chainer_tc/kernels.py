@@ -19,6 +19,7 @@ Compiled modules are memoized per (file, defines, backend, device); nothing is c
 import collections
 import contextlib
 import os
+import re
 import sys
 import threading
 
@@ -61,9 +62,37 @@ def source_path(family):
     return path
 
 
+_INCLUDE_RE = re.compile(r'^[ \t]*#[ \t]*include[ \t]+"([^"]+)"[ \t]*$', re.M)
+
+
 def source(family):
-    with open(source_path(family)) as f:
-        return f.read()
+    """The text of ``kernels/<family>.cu`` with its ``#include "x.cuh"`` lines replaced by those
+    files (from the same directory), ``#line`` directives keeping compiler messages on the right
+    file and line. NVRTC, CuPy and the emulator all compile this one self-contained text, and
+    their caches key on it, so a change to a shared header recompiles every family using it."""
+    path = source_path(family)
+    with open(path) as f:
+        return _inline(f.read(), os.path.basename(path), set())
+
+
+def _inline(text, name, seen):
+    out, pos = ['#line 1 "kernels/{}"\n'.format(name)], 0
+    for m in _INCLUDE_RE.finditer(text):
+        header = m.group(1)
+        out.append(text[pos:m.start()])
+        if header not in seen:
+            seen.add(header)
+            path = os.path.join(kernel_dir(), header)
+            if not os.path.isfile(path):
+                raise FileNotFoundError('kernels/{} includes "{}", which is not in {}'
+                                        .format(name, header, kernel_dir()))
+            with open(path) as f:
+                out.append(_inline(f.read(), header, seen))
+        line = text.count('\n', 0, m.end()) + 2
+        out.append('\n#line {} "kernels/{}"'.format(line, name))
+        pos = m.end()
+    out.append(text[pos:])
+    return ''.join(out)
 
 
 def emulating():
@@ -121,8 +150,7 @@ def _module(family, options, xp, name_expressions=()):
         mod = _modules.get(key)
         if mod is None:
             path = source_path(family)
-            with open(path) as f:
-                code = f.read()
+            code = source(family)
             if key[3] == 'cuda':
                 import cupy
                 opts = options + ('--std=c++17',) + tuple('-I' + d for d in cuda_include_dirs())
@@ -135,7 +163,7 @@ def _module(family, options, xp, name_expressions=()):
                     raise CompileError('NVRTC failed to compile {}:\n{}'.format(path, e)) from e
             else:
                 from chainer_tc.testing import emulator
-                mod = emulator.RawModule(path=path, options=options,
+                mod = emulator.RawModule(code=code, options=options,
                                          name_expressions=list(name_expressions))
             _modules[key] = mod
     return mod

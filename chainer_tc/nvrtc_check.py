@@ -130,8 +130,7 @@ def check(families=None, archs=ARCHS):
     rows = []
     for family in families or kernels.families():
         path = kernels.source_path(family)
-        with open(path) as f:
-            code = f.read()
+        code = kernels.source(family)
         rel = os.path.relpath(path, os.path.dirname(kernels.kernel_dir()))
         for arch in archs:
             _, log = compile_source(code, rel, arch)

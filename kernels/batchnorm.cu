@@ -28,7 +28,7 @@
 //     sums[c] = sum g, sums[C + c] = sum g * xhat (acc type); gbeta = sums[c], ggamma = sums[C + c].
 //   bn_backward_apply<T,P>(gy, y, x, gamma, mean, invstd, sums, rows, C, relu, gx, gz)
 //     gx = gamma * invstd * (g - (xhat * sum(g xhat) + sum(g)) / rows);  gz = g (gz may be null).
-#include <cuda_fp16.h>
+#include "dtype.cuh"
 
 #ifndef BN_TILE_C
 #define BN_TILE_C 32
@@ -42,15 +42,9 @@
 
 namespace bn {
 
-template <typename T> struct Acc { typedef float type; };
-template <> struct Acc<double> { typedef double type; };
-
-__device__ __forceinline__ float load(const __half* p, long long i) { return __half2float(p[i]); }
-__device__ __forceinline__ float load(const float* p, long long i) { return p[i]; }
-__device__ __forceinline__ double load(const double* p, long long i) { return p[i]; }
-__device__ __forceinline__ void store(__half* p, long long i, float v) { p[i] = __float2half_rn(v); }
-__device__ __forceinline__ void store(float* p, long long i, float v) { p[i] = v; }
-__device__ __forceinline__ void store(double* p, long long i, double v) { p[i] = v; }
+using ctc::Acc;
+using ctc::load;
+using ctc::store;
 
 __device__ __forceinline__ float inv_sqrt(float v) { return __frcp_rn(__fsqrt_rn(v)); }
 __device__ __forceinline__ double inv_sqrt(double v) { return 1.0 / sqrt(v); }

@@ -15,7 +15,7 @@
 //   avg_pool_forward<T>(s, x, y)             y = sum over the window / (kh*kw).
 //   avg_pool_backward<T>(s, gy, gx)          gx = sum of gy / (kh*kw) over the covering outputs.
 // Each writes only its output array, every element of it.
-#include <cuda_fp16.h>
+#include "dtype.cuh"
 
 #ifndef POOL_THREADS
 #define POOL_THREADS 256
@@ -30,18 +30,23 @@ struct PoolShape {
 
 namespace pool {
 
-template <typename T> struct Acc { typedef float type; };
-template <> struct Acc<double> { typedef double type; };
-
-__device__ __forceinline__ float load(const __half* p, long long i) { return __half2float(p[i]); }
-__device__ __forceinline__ float load(const float* p, long long i) { return p[i]; }
-__device__ __forceinline__ double load(const double* p, long long i) { return p[i]; }
-__device__ __forceinline__ void store(__half* p, long long i, float v) { p[i] = __float2half_rn(v); }
-__device__ __forceinline__ void store(float* p, long long i, float v) { p[i] = v; }
-__device__ __forceinline__ void store(double* p, long long i, double v) { p[i] = v; }
+using ctc::Acc;
+using ctc::load;
+using ctc::store;
 
 __device__ __forceinline__ void neg_inf(float& v) { v = -__int_as_float(0x7f800000); }
 __device__ __forceinline__ void neg_inf(double& v) { v = -__longlong_as_double(0x7ff0000000000000LL); }
+
+// (n, h, w, c) of flat index i into an (N, height, width, C) array.
+__device__ __forceinline__ void unflatten(long long i, int height, int width, int C, int& n, int& h,
+                                          int& w, int& c) {
+  c = (int)(i % C);
+  i /= C;
+  w = (int)(i % width);
+  i /= width;
+  h = (int)(i % height);
+  n = (int)(i / height);
+}
 
 // Outputs along one axis whose window contains input position p: [lo, hi].
 __device__ __forceinline__ void covering(int p, int k, int s, int pad, int out, int& lo, int& hi) {
@@ -60,12 +65,8 @@ max_pool_forward(const PoolShape s, const T* __restrict__ x, T* __restrict__ y,
   const long long total = (long long)s.N * s.OH * s.OW * s.C;
   for (long long i = blockIdx.x * (long long)POOL_THREADS + threadIdx.x; i < total;
        i += (long long)gridDim.x * POOL_THREADS) {
-    const int c = (int)(i % s.C);
-    long long t = i / s.C;
-    const int ow = (int)(t % s.OW);
-    t /= s.OW;
-    const int oh = (int)(t % s.OH);
-    const int n = (int)(t / s.OH);
+    int n, oh, ow, c;
+    pool::unflatten(i, s.OH, s.OW, s.C, n, oh, ow, c);
     A best;
     pool::neg_inf(best);
     int where = 0;
@@ -95,12 +96,8 @@ max_pool_backward(const PoolShape s, const T* __restrict__ gy, const int* __rest
   const long long total = (long long)s.N * s.H * s.W * s.C;
   for (long long i = blockIdx.x * (long long)POOL_THREADS + threadIdx.x; i < total;
        i += (long long)gridDim.x * POOL_THREADS) {
-    const int c = (int)(i % s.C);
-    long long t = i / s.C;
-    const int w = (int)(t % s.W);
-    t /= s.W;
-    const int h = (int)(t % s.H);
-    const int n = (int)(t / s.H);
+    int n, h, w, c;
+    pool::unflatten(i, s.H, s.W, s.C, n, h, w, c);
     int oh0, oh1, ow0, ow1;
     pool::covering(h, s.kh, s.sy, s.ph, s.OH, oh0, oh1);
     pool::covering(w, s.kw, s.sx, s.pw, s.OW, ow0, ow1);
@@ -123,12 +120,8 @@ avg_pool_forward(const PoolShape s, const T* __restrict__ x, T* __restrict__ y) 
   const A count = A(s.kh * s.kw);
   for (long long i = blockIdx.x * (long long)POOL_THREADS + threadIdx.x; i < total;
        i += (long long)gridDim.x * POOL_THREADS) {
-    const int c = (int)(i % s.C);
-    long long t = i / s.C;
-    const int ow = (int)(t % s.OW);
-    t /= s.OW;
-    const int oh = (int)(t % s.OH);
-    const int n = (int)(t / s.OH);
+    int n, oh, ow, c;
+    pool::unflatten(i, s.OH, s.OW, s.C, n, oh, ow, c);
     A sum = 0;
     for (int a = 0; a < s.kh; ++a) {
       const int h = oh * s.sy - s.ph + a;
@@ -150,12 +143,8 @@ avg_pool_backward(const PoolShape s, const T* __restrict__ gy, T* __restrict__ g
   const A count = A(s.kh * s.kw);
   for (long long i = blockIdx.x * (long long)POOL_THREADS + threadIdx.x; i < total;
        i += (long long)gridDim.x * POOL_THREADS) {
-    const int c = (int)(i % s.C);
-    long long t = i / s.C;
-    const int w = (int)(t % s.W);
-    t /= s.W;
-    const int h = (int)(t % s.H);
-    const int n = (int)(t / s.H);
+    int n, h, w, c;
+    pool::unflatten(i, s.H, s.W, s.C, n, h, w, c);
     int oh0, oh1, ow0, ow1;
     pool::covering(h, s.kh, s.sy, s.ph, s.OH, oh0, oh1);
     pool::covering(w, s.kw, s.sx, s.pw, s.OW, ow0, ow1);

@@ -17,7 +17,8 @@ def test_families_and_sources():
 
 def test_every_kernel_file_states_its_contract():
     for family in kernels.families():
-        head = kernels.source(family).lstrip()
+        with open(kernels.source_path(family)) as f:
+            head = f.read().lstrip()
         assert head.startswith('// kernels/{}.cu'.format(family)), family
         assert 'Launch' in head.split('#include')[0] or 'launch' in head.split('#include')[0], family
 
@@ -75,3 +76,21 @@ def test_import_is_cheap():
             'if m in sys.modules))')
     out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == '[]', out.stdout
+
+
+def test_shared_headers_are_inlined_with_line_markers(tmp_path, monkeypatch):
+    (tmp_path / 'common.cuh').write_text('#define TWICE(x) (2 * (x))\n')
+    (tmp_path / 'fam.cu').write_text('// kernels/fam.cu: launch (1,), (1,)\n'
+                                     '#include "common.cuh"\n#include "common.cuh"\n'
+                                     'extern "C" __global__ void k(int* x) { x[0] = TWICE(21); }\n')
+    monkeypatch.setenv('CHAINER_TC_KERNEL_DIR', str(tmp_path))
+    text = kernels.source('fam')
+    assert text.count('#define TWICE') == 1, 'a header is inlined once'
+    assert '#line 1 "kernels/common.cuh"' in text and '#line 4 "kernels/fam.cu"' in text
+    monkeypatch.setenv('CHAINER_TC_EMULATE', '1')
+    x = numpy.zeros(1, numpy.int32)
+    kernels.get_function('fam', 'k', numpy)((1,), (1,), (x,))
+    assert x[0] == 42
+    (tmp_path / 'bad.cu').write_text('#include "missing.cuh"\n')
+    with pytest.raises(FileNotFoundError, match='kernels/bad.cu includes "missing.cuh"'):
+        kernels.source('bad')

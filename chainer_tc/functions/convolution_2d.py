@@ -19,14 +19,7 @@ from chainer.utils import type_check
 from chainer.functions.connection import convolution_2d as chainer_conv
 from chainer.functions.connection import deconvolution_2d as chainer_deconv
 
-
-def _pair(v, name):
-    if isinstance(v, (int, numpy.integer)):
-        v = (int(v), int(v))
-    v = tuple(int(a) for a in v)
-    if len(v) != 2:
-        raise ValueError('{} must be an int or a pair of ints; got {!r}'.format(name, v))
-    return v
+from chainer_tc.functions import _util
 
 
 def _nchw(a):
@@ -57,9 +50,9 @@ def _cudnn():
 class Convolution2DNHWC(function_node.FunctionNode):
 
     def __init__(self, stride=1, pad=0, dilate=1, groups=1):
-        self.sy, self.sx = _pair(stride, 'stride')
-        self.ph, self.pw = _pair(pad, 'pad')
-        self.dy, self.dx = _pair(dilate, 'dilate')
+        self.sy, self.sx = _util.pair(stride, 'stride')
+        self.ph, self.pw = _util.pair(pad, 'pad')
+        self.dy, self.dx = _util.pair(dilate, 'dilate')
         self.groups = int(groups)
         if min(self.sy, self.sx, self.dy, self.dx, self.groups) < 1 or min(self.ph, self.pw) < 0:
             raise ValueError('stride, dilate and groups must be >= 1 and pad >= 0; got stride {}, '

@@ -18,6 +18,7 @@ from chainer.utils import conv
 from chainer.utils import type_check
 
 from chainer_tc import kernels
+from chainer_tc.functions import _util
 
 THREADS = 256
 _CTYPE = {numpy.dtype(numpy.float16): '__half', numpy.dtype(numpy.float32): 'float',
@@ -29,15 +30,6 @@ SHAPE = numpy.dtype([(f, '<i4') for f in ('N', 'H', 'W', 'C', 'OH', 'OW', 'kh', 
                                           'ph', 'pw')])
 
 
-def _pair(v, name):
-    if isinstance(v, (int, numpy.integer)):
-        v = (int(v), int(v))
-    v = tuple(int(a) for a in v)
-    if len(v) != 2:
-        raise ValueError('{} must be an int or a pair of ints; got {!r}'.format(name, v))
-    return v
-
-
 def _acc(dtype):
     return numpy.float64 if dtype == numpy.float64 else numpy.float32
 
@@ -45,9 +37,9 @@ def _acc(dtype):
 class _Pooling2D(function_node.FunctionNode):
 
     def __init__(self, ksize, stride, pad, cover_all):
-        self.kh, self.kw = _pair(ksize, 'ksize')
-        self.sy, self.sx = _pair(ksize if stride is None else stride, 'stride')
-        self.ph, self.pw = _pair(pad, 'pad')
+        self.kh, self.kw = _util.pair(ksize, 'ksize')
+        self.sy, self.sx = _util.pair(ksize if stride is None else stride, 'stride')
+        self.ph, self.pw = _util.pair(pad, 'pad')
         if min(self.kh, self.kw, self.sy, self.sx) < 1 or min(self.ph, self.pw) < 0:
             raise ValueError('ksize and stride must be >= 1 and pad >= 0; got ksize {}, stride {}, '
                              'pad {}'.format((self.kh, self.kw), (self.sy, self.sx),
@@ -127,33 +119,7 @@ class MaxPooling2D(_Pooling2D):
         return y,
 
     def backward(self, indexes, grad_outputs):
-        return _MaxPooling2DGrad(self).apply(grad_outputs)
-
-
-class _MaxPooling2DGrad(function_node.FunctionNode):
-
-    def __init__(self, f):
-        self.f = f
-
-    def forward(self, inputs):
-        gy, = inputs
-        f, s = self.f, self.f.shape
-        xp = chainer.backend.get_array_module(gy)
-        in_shape = (int(s['N']), int(s['H']), int(s['W']), int(s['C']))
-        if kernels.backend(xp) == 'numpy':
-            a = _acc(gy.dtype)
-            gp = f._padded(numpy.zeros(in_shape, a), s, 0)
-            for i, j, sl in f._windows(s):
-                gp[sl] += numpy.where(f.argmax == i * f.kw + j, gy.astype(a), a(0))
-            return f._crop(gp, s).astype(gy.dtype),
-        gx = xp.empty(in_shape, gy.dtype)
-        f._kernel('max_pool_backward', gy.dtype, xp)(
-            _grid(gx.size), (THREADS,), (s, xp.ascontiguousarray(gy), f.argmax, gx))
-        return gx,
-
-    def backward(self, indexes, grad_outputs):
-        raise NotImplementedError('chainer_tc: double backpropagation through pooling is not '
-                                  'supported')
+        return _PoolingGrad(self, True).apply(grad_outputs)
 
 
 class AveragePooling2D(_Pooling2D):
@@ -173,13 +139,14 @@ class AveragePooling2D(_Pooling2D):
         return y,
 
     def backward(self, indexes, grad_outputs):
-        return _AveragePooling2DGrad(self).apply(grad_outputs)
+        return _PoolingGrad(self, False).apply(grad_outputs)
 
 
-class _AveragePooling2DGrad(function_node.FunctionNode):
+class _PoolingGrad(function_node.FunctionNode):
+    """gx of a pooling node ``f`` (max: to the remembered argmax; average: spread evenly)."""
 
-    def __init__(self, f):
-        self.f = f
+    def __init__(self, f, is_max):
+        self.f, self.is_max = f, is_max
 
     def forward(self, inputs):
         gy, = inputs
@@ -189,12 +156,20 @@ class _AveragePooling2DGrad(function_node.FunctionNode):
         if kernels.backend(xp) == 'numpy':
             a = _acc(gy.dtype)
             gp = f._padded(numpy.zeros(in_shape, a), s, 0)
-            for _, _, sl in f._windows(s):
-                gp[sl] += gy.astype(a)
-            return (f._crop(gp, s) / a(f.kh * f.kw)).astype(gy.dtype),
+            for i, j, sl in f._windows(s):
+                if self.is_max:
+                    gp[sl] += numpy.where(f.argmax == i * f.kw + j, gy.astype(a), a(0))
+                else:
+                    gp[sl] += gy.astype(a)
+            gx = f._crop(gp, s)
+            return (gx if self.is_max else gx / a(f.kh * f.kw)).astype(gy.dtype),
         gx = xp.empty(in_shape, gy.dtype)
-        f._kernel('avg_pool_backward', gy.dtype, xp)(
-            _grid(gx.size), (THREADS,), (s, xp.ascontiguousarray(gy), gx))
+        gy = xp.ascontiguousarray(gy)
+        if self.is_max:
+            f._kernel('max_pool_backward', gy.dtype, xp)(_grid(gx.size), (THREADS,),
+                                                         (s, gy, f.argmax, gx))
+        else:
+            f._kernel('avg_pool_backward', gy.dtype, xp)(_grid(gx.size), (THREADS,), (s, gy, gx))
         return gx,
 
     def backward(self, indexes, grad_outputs):
