@@ -17,8 +17,10 @@
 // StepParams.grad (a null address means "no gradient": zero, as Chainer reallocates it), in the
 // parameter's dtype and C-contiguous.
 //
-// Per element, in float32, rounding each step as NumPy does for chainer.optimizers.MomentumSGD
-// with the WeightDecay hook and use_fp32_update (the _rn intrinsics forbid fma contraction):
+// Per element, in float32, each operation rounded once (the _rn intrinsics forbid fma
+// contraction). For float32 parameters this is bit for bit what NumPy computes for
+// chainer.optimizers.MomentumSGD with the WeightDecay hook; for float16 ones the decay uses the
+// float32 master (Chainer's use_fp32_update adds it in float16, before the conversion):
 //   g = grad / scale                       (scaling != 0)
 //   g = g + weight_decay * p               (if the parameter takes weight decay, and wd != 0)
 //   v = v * momentum - lr * g

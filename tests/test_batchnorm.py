@@ -340,7 +340,7 @@ from chainer_tc.functions import _bn_cudnn  # noqa: E402
     (dict(x_shape=(8, 7, 7, 66)), 'channel count divisible by 4'),
     (dict(gamma_dtype=numpy.float16), 'float32 gamma'),
     (dict(running_dtype=numpy.float16), 'float32 running statistics'),
-    (dict(eps=1e-6), 'below CUDNN_BN_MIN_EPSILON'),
+    (dict(eps=-1.0), 'below CUDNN_BN_MIN_EPSILON'),
 ])
 def test_cudnn_eligibility(kwargs, reason):
     args = dict(is_cupy=True, x_dtype=numpy.float16, x_shape=(8, 7, 7, 64),

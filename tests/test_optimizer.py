@@ -637,3 +637,40 @@ def test_non_contiguous_gradient(path):
         opt.update()
         results.append(model.w.array.copy())
     numpy.testing.assert_array_equal(*results)
+
+
+def test_scaled_backward_for_loops_without_a_loss_function(path):
+    x, t = batch(numpy.float16)
+    a, b = MixedNet(numpy.float16), MixedNet(numpy.float16)
+    oa = optimizers.MomentumSGD(lr=0.05).setup(a)
+    ob = optimizers.MomentumSGD(lr=0.05).setup(b)
+    for o in (oa, ob):
+        o.loss_scaling(interval=1000, initial_scale=128.0)
+    for _ in range(3):
+        oa.update(loss_of(a, x, t))
+        b.cleargrads()
+        ob.scaled_backward(F.softmax_cross_entropy(b(x), t))
+        ob.update()
+    assert_params_equal(params_of(a), params_of(b))
+
+
+@pytest.mark.gpu
+def test_gpu_update_can_be_captured_in_a_cuda_graph():
+    """A stream capture refuses any synchronisation or synchronous copy: update() must pass."""
+    import cupy
+    model = SizesNet([100, 3000], numpy.float16)
+    model.to_gpu()
+    opt = optimizers.MomentumSGD(lr=0.01).setup(model)
+    opt.loss_scaling()
+    for p in model.params():
+        p.grad = cupy.ones_like(p.array)
+    opt.update()                          # compile outside the capture
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        opt.update()
+        graph = stream.end_capture()
+    before = cupy.asnumpy(model.p1.array)
+    graph.launch(stream)
+    stream.synchronize()
+    assert not numpy.array_equal(cupy.asnumpy(model.p1.array), before)

@@ -16,7 +16,15 @@ import numpy
 
 import chainer
 
-_MIN_EPS = 1e-5     # CUDNN_BN_MIN_EPSILON (cudnn.h)
+
+
+def _min_eps():
+    """CUDNN_BN_MIN_EPSILON as the loaded binding defines it (0.0 in cuDNN 8.9)."""
+    try:
+        from cupy_backends.cuda.libs import cudnn as lib
+        return lib.CUDNN_BN_MIN_EPSILON
+    except Exception:       # no CuPy: irrelevant, the data cannot be CuPy arrays either
+        return 1e-5
 
 
 def eligibility(is_cupy, x_dtype, x_shape, gamma_dtype, running_dtype, relu, eps, fixed):
@@ -37,8 +45,8 @@ def eligibility(is_cupy, x_dtype, x_shape, gamma_dtype, running_dtype, relu, eps
         return False, 'needs float32 gamma and beta with float16 data (got {})'.format(gamma_dtype)
     if running_dtype is not None and numpy.dtype(running_dtype) != numpy.float32:
         return False, 'needs float32 running statistics (got {})'.format(running_dtype)
-    if eps < _MIN_EPS:
-        return False, 'eps {} is below CUDNN_BN_MIN_EPSILON ({})'.format(eps, _MIN_EPS)
+    if eps < _min_eps():
+        return False, 'eps {} is below CUDNN_BN_MIN_EPSILON ({})'.format(eps, _min_eps())
     return True, None
 
 
@@ -50,7 +58,7 @@ class FusedBatchNorm:
         import cupyx.cudnn as cudnn
         from cupy_backends.cuda.libs import cudnn as lib
         self.cupy, self.lib = cupy, lib
-        self.handle = cupy.cuda.device.get_cudnn_handle()
+        self.handle = cudnn.get_handle()            # the current device's, stream set per call
         self.mode = lib.CUDNN_BATCHNORM_SPATIAL_PERSISTENT
         self.ops = (lib.CUDNN_BATCHNORM_OPS_BN_ADD_ACTIVATION if has_z else
                     lib.CUDNN_BATCHNORM_OPS_BN_ACTIVATION if relu else lib.CUDNN_BATCHNORM_OPS_BN)

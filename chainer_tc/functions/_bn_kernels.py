@@ -71,6 +71,9 @@ def forward(x, z, gamma, beta, mean, invstd, relu, xp):
 def backward(gy, y, x, gamma, mean, invstd, relu, fixed, want_gz, xp):
     rows, C = x.shape
     a = acc_dtype(x.dtype)
+    if rows == 0:           # an empty batch (inference): nothing to reduce, nothing to launch
+        return (xp.empty_like(x), xp.zeros_like(gamma), xp.zeros_like(gamma),
+                xp.empty_like(x) if want_gz else None)
     per, blocks, tiles = _row_blocks(rows, C)
     partial = xp.empty((blocks, C, 2), a)
     _kernel('bn_backward_partial', x.dtype, xp=xp)(

@@ -78,6 +78,13 @@ class BatchNormAddAct(function_node.FunctionNode):
             raise TypeError('x is {} and gamma {}; supported (x, gamma) dtypes: {}'.format(
                 x.dtype, gamma.dtype, ', '.join(sorted('({}, {})'.format(t, p) for t, p in
                                                        _PAIRS))))
+        if self.running_mean is not None and (_bn_numpy.acc_dtype(self.running_mean.dtype) !=
+                                              _bn_numpy.acc_dtype(x.dtype)):
+            raise TypeError('running_mean is {} but x is {}: statistics of {} data accumulate in '
+                            '{}, so the running statistics must be float16/float32 for float16/'
+                            'float32 data and float64 for float64 data'.format(
+                                self.running_mean.dtype, x.dtype, x.dtype,
+                                numpy.dtype(_bn_numpy.acc_dtype(x.dtype)).name))
         self.retain_inputs((0, 1, 2))
         xp = chainer.backend.get_array_module(x)
         running_dtype = None if self.running_mean is None else self.running_mean.dtype
@@ -92,6 +99,10 @@ class BatchNormAddAct(function_node.FunctionNode):
                                     self.eps, self.decay, self.running_mean, self.running_var)
             self.retain_outputs((0,))
             return y,
+        self._path = _backend(x)
+        if self._path != 'numpy':          # the kernels index (row, channel) of contiguous data
+            x = xp.ascontiguousarray(x)
+            z = None if z is None else xp.ascontiguousarray(z)
         x2, z2 = _rows(x), None if z is None else _rows(z)
         rows = x2.shape[0]
         if not self.fixed and rows < 1:
@@ -101,7 +112,6 @@ class BatchNormAddAct(function_node.FunctionNode):
             warnings.warn('batch normalization of a single sample per channel (x of shape {}) '
                           'outputs beta: is chainer.config.train meant to be True here?'
                           .format(x.shape), UserWarning, stacklevel=3)
-        self._path = _backend(x)
         a = _bn_numpy.acc_dtype(x.dtype)
         if self.fixed:
             self.mean = xp.asarray(self.fixed_mean, a)
@@ -117,9 +127,7 @@ class BatchNormAddAct(function_node.FunctionNode):
         if self._path == 'numpy':
             y = _bn_numpy.forward(x2, z2, gamma, beta, self.mean, self.invstd, self.relu)
         else:
-            y = _bn_kernels.forward(xp.ascontiguousarray(x2), None if z2 is None else
-                                    xp.ascontiguousarray(z2), gamma, beta, self.mean,
-                                    self.invstd, self.relu, xp)
+            y = _bn_kernels.forward(x2, z2, gamma, beta, self.mean, self.invstd, self.relu, xp)
         self.retain_outputs((0,))
         return y.reshape(x.shape),
 

@@ -74,8 +74,9 @@ class Convolution2D(L.Convolution2D):
             if data is None:
                 continue
             w = numpy.ascontiguousarray(_to_nhwc(numpy.asarray(data)))
-            if param.array is None:
-                param.array = param.device.send(w)
+            if param.array is None:             # in the parameter's dtype, as Chainer loads
+                dtype = getattr(param.initializer, 'dtype', None) or chainer.get_dtype()
+                param.array = param.device.send(w.astype(dtype))
             elif param.array.shape != w.shape:
                 raise ValueError('W in the file has shape {} (out, in, kh, kw); this link needs '
                                  '{}'.format(data.shape, _to_nchw(param.array).shape))

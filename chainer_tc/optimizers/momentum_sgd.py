@@ -5,7 +5,7 @@
                                  decay_filter=optimizers.skip_bn_and_bias)
     opt.setup(model)
     opt.loss_scaling()                 # dynamic loss scaling, decided on the device
-    opt.update(model, x, t)            # or: loss.backward(); opt.update()
+    opt.update(model, x, t)            # or: opt.scaled_backward(loss); opt.update()
 
 A drop-in for ``chainer.optimizers.MomentumSGD`` with the ``optimizer_hooks.WeightDecay`` hook and,
 for float16 parameters, ``use_fp32_update()``. See docs/optimizer.md for the design and its limits.
@@ -143,6 +143,20 @@ class MomentumSGD(chainer_optimizer.Optimizer):
     def set_loss_scale(self, loss_scale):
         self.loss_scaling(scale=loss_scale)
 
+    def scaled_backward(self, loss):
+        """``loss.backward()`` seeded with the loss scale (on the device), for loops that call
+        ``update()`` without a loss function. Without loss scaling it is ``loss.backward()``.
+        A plain ``loss.backward()`` with loss scaling on would leave the gradients unscaled, and
+        the update would divide them by the scale anyway."""
+        if self._scaler.mode != _scaler.NONE:
+            if loss.size != 1:
+                raise ValueError('the loss must have one element to be scaled; got shape {}'
+                                 .format(loss.shape))
+            self._check_set_up()
+            self._try_build(required=True)
+            loss.grad = self._scaler.seed(loss)
+        loss.backward()
+
     @property
     def loss_scale(self):
         """The current loss scale, or None without loss scaling (reading it synchronises)."""
@@ -160,13 +174,7 @@ class MomentumSGD(chainer_optimizer.Optimizer):
         if lossfun is not None:
             loss = lossfun(*args, **kwds)
             self.target.cleargrads()
-            if self._scaler.mode != _scaler.NONE:
-                if loss.size != 1:
-                    raise ValueError('the loss must have one element to be scaled; got shape {}'
-                                     .format(loss.shape))
-                self._try_build(required=True)
-                loss.grad = self._scaler.seed(loss)
-            loss.backward()
+            self.scaled_backward(loss)
             del loss
         with variable._AllowArrayAccessWithNonstandardLayout():
             flat = self._try_build(required=True)

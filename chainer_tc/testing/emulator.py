@@ -122,7 +122,7 @@ class _Param:
         else:
             raise RuntimeError('emulator: unknown parameter code {!r}'.format(code))
         # By value, a struct or a vector type (float4, __half2: 'f4x4', 'f2x2') is raw bytes of its
-        # size, which CuPy takes as a NumPy structured scalar (numpy.void).
+        # size, which CuPy 13 takes as a NumPy array of size 1 (a structured dtype).
         self.nbytes = None
         if self.kind == 'S' and self.dtype is None:
             self.nbytes = int(self.code[1:])
@@ -428,14 +428,12 @@ class Function:
         """The bytes of a by-value argument, checked against the parameter."""
         where = 'argument {} ({}) of kernel {}'.format(i, p.describe(), self.signature)
         if p.nbytes is not None:                   # struct or vector type: raw bytes of its size
-            expected = '{}: expected {} bytes (a NumPy structured scalar); got {}'.format(
-                where, p.nbytes, _describe(a))
-            if isinstance(a, (numpy.generic, numpy.ndarray)):
-                raw = a.tobytes()
-            elif isinstance(a, (bytes, bytearray)):
-                raw = bytes(a)
-            else:
+            expected = ('{}: expected a NumPy array of size 1 holding {} bytes (a structured '
+                        'dtype: CuPy passes only size-1 arrays by value); got {}'.format(
+                            where, p.nbytes, _describe(a)))
+            if not isinstance(a, numpy.ndarray) or a.size != 1:
                 raise TypeError(expected)
+            raw = a.tobytes()
             if len(raw) != p.nbytes:
                 raise TypeError('{} of {} bytes'.format(expected, len(raw)))
             return raw
