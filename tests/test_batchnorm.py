@@ -393,3 +393,29 @@ def test_cudnn_ex_path_not_taken_for_float32(monkeypatch):
     y = TF.batch_normalization_add_relu(cupy.asarray(x), cupy.asarray(z), cupy.asarray(gamma),
                                         cupy.asarray(beta))
     assert y.creator.cudnn_reason.startswith('cuDNN fuses BN+Add+ReLU for float16 data only')
+
+
+def test_non_contiguous_input(path):
+    base = numpy.random.RandomState(0).randn(2, 3, 3, 16).astype(numpy.float32)
+    x = base[..., :8]                                  # a channel slice: not C-contiguous
+    gamma, beta = numpy.ones(8, numpy.float32), numpy.zeros(8, numpy.float32)
+    y = TF.batch_normalization(x, gamma, beta)
+    numpy.testing.assert_allclose(y.array, TF.batch_normalization(x.copy(), gamma, beta).array,
+                                  rtol=1e-6, atol=1e-6)
+
+
+def test_running_statistics_dtype_must_match_the_accumulation(path):
+    x, gamma, beta, _ = data((2, 3, 3, 8), numpy.float64, numpy.float64)
+    with pytest.raises(TypeError, match='running_mean is float32 but x is float64'):
+        TF.batch_normalization(x, gamma, beta, running_mean=numpy.zeros(8, numpy.float32),
+                               running_var=numpy.ones(8, numpy.float32))
+
+
+def test_empty_batch_in_inference(path):
+    x = numpy.zeros((0, 2, 2, 8), numpy.float32)
+    g, b = numpy.ones(8, numpy.float32), numpy.zeros(8, numpy.float32)
+    xv = chainer.Variable(x)
+    y = TF.fixed_batch_normalization(xv, g, b, numpy.zeros(8, 'f'), numpy.ones(8, 'f'))
+    y.grad = numpy.zeros_like(x)
+    y.backward()
+    assert y.shape == x.shape and xv.grad.shape == x.shape
