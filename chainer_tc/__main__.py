@@ -3,6 +3,8 @@
     info [--json]              versions, GPUs, and which chainer_tc features can run here (and why not)
     kernels [--json]           compile kernels/*.cu with NVRTC 12 for sm_70/80/90: registers, spills
     check-gpu-stack            check the CUDA/cuDNN install without a GPU (what CI runs)
+    dali-check LIST ROOT       scan an image data set (list file + root, or a class-per-directory
+                               tree) and list every bad line and file; non-zero exit if any
 """
 import sys
 
@@ -10,6 +12,7 @@ COMMANDS = {
     'info': ('chainer_tc.info', 'versions, GPUs, and which features can run here'),
     'kernels': ('chainer_tc.nvrtc_check', 'compile every kernel with NVRTC 12; registers, spills'),
     'check-gpu-stack': ('chainer_tc.gpu_stack', 'check the CUDA/cuDNN install without a GPU'),
+    'dali-check': ('chainer_tc.dali.check', 'scan an image data set for bad lines and files'),
 }
 
 

@@ -1,0 +1,271 @@
+"""DaliIterator: a ``chainer.dataset.Iterator`` over a DALI pipeline, and its converter.
+
+    it = dali.DaliIterator(dali.imagenet_pipeline(root, 'train.txt'), batch_size=256)
+    x, t = next(it)          # CuPy (device='gpu') or NumPy (device='cpu') arrays
+    updater = chainer.training.StandardUpdater(it, opt, converter=dali.converter)
+
+The contract: ``__next__`` returns a tuple ``(x, t)``: ``x`` the images as the pipeline makes them
+(NHWC or NCHW, float16 or float32), ``t`` int32 labels of shape ``(len(x),)``, already on the
+pipeline's device: ``converter`` passes them through. They are views of DALI's output buffers, no
+copy: on a GPU CuPy arrays made by DLPack, ordered on CuPy's current stream (the consumer's); on
+the CPU NumPy arrays.
+
+The order of the images is decided here, not by DALI (``_order.EpochOrder``): each batch's file
+paths and labels go to the pipeline through an ``external_source``; DALI runs
+``prefetch_queue_depth`` batches ahead. A snapshot is the position of the last batch delivered,
+so resuming from it rebuilds the pipeline there and continues with the same images.
+"""
+import collections
+import os
+import time
+
+import numpy
+
+import chainer
+
+from chainer_tc.dali import _order
+from chainer_tc.dali import dataset as dataset_module
+from chainer_tc.dali import pipeline as pipeline_module
+
+
+class DaliIterator(chainer.dataset.Iterator):
+    """Batches of a DALI pipeline, with Chainer's iterator protocol.
+
+    Args:
+        pipeline: an :class:`ImagenetPipeline` from :func:`imagenet_pipeline`, or a dict of
+            keyword arguments for it.
+        batch_size (int): images per batch (the last one of an epoch may be shorter, see
+            ``last_batch``).
+        repeat (bool): epoch after epoch (training), or one pass then StopIteration (evaluation).
+        shuffle (bool): a new order every epoch, the same on every shard. Default: ``repeat``.
+        last_batch (str): 'fill' (default with ``repeat``: the last batch of an epoch is completed
+            with the next epoch's first images), 'partial' (default without: a short last batch,
+            every image exactly once) or 'drop' (images that do not fill a batch are left out).
+
+    Attributes: ``epoch``, ``epoch_detail``, ``previous_epoch_detail``, ``is_new_epoch``,
+    ``current_position`` (Chainer's meanings), ``epoch_size`` (images per epoch of this shard),
+    ``last_indices`` (dataset indices of the last batch), ``wait_seconds`` (total time
+    ``__next__`` waited for DALI), ``batches`` (batches delivered).
+    """
+
+    def __init__(self, pipeline, batch_size, repeat=True, shuffle=None, last_batch=None):
+        self._pipe = None                               # finalize() works whatever fails below
+        if isinstance(pipeline, dict):
+            pipeline = pipeline_module.imagenet_pipeline(**pipeline)
+        if not isinstance(pipeline, pipeline_module.ImagenetPipeline):
+            raise TypeError('pipeline must be an ImagenetPipeline (chainer_tc.dali.'
+                            'imagenet_pipeline) or a dict of its arguments; got {!r}'
+                            .format(type(pipeline)))
+        self.pipeline = pipeline
+        self.dataset = pipeline.dataset
+        self.batch_size = batch_size
+        self.repeat = bool(repeat)
+        self.shuffle = self.repeat if shuffle is None else bool(shuffle)
+        self.last_batch = last_batch
+        self._order = self._make_order(pipeline.seed)
+        self._position = _order.START
+        self._feeder = None
+        self.last_indices = None
+        self.wait_seconds = 0.0
+        self.batches = 0
+        self._restart()
+
+    def _make_order(self, seed):
+        p = self.pipeline
+        return _order.EpochOrder(len(self.dataset), self.batch_size, self.repeat, self.shuffle,
+                                 self.last_batch, seed, p.shard_id, p.num_shards)
+
+    # ---- iteration ------------------------------------------------------------------------------
+
+    def __next__(self):
+        if self._pipe is None:
+            raise RuntimeError('this DaliIterator was finalized (after finalize() or an error); '
+                               'call reset() to start it again')
+        if not self._feeder.in_flight:                  # repeat=False: the pass is over
+            p = self._position
+            self._position = p._replace(previous_epoch_detail=self._order.epoch_detail_of(p))
+            raise StopIteration
+        t = time.perf_counter()
+        try:
+            out = self._pipe.outputs(cuda_stream=_consumer_stream(self.pipeline))
+        except Exception as e:
+            self._fail(e)
+        waited = time.perf_counter() - t
+        indices, self._position = self._feeder.in_flight.popleft()
+        batch = self._convert(out)
+        self._schedule()                                # keep prefetch_queue_depth in flight
+        self.last_indices = indices
+        self.wait_seconds += waited
+        self.batches += 1
+        return batch
+
+    next = __next__
+
+    def _convert(self, out):
+        """Views of DALI's output buffers, no copy: DALI's default (dynamic) executor gives every
+        batch its own memory, kept alive by the view."""
+        x, t = out[0].as_tensor(), out[1].as_tensor()
+        if self.pipeline.device == 'gpu':
+            import cupy
+            with cupy.cuda.Device(self.pipeline.device_id):
+                return cupy.from_dlpack(x), cupy.from_dlpack(t)
+        return numpy.asarray(x), numpy.asarray(t)
+
+    def _schedule(self):
+        try:
+            self._pipe.schedule_run()
+        except Exception as e:
+            self._fail(e)
+
+    def _fail(self, error):
+        """Turns a failure inside DALI into an error naming the bad files: every image of the
+        batches in flight is checked (header, then a decode with PIL)."""
+        paths = list(dict.fromkeys(self.dataset.paths[i]
+                                   for indices, _ in self._feeder.in_flight for i in indices))
+        self.finalize()
+        problems = [(p, why) for p in paths for why in [dataset_module.decode_problem(p)] if why]
+        if problems:
+            raise dataset_module.DatasetError(
+                problems, dataset_module.hint(self.pipeline.root, self.pipeline.list_file)) \
+                from error
+        said = str(error).strip().splitlines()
+        raise RuntimeError('DALI failed on a batch of {} image(s) ({}{}), none of which shows a '
+                           'problem when checked; DALI said: {}'.format(
+                               len(paths), ', '.join(paths[:3]), ', ...' if len(paths) > 3 else '',
+                               ' / '.join(s.strip() for s in said if s.strip())[:2000])) \
+            from error
+
+    # ---- position -------------------------------------------------------------------------------
+
+    @property
+    def epoch(self):
+        return self._position.epoch
+
+    @property
+    def current_position(self):
+        return self._position.current_position
+
+    @property
+    def is_new_epoch(self):
+        return self._position.is_new_epoch
+
+    @property
+    def epoch_detail(self):
+        return self._order.epoch_detail_of(self._position)
+
+    @property
+    def previous_epoch_detail(self):
+        previous = self._position.previous_epoch_detail
+        return None if previous < 0 else previous
+
+    @property
+    def epoch_size(self):
+        return self._order.epoch_size
+
+    def reset(self):
+        """Back to the start of epoch 0 (the same order as the first pass). Cheap after a
+        ``repeat=False`` pass; otherwise the DALI pipeline is rebuilt."""
+        if self._pipe is not None and self._position == _order.START \
+                and self._feeder.started_at == _order.START:
+            return                                      # nothing delivered yet
+        self._position = _order.START
+        if self._pipe is not None and self._feeder.exhausted and not self._feeder.in_flight:
+            self._pipe.reset()
+            self._order.reset()
+            self._feeder.restart()
+            self._schedule()
+        else:
+            self._restart()
+
+    def _restart(self):
+        """A new DALI pipeline, fed from ``self._position`` on."""
+        self._shutdown()
+        self._order.set_position(self._position)
+        self._feeder = _Feeder(self.dataset, self._order)
+        self._pipe = self.pipeline.build(self.batch_size, self._feeder)
+        self._schedule()
+
+    def serialize(self, serializer):
+        """Saves or loads the position of the last batch delivered (and the shuffling seed); a
+        load rebuilds the pipeline there: the next batch is the one that came next."""
+        p = self._position
+        epoch = serializer('epoch', p.epoch)
+        current = serializer('current_position', p.current_position)
+        is_new = serializer('is_new_epoch', p.is_new_epoch)
+        previous = serializer('previous_epoch_detail', p.previous_epoch_detail)
+        seed = serializer('seed', self._order.seed)
+        size = serializer('dataset_size', len(self.dataset))
+        shards = serializer('num_shards', self.pipeline.num_shards)
+        if not isinstance(serializer, chainer.serializer.Deserializer):
+            return
+        if (int(size), int(shards)) != (len(self.dataset), self.pipeline.num_shards):
+            raise ValueError('the snapshot is of an iterator over {} images in {} shard(s); this '
+                             'one has {} images in {} shard(s)'.format(
+                                 int(size), int(shards), len(self.dataset),
+                                 self.pipeline.num_shards))
+        self._order = self._make_order(int(seed))
+        self._position = _order.Position(int(epoch), int(current), bool(is_new), float(previous))
+        self._restart()
+
+    def finalize(self):
+        """Stops the DALI pipeline and its threads; ``reset()`` starts a new one."""
+        self._shutdown()
+
+    def _shutdown(self):
+        pipe, self._pipe = self._pipe, None
+        if pipe is not None:
+            pipe._shutdown()            # what Pipeline.__del__ does: stops DALI's threads now
+
+
+class _Feeder(object):
+    """DALI's ``external_source`` callback: the next batch's file paths (UTF-8, uint8 arrays) and
+    labels in ``order``'s order. Remembers each batch fed, ``(indices, position after it)``, in
+    ``in_flight`` until the iterator delivers it."""
+
+    def __init__(self, dataset, order):
+        self.dataset, self.order = dataset, order
+        self.in_flight = collections.deque()
+        self.started_at = order.position
+        self.exhausted = False
+
+    def restart(self):
+        self.in_flight.clear()
+        self.started_at = self.order.position
+        self.exhausted = False
+
+    def __call__(self):
+        try:
+            indices = self.order.next_batch()
+        except StopIteration:
+            self.exhausted = True
+            raise
+        self.in_flight.append((indices, self.order.position))
+        paths = [numpy.frombuffer(os.fsencode(self.dataset.paths[i]), numpy.uint8)
+                 for i in indices]
+        return paths, self.dataset.labels[indices]
+
+
+def _consumer_stream(pipeline):
+    """CuPy's current stream, to which DALI orders the outputs (None on the CPU). The null stream
+    is passed as 1 (cudaStreamLegacy): DALI reads 0 as no stream."""
+    if pipeline.device != 'gpu':
+        return None
+    import cupy
+    return cupy.cuda.get_current_stream().ptr or 1
+
+
+class _PassThrough(chainer.dataset.Converter):
+    """The converter of DaliIterator batches: ``(x, t)`` is already a batch of arrays on the
+    pipeline's device; sent to ``device`` when one is given (no copy when it is already there)."""
+
+    def __call__(self, batch, device=None):
+        if not (isinstance(batch, tuple) and len(batch) == 2):
+            raise TypeError('chainer_tc.dali.converter expects the (images, labels) tuple of a '
+                            'DaliIterator; got {!r}'.format(type(batch)))
+        if device is None:
+            return batch
+        device = chainer.get_device(device)
+        return tuple(device.send(a) for a in batch)
+
+
+converter = _PassThrough()
