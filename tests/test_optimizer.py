@@ -674,3 +674,30 @@ def test_gpu_update_can_be_captured_in_a_cuda_graph():
     graph.launch(stream)
     stream.synchronize()
     assert not numpy.array_equal(cupy.asnumpy(model.p1.array), before)
+
+
+@pytest.mark.parametrize('make_extension', [
+    lambda: extensions.MultistepShift('lr', 0.1, [2, 4], 0.5),
+    lambda: extensions.LinearShift('lr', (0.5, 0.1), (1, 5)),
+    lambda: extensions.ExponentialShift('lr', 0.7),
+])
+def test_chainer_lr_schedules_drive_the_kernel_argument(make_extension):
+    """The same schedule gives the same lr sequence as with Chainer's MomentumSGD, and the lr
+    reaches the kernel's parameter block."""
+    x, t = batch(n=8)
+    sequences = []
+    for make_opt in (lambda: chainer.optimizers.MomentumSGD(lr=0.5),
+                     lambda: optimizers.MomentumSGD(lr=0.5)):
+        model = L.Classifier(MixedNet())
+        opt = make_opt().setup(model)
+        it = chainer.iterators.SerialIterator(chainer.datasets.TupleDataset(x, t), 4)
+        trainer = training.Trainer(training.updaters.StandardUpdater(it, opt), (5, 'iteration'))
+        seen = []
+        trainer.extend(make_extension(), trigger=(1, 'iteration'))
+        trainer.extend(lambda tr: seen.append(tr.updater.get_optimizer('main').lr),
+                       trigger=(1, 'iteration'), priority=training.PRIORITY_READER)
+        trainer.run()
+        sequences.append(seen)
+    assert len(sequences[1]) == 5 and len(set(sequences[1])) > 1
+    assert sequences[0] == sequences[1]
+    assert opt._step_params(opt._flat)['lr'] == numpy.float32(sequences[1][-1])
