@@ -1,5 +1,6 @@
 import os
 
+import numpy
 import pytest
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -30,3 +31,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if 'gpu' in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _deterministic_global_rng():
+    """Every test starts from the same global NumPy random state (Chainer's initializers and
+    gradient_check's random directions draw from it), so results do not depend on test order."""
+    numpy.random.seed(0)
