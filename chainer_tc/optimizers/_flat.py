@@ -22,8 +22,8 @@ DTYPES = (numpy.dtype(numpy.float32), numpy.dtype(numpy.float16))   # group 0, g
 class Entry:
     """One parameter: where it lives in the flat buffers."""
 
-    __slots__ = ('name', 'param', 'group', 'offset', 'size', 'shape', 'decay', 'index', 'view',
-                 'v', 'master')
+    __slots__ = ('name', 'param', 'group', 'offset', 'size', 'shape', 'decay', 'view', 'v',
+                 'master')
 
 
 def _device_of(array):
@@ -61,8 +61,7 @@ class FlatParams:
         self.xp = _array_module(entries[0].param.array)
         order = sorted(entries, key=lambda e: e.group)      # stable: the model's order within
         sizes = [0, 0]
-        for i, e in enumerate(order):
-            e.index = i
+        for e in order:
             e.offset = sizes[e.group]
             sizes[e.group] += -(-e.size // ALIGN) * ALIGN
         self.entries = order
@@ -104,32 +103,31 @@ class FlatParams:
     def num_chunks(self):
         return int(self.chunks.shape[0])
 
-    def check(self):
-        """Raise if a parameter was replaced, retyped or moved since setup (and say which)."""
-        for e in self.entries:
-            a = e.param.array
-            if a is e.view:
-                continue
-            if a is None or a.dtype != e.view.dtype:
-                what = 'changed dtype from {} to {}'.format(
-                    e.view.dtype, None if a is None else a.dtype)
-            elif _device_of(a) != self.device:
-                what = 'moved from {} to {}'.format(self.device, _device_of(a))
-            else:
-                what = 'was given a new array (its values now live outside the optimizer)'
-            raise RuntimeError('parameter {} {} after setup(); call optimizer.setup(model) '
-                               'again'.format(e.name, what))
-
     def grads(self):
-        """Each parameter's gradient (None where there is none), C-contiguous. Chainer already
-        guarantees that a gradient has its parameter's dtype and shape."""
+        """Each parameter's gradient (None where there is none), C-contiguous, in one pass that
+        also raises if a parameter was replaced, retyped or moved since setup (and says which).
+        Chainer already guarantees that a gradient has its parameter's dtype and shape."""
         out = []
         for e in self.entries:
+            a = e.param.array
+            if a is not e.view:
+                self._replaced(e, a)
             g = e.param.grad
             if g is not None and not g.flags.c_contiguous:
                 g = self.xp.ascontiguousarray(g)
             out.append(g)
         return out
+
+    def _replaced(self, e, a):
+        if a is None or a.dtype != e.view.dtype:
+            what = 'changed dtype from {} to {}'.format(e.view.dtype,
+                                                        None if a is None else a.dtype)
+        elif _device_of(a) != self.device:
+            what = 'moved from {} to {}'.format(self.device, _device_of(a))
+        else:
+            what = 'was given a new array (its values now live outside the optimizer)'
+        raise RuntimeError('parameter {} {} after setup(); call optimizer.setup(model) again'
+                           .format(e.name, what))
 
 
 def _zeros(xp, n, dtype):

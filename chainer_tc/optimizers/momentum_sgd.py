@@ -178,12 +178,11 @@ class MomentumSGD(chainer_optimizer.Optimizer):
             del loss
         with variable._AllowArrayAccessWithNonstandardLayout():
             flat = self._try_build(required=True)
-            flat.check()
             if self._has_hooks('pre'):
                 self._reallocate_cleared_grads()
                 self.call_hooks('pre')
+            grads = flat.grads()          # (raises, before anything changes, on a bad param)
             self.t += 1
-            grads = flat.grads()
             if kernels.backend(flat.xp) == 'numpy':
                 self._update_numpy(flat, grads)
             else:
