@@ -57,18 +57,20 @@ __device__ __forceinline__ void covering(int p, int k, int s, int pad, int out, 
 
 }  // namespace pool
 
-template <typename T>
-__global__ void __launch_bounds__(POOL_THREADS, POOL_MIN_BLOCKS)
-max_pool_forward(const PoolShape s, const T* __restrict__ x, T* __restrict__ y,
-                 int* __restrict__ argmax) {
-  typedef typename pool::Acc<T>::type A;
+namespace pool {
+
+// One output per thread: the max (and its window offset) or the mean of the window.
+template <bool kMax, typename T>
+__device__ __forceinline__ void forward(const PoolShape& s, const T* __restrict__ x,
+                                        T* __restrict__ y, int* __restrict__ argmax) {
+  typedef typename Acc<T>::type A;
   const long long total = (long long)s.N * s.OH * s.OW * s.C;
   for (long long i = blockIdx.x * (long long)POOL_THREADS + threadIdx.x; i < total;
        i += (long long)gridDim.x * POOL_THREADS) {
     int n, oh, ow, c;
-    pool::unflatten(i, s.OH, s.OW, s.C, n, oh, ow, c);
-    A best;
-    pool::neg_inf(best);
+    unflatten(i, s.OH, s.OW, s.C, n, oh, ow, c);
+    A acc = 0;
+    if (kMax) neg_inf(acc);
     int where = 0;
     for (int a = 0; a < s.kh; ++a) {
       const int h = oh * s.sy - s.ph + a;
@@ -76,84 +78,70 @@ max_pool_forward(const PoolShape s, const T* __restrict__ x, T* __restrict__ y,
       for (int b = 0; b < s.kw; ++b) {
         const int w = ow * s.sx - s.pw + b;
         if (w < 0 || w >= s.W) continue;
-        const A v = pool::load(x, (((long long)n * s.H + h) * s.W + w) * s.C + c);
-        if (v > best) {
-          best = v;
+        const A v = load(x, (((long long)n * s.H + h) * s.W + w) * s.C + c);
+        if (!kMax) {
+          acc += v;
+        } else if (v > acc) {          // strict: ties keep the first maximum, as Chainer
+          acc = v;
           where = a * s.kw + b;
         }
       }
     }
-    pool::store(y, i, best);
-    argmax[i] = where;
+    store(y, i, kMax ? acc : acc / A(s.kh * s.kw));
+    if (kMax) argmax[i] = where;
   }
+}
+
+// One input gradient per thread, gathered from the outputs whose windows cover it.
+template <bool kMax, typename T>
+__device__ __forceinline__ void backward(const PoolShape& s, const T* __restrict__ gy,
+                                         const int* __restrict__ argmax, T* __restrict__ gx) {
+  typedef typename Acc<T>::type A;
+  const long long total = (long long)s.N * s.H * s.W * s.C;
+  for (long long i = blockIdx.x * (long long)POOL_THREADS + threadIdx.x; i < total;
+       i += (long long)gridDim.x * POOL_THREADS) {
+    int n, h, w, c;
+    unflatten(i, s.H, s.W, s.C, n, h, w, c);
+    int oh0, oh1, ow0, ow1;
+    covering(h, s.kh, s.sy, s.ph, s.OH, oh0, oh1);
+    covering(w, s.kw, s.sx, s.pw, s.OW, ow0, ow1);
+    A sum = 0;
+    for (int oh = oh0; oh <= oh1; ++oh)
+      for (int ow = ow0; ow <= ow1; ++ow) {
+        const long long o = (((long long)n * s.OH + oh) * s.OW + ow) * s.C + c;
+        if (!kMax || argmax[o] == (h + s.ph - oh * s.sy) * s.kw + (w + s.pw - ow * s.sx))
+          sum += load(gy, o);
+      }
+    store(gx, i, kMax ? sum : sum / A(s.kh * s.kw));
+  }
+}
+
+}  // namespace pool
+
+template <typename T>
+__global__ void __launch_bounds__(POOL_THREADS, POOL_MIN_BLOCKS)
+max_pool_forward(const PoolShape s, const T* __restrict__ x, T* __restrict__ y,
+                 int* __restrict__ argmax) {
+  pool::forward<true>(s, x, y, argmax);
 }
 
 template <typename T>
 __global__ void __launch_bounds__(POOL_THREADS, POOL_MIN_BLOCKS)
 max_pool_backward(const PoolShape s, const T* __restrict__ gy, const int* __restrict__ argmax,
                   T* __restrict__ gx) {
-  typedef typename pool::Acc<T>::type A;
-  const long long total = (long long)s.N * s.H * s.W * s.C;
-  for (long long i = blockIdx.x * (long long)POOL_THREADS + threadIdx.x; i < total;
-       i += (long long)gridDim.x * POOL_THREADS) {
-    int n, h, w, c;
-    pool::unflatten(i, s.H, s.W, s.C, n, h, w, c);
-    int oh0, oh1, ow0, ow1;
-    pool::covering(h, s.kh, s.sy, s.ph, s.OH, oh0, oh1);
-    pool::covering(w, s.kw, s.sx, s.pw, s.OW, ow0, ow1);
-    A sum = 0;
-    for (int oh = oh0; oh <= oh1; ++oh)
-      for (int ow = ow0; ow <= ow1; ++ow) {
-        const long long o = (((long long)n * s.OH + oh) * s.OW + ow) * s.C + c;
-        if (argmax[o] == (h + s.ph - oh * s.sy) * s.kw + (w + s.pw - ow * s.sx))
-          sum += pool::load(gy, o);
-      }
-    pool::store(gx, i, sum);
-  }
+  pool::backward<true>(s, gy, argmax, gx);
 }
 
 template <typename T>
 __global__ void __launch_bounds__(POOL_THREADS, POOL_MIN_BLOCKS)
 avg_pool_forward(const PoolShape s, const T* __restrict__ x, T* __restrict__ y) {
-  typedef typename pool::Acc<T>::type A;
-  const long long total = (long long)s.N * s.OH * s.OW * s.C;
-  const A count = A(s.kh * s.kw);
-  for (long long i = blockIdx.x * (long long)POOL_THREADS + threadIdx.x; i < total;
-       i += (long long)gridDim.x * POOL_THREADS) {
-    int n, oh, ow, c;
-    pool::unflatten(i, s.OH, s.OW, s.C, n, oh, ow, c);
-    A sum = 0;
-    for (int a = 0; a < s.kh; ++a) {
-      const int h = oh * s.sy - s.ph + a;
-      if (h < 0 || h >= s.H) continue;
-      for (int b = 0; b < s.kw; ++b) {
-        const int w = ow * s.sx - s.pw + b;
-        if (w >= 0 && w < s.W) sum += pool::load(x, (((long long)n * s.H + h) * s.W + w) * s.C + c);
-      }
-    }
-    pool::store(y, i, sum / count);
-  }
+  pool::forward<false>(s, x, y, (int*)nullptr);
 }
 
 template <typename T>
 __global__ void __launch_bounds__(POOL_THREADS, POOL_MIN_BLOCKS)
 avg_pool_backward(const PoolShape s, const T* __restrict__ gy, T* __restrict__ gx) {
-  typedef typename pool::Acc<T>::type A;
-  const long long total = (long long)s.N * s.H * s.W * s.C;
-  const A count = A(s.kh * s.kw);
-  for (long long i = blockIdx.x * (long long)POOL_THREADS + threadIdx.x; i < total;
-       i += (long long)gridDim.x * POOL_THREADS) {
-    int n, h, w, c;
-    pool::unflatten(i, s.H, s.W, s.C, n, h, w, c);
-    int oh0, oh1, ow0, ow1;
-    pool::covering(h, s.kh, s.sy, s.ph, s.OH, oh0, oh1);
-    pool::covering(w, s.kw, s.sx, s.pw, s.OW, ow0, ow1);
-    A sum = 0;
-    for (int oh = oh0; oh <= oh1; ++oh)
-      for (int ow = ow0; ow <= ow1; ++ow)
-        sum += pool::load(gy, (((long long)n * s.OH + oh) * s.OW + ow) * s.C + c);
-    pool::store(gx, i, sum / count);
-  }
+  pool::backward<false>(s, gy, (const int*)nullptr, gx);
 }
 
 #define POOL_INSTANTIATE(T) \
