@@ -64,16 +64,21 @@ def path(request, monkeypatch):
 
 # ---- Chainer equivalence (float32) ----------------------------------------------------------------
 
-def test_matches_chainer_momentum_sgd_with_weight_decay(path):
-    x, t = batch()
-    ref = MixedNet()
-    ours = copy.deepcopy(ref)
-    o_ref = chainer.optimizers.MomentumSGD(lr=0.05, momentum=0.9).setup(ref)
-    o_ref.add_hook(chainer.optimizer_hooks.WeightDecay(1e-3))
-    o = optimizers.MomentumSGD(lr=0.05, momentum=0.9, weight_decay=1e-3).setup(ours)
-    for _ in range(10):
+def train_both(model, x, t, lr, momentum, wd, steps=10):
+    """10 steps of Chainer's MomentumSGD + WeightDecay and of ours from the same weights."""
+    ref, ours = model, copy.deepcopy(model)
+    o_ref = chainer.optimizers.MomentumSGD(lr=lr, momentum=momentum).setup(ref)
+    o_ref.add_hook(chainer.optimizer_hooks.WeightDecay(wd))
+    o = optimizers.MomentumSGD(lr=lr, momentum=momentum, weight_decay=wd).setup(ours)
+    for _ in range(steps):
         o_ref.update(loss_of(ref, x, t))
         o.update(loss_of(ours, x, t))
+    return ref, ours, o_ref, o
+
+
+def test_matches_chainer_momentum_sgd_with_weight_decay(path):
+    x, t = batch()
+    ref, ours, o_ref, o = train_both(MixedNet(), x, t, lr=0.05, momentum=0.9, wd=1e-3)
     # Same float32 operations in the same order: equal to the last bit, except that Chainer's
     # NumPy update of a 0-d parameter runs in float64 (a Python float times a 0-d array is a
     # scalar operation), which then feeds every other gradient: hence the issue's 1e-6.
@@ -94,14 +99,7 @@ def test_bitwise_equal_to_chainer_without_0d_parameters(path):
             return self.b(F.tanh(self.a(x)))
     r = numpy.random.RandomState(1)
     x, t = r.randn(5, 7).astype(numpy.float32), r.randint(0, 3, 5).astype(numpy.int32)
-    ref = Net()
-    ours = copy.deepcopy(ref)
-    o_ref = chainer.optimizers.MomentumSGD(lr=0.1, momentum=0.8).setup(ref)
-    o_ref.add_hook(chainer.optimizer_hooks.WeightDecay(1e-2))
-    o = optimizers.MomentumSGD(lr=0.1, momentum=0.8, weight_decay=1e-2).setup(ours)
-    for _ in range(10):
-        o_ref.update(loss_of(ref, x, t))
-        o.update(loss_of(ours, x, t))
+    ref, ours, _, _ = train_both(Net(), x, t, lr=0.1, momentum=0.8, wd=1e-2)
     assert_params_equal(params_of(ref), params_of(ours))
 
 
