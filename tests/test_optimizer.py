@@ -2,6 +2,7 @@
 loss scaling, snapshots, and bad input."""
 import copy
 import os
+import warnings
 
 import numpy
 import pytest
@@ -131,7 +132,8 @@ def test_nesterov_and_decay_exclusion_against_numpy_reference(path, nesterov):
         grads.append([p.grad.copy() for _, p in sorted(model.namedparams())])
         o.update()
     decays = [n in ('/conv/W', '/fc/W') for n in names]
-    assert [e.decay for e in sorted(o._flat.entries, key=lambda e: e.name)] == decays
+    assert [p.update_rule.hyperparam.weight_decay != 0
+            for _, p in sorted(model.namedparams())] == decays
     p_ref, v_ref = numpy_momentum_reference(start, grads, 0.05, 0.9, 1e-2, nesterov, decays)
     entries = {e.name: e for e in o._flat.entries}
     for name, p, v in zip(names, p_ref, v_ref):
@@ -515,29 +517,39 @@ def test_other_hooks_still_work(path):
     assert step == pytest.approx(1e-3, rel=1e-4)
 
 
-def test_float64_parameters_are_refused():
-    with pytest.raises(TypeError, match='parameter /p0 is float64; chainer_tc.optimizers supports '
-                                        'float32 and float16'):
-        optimizers.MomentumSGD().setup(SizesNet([3], numpy.float64))
+def test_unsupported_parameter_dtype_is_refused():
+    with pytest.raises(TypeError, match='parameter /p0 is int32; chainer_tc.optimizers supports '
+                                        'float16, float32 and float64'):
+        optimizers.MomentumSGD().setup(SizesNet([3], numpy.int32))
 
 
-def test_parameter_dtype_changed_after_setup(path):
+@pytest.mark.parametrize('change', ['dtype', 'value'])
+def test_parameter_replaced_after_setup_is_adopted_with_a_warning(path, change):
+    """A parameter given a new array after setup() (new values or dtype) trains on from that
+    array, momentum kept, exactly like a fresh optimizer given the same state; once warned."""
     model = SizesNet([3, 4], numpy.float32)
-    opt = optimizers.MomentumSGD().setup(model)
-    model.p1.array = model.p1.array.astype(numpy.float16)
+    opt = optimizers.MomentumSGD(lr=0.1).setup(model)
     model.set_grads(0)
-    with pytest.raises(RuntimeError, match=r'parameter /p1 changed dtype from float32 to float16 '
-                                           r'after setup\(\); call optimizer.setup\(model\) again'):
+    opt.update()
+    v_before = model.p1.update_rule.state['v'].copy()
+    new = (model.p1.array.astype(numpy.float16) if change == 'dtype'
+           else numpy.full(4, 2.0, numpy.float32))
+    model.p1.array = new
+    model.set_grads(1)
+    with pytest.warns(RuntimeWarning, match='parameter /p1 was given a new array after setup'):
         opt.update()
-
-
-def test_parameter_replaced_after_setup(path):
-    model = SizesNet([3, 4], numpy.float32)
-    opt = optimizers.MomentumSGD().setup(model)
-    model.p0.array = numpy.ones(3, numpy.float32)
-    model.set_grads(0)
-    with pytest.raises(RuntimeError, match='parameter /p0 was given a new array'):
-        opt.update()
+    assert model.p1.dtype == new.dtype
+    g = numpy.random.RandomState(1)
+    g0 = g.randn(3)  # p0's gradient of seed 1, consumed first in sorted order
+    g1 = g.randn(4).astype(new.dtype).astype(numpy.float32)
+    v = v_before * numpy.float32(0.9) - numpy.float32(0.1) * g1
+    numpy.testing.assert_array_equal(model.p1.update_rule.state['v'], v)
+    expect = (new.astype(numpy.float32) + v).astype(new.dtype)
+    numpy.testing.assert_array_equal(model.p1.array, expect)
+    model.set_grads(2)
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        opt.update()                       # no second rebuild, no second warning
 
 
 def test_parameters_on_mixed_devices(monkeypatch):
@@ -679,9 +691,9 @@ def test_gpu_update_can_be_captured_in_a_cuda_graph():
     lambda: extensions.LinearShift('lr', (0.5, 0.1), (1, 5)),
     lambda: extensions.ExponentialShift('lr', 0.7),
 ])
-def test_chainer_lr_schedules_drive_the_kernel_argument(make_extension):
+def test_chainer_lr_schedules_reach_the_device_table(make_extension):
     """The same schedule gives the same lr sequence as with Chainer's MomentumSGD, and the lr
-    reaches the kernel's parameter block."""
+    reaches the hyperparameter table the kernel reads."""
     x, t = batch(n=8)
     sequences = []
     for make_opt in (lambda: chainer.optimizers.MomentumSGD(lr=0.5),
@@ -698,4 +710,5 @@ def test_chainer_lr_schedules_drive_the_kernel_argument(make_extension):
         sequences.append(seen)
     assert len(sequences[1]) == 5 and len(set(sequences[1])) > 1
     assert sequences[0] == sequences[1]
-    assert opt._step_params(opt._flat)['lr'] == numpy.float32(sequences[1][-1])
+    opt._table.refresh(opt.hyperparam, opt._versions, opt._set_globals)
+    assert opt._table.device[0, 0] == sequences[1][-1]

@@ -1,39 +1,57 @@
 """The optimizer's flat storage: every parameter, master weight and momentum in a few buffers.
 
-At setup, each Parameter's array is replaced by a view of one flat buffer per dtype (float32,
-float16), its current values copied in. Master weights (for float16 parameters) and momenta are
-flat float32 buffers with the same offsets. The update then runs over a handful of contiguous
-buffers: one kernel on a GPU, a few vectorised operations on the CPU. Only the gradients stay
-where Chainer's backward puts them (it allocates a new array for each one every step), so their
-addresses are passed with every launch.
+At build time (the first update after setup, or after anything made the old buffers stale) each
+Parameter's array is replaced by a view of one flat buffer per dtype (float32, float16, float64),
+its current values copied in. Master weights (for float16 parameters) and momenta are flat buffers
+(float32; float64 for float64 parameters) with the same offsets. The momenta and masters are
+*adopted* from the update rules' ``state`` where it holds arrays (a loaded snapshot, a deep copy or
+an unpickled optimizer, a parameter moved to another device), and each rule's state then becomes
+views of the flat buffers. The update then runs over a handful of contiguous buffers: one kernel
+on a GPU, a few vectorised operations on the CPU. Only the gradients stay where Chainer's backward
+puts them (it allocates a new array for each one every step), so their addresses are passed with
+every launch.
 
 Layout of a buffer: the parameters in the model's order, each starting at a multiple of ALIGN
-elements (256 bytes for float16), padding zero. The work list for the kernel (``chunks``) cuts every parameter into
-pieces of at most CHUNK elements; see kernels/optimizer.cu for its format.
+elements (256 bytes for float16), padding zero. A Parameter shared by several links (tied
+weights) appears once. The work list for the kernel (``chunks``) cuts every parameter into pieces
+of at most CHUNK elements; see kernels/optimizer.cu for its format.
 """
 import numpy
 
 ALIGN = 128           # elements; every parameter view starts 256-byte aligned (512 for float32)
 CHUNK = 2048          # elements per thread block of the update kernel
 GRAD_TABLE = 480      # gradient addresses per launch (kernels/optimizer.cu OPT_GRAD_TABLE)
-DTYPES = (numpy.dtype(numpy.float32), numpy.dtype(numpy.float16))   # group 0, group 1
+DTYPES = (numpy.dtype(numpy.float32), numpy.dtype(numpy.float16),
+          numpy.dtype(numpy.float64))                       # groups 0, 1, 2 (GROUP_* in the .cu)
+F32, F16, F64 = 0, 1, 2
+STATE_DTYPES = (DTYPES[F32], DTYPES[F32], DTYPES[F64])      # momentum (and master) per group
 
 
 class Entry:
     """One parameter: where it lives in the flat buffers."""
 
-    __slots__ = ('name', 'param', 'group', 'offset', 'size', 'shape', 'decay', 'view', 'v',
-                 'master')
+    __slots__ = ('name', 'param', 'group', 'offset', 'size', 'shape', 'view', 'v', 'master')
 
 
 def _device_of(array):
     return 'cpu' if isinstance(array, numpy.ndarray) else 'gpu:{}'.format(array.device.id)
 
 
-class FlatParams:
-    """Flat buffers of a model's parameters, built once from ``named_params``."""
+def unique_params(named_params):
+    """(name, param) pairs with each Parameter once (tied weights), in the model's order."""
+    seen = set()
+    out = []
+    for name, param in named_params:
+        if id(param) not in seen:
+            seen.add(id(param))
+            out.append((name, param))
+    return out
 
-    def __init__(self, named_params, decay_filter):
+
+class FlatParams:
+    """Flat buffers of a model's parameters, built from ``named_params`` (unique)."""
+
+    def __init__(self, named_params):
         entries = []
         devices = {}
         for name, param in named_params:
@@ -43,13 +61,12 @@ class FlatParams:
                     'parameter {} is not initialized yet; run a forward pass (or give the link '
                     'its input size) before the first update'.format(name))
             if a.dtype not in DTYPES:
-                raise TypeError('parameter {} is {}; chainer_tc.optimizers supports float32 and '
-                                'float16 parameters'.format(name, a.dtype))
+                raise TypeError('parameter {} is {}; chainer_tc.optimizers supports float16, '
+                                'float32 and float64 parameters'.format(name, a.dtype))
             devices.setdefault(_device_of(a), name)
             e = Entry()
             e.name, e.param, e.shape, e.size = name, param, a.shape, a.size
             e.group = DTYPES.index(a.dtype)
-            e.decay = bool(decay_filter(name, param))
             entries.append(e)
         if not entries:
             raise ValueError('the target link has no parameters to optimize')
@@ -60,7 +77,7 @@ class FlatParams:
         self.device = next(iter(devices))
         self.xp = _array_module(entries[0].param.array)
         order = sorted(entries, key=lambda e: e.group)      # stable: the model's order within
-        sizes = [0, 0]
+        sizes = [0] * len(DTYPES)
         for e in order:
             e.offset = sizes[e.group]
             sizes[e.group] += -(-e.size // ALIGN) * ALIGN
@@ -69,20 +86,33 @@ class FlatParams:
         self._allocate()
         self.chunks, self.launches = self._work_list()
 
+    def device_scope(self):
+        return on_device(self)
+
     def _allocate(self):
         xp = self.xp
         with on_device(self):
-            self.params = [_zeros(xp, self.sizes[g], DTYPES[g]) for g in (0, 1)]
-            self.momentum = [_zeros(xp, self.sizes[g], numpy.float32) for g in (0, 1)]
-            self.master = _zeros(xp, self.sizes[1], numpy.float32)
+            self.params = [_zeros(xp, self.sizes[g], DTYPES[g]) for g in range(len(DTYPES))]
+            self.momentum = [_zeros(xp, self.sizes[g], STATE_DTYPES[g])
+                             for g in range(len(DTYPES))]
+            self.master = _zeros(xp, self.sizes[F16], numpy.float32)
             for e in self.entries:
                 sl = slice(e.offset, e.offset + e.size)
+                state = e.param.update_rule._state or {}
                 e.view = self.params[e.group][sl].reshape(e.shape)
                 e.view[...] = e.param.array
                 e.param.array = e.view
                 e.v = self.momentum[e.group][sl].reshape(e.shape)
-                e.master = self.master[sl].reshape(e.shape) if e.group == 1 else None
-            self.master[...] = self.params[1]
+                _adopt(e, 'v', e.v, state.get('v'), xp)
+                new_state = {'v': e.v}
+                if e.group == F16:
+                    e.master = self.master[sl].reshape(e.shape)
+                    e.master[...] = e.view
+                    _adopt(e, 'master', e.master, state.get('master'), xp)
+                    new_state['master'] = e.master
+                else:
+                    e.master = None
+                e.param.update_rule._state = new_state
 
     def _work_list(self):
         """The chunk table and the launches: [(first chunk, chunk count, first entry, entries)]."""
@@ -91,7 +121,7 @@ class FlatParams:
             batch = self.entries[first:first + GRAD_TABLE]
             start = len(rows)
             for j, e in enumerate(batch):
-                bits = j | (e.group << 32) | (int(e.decay) << 33)
+                bits = j | (e.group << 16) | ((first + j) << 32)
                 for inner in range(0, e.size, CHUNK):
                     rows.append((e.offset + inner, inner, min(CHUNK, e.size - inner), bits))
             launches.append((start, len(rows) - start, first, len(batch)))
@@ -103,31 +133,39 @@ class FlatParams:
     def num_chunks(self):
         return int(self.chunks.shape[0])
 
-    def grads(self):
-        """Each parameter's gradient (None where there is none), C-contiguous, in one pass that
-        also raises if a parameter was replaced, retyped or moved since setup (and says which).
-        Chainer already guarantees that a gradient has its parameter's dtype and shape."""
-        out = []
+    def stale(self):
+        """The first entry whose parameter no longer holds its view (replaced, retyped, moved),
+        or None. Cheap: one identity test per parameter."""
         for e in self.entries:
-            a = e.param.array
-            if a is not e.view:
-                self._replaced(e, a)
+            if e.param.array is not e.view:
+                return e
+        return None
+
+    def grads(self):
+        """Each parameter's gradient (None where there is none), C-contiguous. Chainer already
+        guarantees that a gradient has its parameter's dtype and shape."""
+        out = []
+        xp = self.xp
+        for e in self.entries:
             g = e.param.grad
             if g is not None and not g.flags.c_contiguous:
-                g = self.xp.ascontiguousarray(g)
+                g = xp.ascontiguousarray(g)
             out.append(g)
         return out
 
-    def _replaced(self, e, a):
-        if a is None or a.dtype != e.view.dtype:
-            what = 'changed dtype from {} to {}'.format(e.view.dtype,
-                                                        None if a is None else a.dtype)
-        elif _device_of(a) != self.device:
-            what = 'moved from {} to {}'.format(self.device, _device_of(a))
-        else:
-            what = 'was given a new array (its values now live outside the optimizer)'
-        raise RuntimeError('parameter {} {} after setup(); call optimizer.setup(model) again'
-                           .format(e.name, what))
+
+def _adopt(e, key, dst, src, xp):
+    """Copy a rule's existing state array into its flat view (any device, castable dtype)."""
+    if src is None or src is dst:
+        return
+    if tuple(src.shape) != tuple(e.shape):
+        raise ValueError('parameter {}: its update rule state {!r} has shape {}, the parameter '
+                         '{}'.format(e.name, key, tuple(src.shape), tuple(e.shape)))
+    if xp is numpy:
+        src = src if isinstance(src, numpy.ndarray) else src.get()
+    else:
+        src = xp.asarray(src)
+    dst[...] = src
 
 
 def _zeros(xp, n, dtype):

@@ -20,6 +20,8 @@ from chainer import variable
 
 from chainer_tc import kernels
 from chainer_tc.optimizers import _flat
+from chainer_tc.optimizers import _hyper
+from chainer_tc.optimizers import _rule
 from chainer_tc.optimizers import _scaler
 
 BLOCK = 256                 # threads per block of kernels/optimizer.cu (OPT_BLOCK)
@@ -28,9 +30,9 @@ _DEFINES = {'OPT_BLOCK': BLOCK, 'OPT_GRAD_TABLE': _flat.GRAD_TABLE}
 
 # kernels/optimizer.cu StepParams, passed by value
 STEP_PARAMS = numpy.dtype([
-    ('lr', '<f4'), ('momentum', '<f4'), ('weight_decay', '<f4'), ('nesterov', '<i4'),
-    ('scaling', '<i4'), ('interval', '<u4'), ('min_scale', '<f4'), ('max_scale', '<f4'),
-    ('total_blocks', '<u4'), ('reserved', '<u4'), ('grad', '<u8', (_flat.GRAD_TABLE,)),
+    ('nesterov', '<i4'), ('scaling', '<i4'), ('interval', '<u4'), ('min_scale', '<f4'),
+    ('max_scale', '<f4'), ('total_blocks', '<u4'), ('reserved', '<u4', (2,)),
+    ('grad', '<u8', (_flat.GRAD_TABLE,)),
 ])
 
 
@@ -45,7 +47,7 @@ def skip_bn_and_bias(name, param):
     return param.ndim > 1
 
 
-class MomentumSGD(chainer_optimizer.Optimizer):
+class MomentumSGD(chainer_optimizer.GradientMethod):
     """Momentum SGD with weight decay, fp32 master weights and device-side loss scaling.
 
     Args:
@@ -54,8 +56,14 @@ class MomentumSGD(chainer_optimizer.Optimizer):
         weight_decay (float): L2 coefficient added to the gradient, as ``WeightDecay(rate)``.
         nesterov (bool): Nesterov momentum: ``p += momentum * v - lr * g`` after updating ``v``.
         decay_filter (callable): ``decay_filter(name, param) -> bool``, whether the parameter at
-            path ``name`` takes weight decay; decided once, at setup. Default: every parameter.
-            :func:`skip_bn_and_bias` excludes BatchNorm parameters and biases.
+            path ``name`` takes weight decay, asked once per parameter at ``setup()``: a
+            parameter it excludes gets its own ``update_rule.hyperparam.weight_decay = 0``.
+            Default: every parameter. :func:`skip_bn_and_bias` excludes BatchNorm parameters
+            and biases.
+
+    Every parameter gets an update rule, as with Chainer: ``update_rule.enabled`` (so
+    ``Link.disable_update()``), ``update_rule.hyperparam.lr`` / ``momentum`` / ``weight_decay``
+    per parameter, ``update_rule.state['v']``. See docs/optimizer.md.
     """
 
     lr = chainer_optimizer.HyperparameterProxy('lr')
@@ -64,47 +72,95 @@ class MomentumSGD(chainer_optimizer.Optimizer):
 
     def __init__(self, lr=0.01, momentum=0.9, weight_decay=0.0, nesterov=False,
                  decay_filter=None):
-        super().__init__()
         for name, value in (('lr', lr), ('momentum', momentum), ('weight_decay', weight_decay)):
             if not numpy.isfinite(value) or value < 0:
                 raise ValueError('{} must be a finite number >= 0; got {}'.format(name, value))
         if decay_filter is not None and not callable(decay_filter):
             raise TypeError('decay_filter must be callable(name, param) -> bool; got {!r}'
                             .format(decay_filter))
-        self.hyperparam = chainer_optimizer.Hyperparameter()
+        self._versions = _rule.Versions()
+        self._scaler = _scaler.LossScaler()
+        self._clock = _rule.Clock(self._scaler)
+        super().__init__()
         self.hyperparam.lr = lr
         self.hyperparam.momentum = momentum
         self.hyperparam.weight_decay = weight_decay
         self.nesterov = bool(nesterov)
         self.decay_filter = decay_filter or decay_all
         self._flat = None
-        self._scaler = _scaler.LossScaler()
+        self._table = None
         self._temps = None
         self._warned = set()
 
+    @property
+    def hyperparam(self):
+        return self._hyperparam
+
+    @hyperparam.setter
+    def hyperparam(self, value):
+        self._hyperparam = _rule.track(value, self._versions, is_global=True)
+
+    @property
+    def t(self):
+        """Update steps so far, skipped overflow steps included (as Chainer counts them)."""
+        return self._clock.t
+
+    @t.setter
+    def t(self, value):
+        self._clock.t = int(value)
+
     # ---- set-up ---------------------------------------------------------------------------------
 
+    def create_update_rule(self):
+        return _rule.Rule(self.hyperparam, self._clock, self._versions)
+
     def setup(self, link):
-        """Register ``link``; its parameters move into the optimizer's flat buffers now, or at
-        the first update if some are not initialized yet."""
+        """Register ``link``: every parameter gets an update rule now; their arrays move into the
+        optimizer's flat buffers now, or at the first update if some are not initialized yet."""
         super().setup(link)
+        for name, param in link.namedparams():
+            if not self.decay_filter(name, param):
+                param.update_rule.hyperparam.weight_decay = 0.0
         self._flat = None
         self._try_build()
         return self
 
     def _try_build(self, required=False):
-        if self._flat is not None:
-            return self._flat
-        params = list(self.target.namedparams())
+        """The flat buffers, (re)built if missing or stale; None while lazy parameters wait."""
+        flat = self._flat
+        if flat is not None:
+            e = flat.stale()
+            if e is None:
+                return flat
+            self._warn_once('rebuild', 'parameter {} was given a new array after setup() (a '
+                            'new value, dtype or device): the optimizer rebuilds its buffers, '
+                            'keeping every momentum; this costs a copy of all parameters each '
+                            'time it happens'.format(e.name))
         with variable._AllowArrayAccessWithNonstandardLayout():
+            params = _flat.unique_params(self.target.namedparams())
             if not required and any(p.array is None for _, p in params):
                 return None                       # lazy links: wait for the first update
-            self._flat = _flat.FlatParams(params, self.decay_filter)
-        self._scaler.to_device(self._flat.xp)
-        return self._flat
+            for name, p in params:
+                if not isinstance(p.update_rule, _rule.Rule):
+                    raise RuntimeError(
+                        'parameter {} has update rule {!r}, not chainer_tc\'s: its update rule '
+                        'was replaced after setup(), or the link was added after setup(); call '
+                        'optimizer.setup(model) again'.format(name, p.update_rule))
+            self._flat = flat = _flat.FlatParams(params)
+        with flat.device_scope():
+            self._scaler.to_device(flat.xp)
+        self._table = _hyper.HyperTable(flat, kernels.backend(flat.xp) != 'numpy')
+        self._temps = None
+        return flat
+
+    def _warn_once(self, key, message):
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, RuntimeWarning, stacklevel=4)
 
     def use_fp32_update(self, flag=True):
-        """Accepted for compatibility: float16 parameters always have float32 master weights."""
+        """Accepted for compatibility and does nothing: float16 parameters always have float32
+        master weights (``flag=False`` is refused)."""
         if not flag:
             raise ValueError('chainer_tc.optimizers.MomentumSGD always updates float16 parameters '
                              'through float32 master weights; use_fp32_update(False) is not '
@@ -119,15 +175,17 @@ class MomentumSGD(chainer_optimizer.Optimizer):
 
     def call_hook(self, hook):
         if getattr(hook, 'call_for_each_param', False):
-            if hook.name not in self._warned:
-                self._warned.add(hook.name)
-                warnings.warn('optimizer hook {} runs once per parameter, from Python: it costs '
-                              'a loop over all parameters every step'.format(hook.name),
-                              RuntimeWarning, stacklevel=3)
-            for param in self.target.params():
-                hook(self, param)
-        else:
-            hook(self)
+            self._warn_once(hook.name, 'optimizer hook {} runs once per parameter, from Python: '
+                                       'it costs a loop over all parameters every step'
+                                       .format(hook.name))
+        super().call_hook(hook)
+
+    def __getstate__(self):
+        # the flat buffers are rebuilt from the parameters and their rules' state (which holds
+        # the momenta and masters) at the next update; kernels and module references stay out
+        state = self.__dict__.copy()
+        state['_flat'] = state['_table'] = state['_temps'] = None
+        return state
 
     # ---- loss scaling -----------------------------------------------------------------------------
 
@@ -179,14 +237,9 @@ class MomentumSGD(chainer_optimizer.Optimizer):
         with variable._AllowArrayAccessWithNonstandardLayout():
             flat = self._try_build(required=True)
             if self._has_hooks('pre'):
-                self._reallocate_cleared_grads()
+                self.reallocate_cleared_grads()
                 self.call_hooks('pre')
-            grads = flat.grads()          # (raises, before anything changes, on a bad param)
-            self.t += 1
-            if kernels.backend(flat.xp) == 'numpy':
-                self._update_numpy(flat, grads)
-            else:
-                self._update_kernels(flat, grads)
+            self._step(self._plan(flat, flat.grads()))
             if self._has_hooks('post'):
                 self.call_hooks('post')
 
@@ -194,123 +247,177 @@ class MomentumSGD(chainer_optimizer.Optimizer):
         hooks = getattr(self._hookable, '_{}_update_hooks'.format(timing), None)
         return bool(hooks)
 
-    def _reallocate_cleared_grads(self):
-        # hooks expect every parameter to have a gradient, as in Chainer
-        for param in self.target.params():
-            if param.grad is None:
-                param.grad = param.device.xp.zeros_like(param.array)
+    def _step(self, plan):
+        """Apply one prepared update: hyperparameters to the device if they changed, then the
+        kernels (or the NumPy path)."""
+        self._table.refresh(self.hyperparam, self._versions, self._set_globals)
+        self.t += 1
+        plan()
+
+    def _plan(self, flat, grads):
+        """A callable that updates every parameter from ``grads`` (one array or None per entry
+        of ``flat``), reading everything else (hyperparameters, loss scale) when it runs."""
+        if kernels.backend(flat.xp) == 'numpy':
+            return _NumpyStep(self, flat, grads)
+        return _KernelStep(self, flat, grads)
+
+    def _set_globals(self, row):
+        flat = self._flat
+        if self._table.device is self._table.host:
+            return
+        g = numpy.zeros((), _hyper.GLOBALS)
+        g['lr'], g['momentum'], g['weight_decay'] = row[:3]
+        kernel = kernels.get_function('optimizer', 'momentum_sgd_set_globals', flat.xp, _DEFINES)
+        with flat.device_scope():
+            kernel((1,), (1,), (g, self._table.device))
 
     def _step_params(self, flat):
         sp = numpy.zeros((), STEP_PARAMS)
-        sp['lr'], sp['momentum'] = self.lr, self.momentum
-        sp['weight_decay'], sp['nesterov'] = self.weight_decay, self.nesterov
         sc = self._scaler
+        sp['nesterov'] = self.nesterov
         sp['scaling'], sp['interval'] = sc.mode, sc.interval
         sp['min_scale'], sp['max_scale'] = sc.min_scale, sc.max_scale
         sp['total_blocks'] = flat.num_chunks
         return sp
 
-    def _update_kernels(self, flat, grads):
-        """The GPU path (CuPy), or the emulated one under CHAINER_TC_EMULATE=1: at most 2 launches
-        for up to GRAD_TABLE parameters (the finite check only with dynamic loss scaling)."""
+    # ---- serialization -----------------------------------------------------------------------------
+
+    def serialize(self, serializer):
+        """Saves/loads what Chainer's MomentumSGD does (``t``, ``epoch``, and per parameter its
+        rule's ``t`` and momentum ``v``), plus the float32 ``master`` of float16 parameters and the
+        loss-scale configuration and state. Files move both ways between Chainer's optimizer
+        and this one (see docs/optimizer.md)."""
+        self.t = serializer('t', self.t)
+        self.epoch = serializer('epoch', self.epoch)
+        sc = self._scaler
+        try:
+            sc.mode = int(serializer('loss_scaling_mode', sc.mode))
+            sc.interval = int(serializer('loss_scaling_interval', sc.interval))
+            sc.min_scale = float(serializer('loss_scaling_min', sc.min_scale))
+            sc.max_scale = float(serializer('loss_scaling_max', sc.max_scale))
+            state = serializer('loss_scaler', sc.state)
+            if state is not None and state is not sc.state:   # loaded before the first build
+                sc.state[...] = state
+        except KeyError:          # a snapshot of Chainer's optimizer: no loss-scaler entries
+            pass
+        self._clock.forget()
+        with variable._AllowArrayAccessWithNonstandardLayout():
+            for name, param in _flat.unique_params(self.target.namedparams()):
+                param.update_rule.serialize(serializer[name])
+
+
+class _KernelStep:
+    """The GPU path (CuPy), or the emulated one under CHAINER_TC_EMULATE=1: at most 2 launches
+    for up to GRAD_TABLE parameters (the finite check only with dynamic loss scaling). The
+    gradient addresses are fixed here; the kernels read hyperparameters and the loss scale from
+    device memory, so the same step can run again (or be captured) on the same gradients."""
+
+    def __init__(self, opt, flat, grads):
         xp = flat.xp
-        dynamic = self._scaler.mode == _scaler.DYNAMIC
-        update = kernels.get_function('optimizer', 'momentum_sgd_update', xp, _DEFINES)
-        check = kernels.get_function('optimizer', 'momentum_sgd_check', xp, _DEFINES) \
-            if dynamic else None
-        base = self._step_params(flat)
-        steps = []
+        self.flat = flat
+        self.dynamic = opt._scaler.mode == _scaler.DYNAMIC
+        self.update = kernels.get_function('optimizer', 'momentum_sgd_update', xp, _DEFINES)
+        self.check = kernels.get_function('optimizer', 'momentum_sgd_check', xp, _DEFINES) \
+            if self.dynamic else None
+        base = opt._step_params(flat)
+        self.launches = []
         for c0, nc, e0, ne in flat.launches:
+            if not nc:
+                continue
             sp = base.copy()
             sp['grad'][:ne] = [0 if g is None else _address(g) for g in grads[e0:e0 + ne]]
             # a size-1 structured NumPy array: CuPy (>= 9) passes it by value, as the struct
-            steps.append((sp, flat.chunks[c0:c0 + nc], nc))
-        state = self._scaler.state
-        with _flat.on_device(flat):
-            if dynamic:
-                for sp, chunks, nc in steps:
-                    if nc:
-                        check((nc,), (BLOCK,), (sp, chunks, state))
-            for sp, chunks, nc in steps:
-                if nc:
-                    update((nc,), (BLOCK,), (sp, chunks, flat.params[0], flat.params[1],
-                                             flat.master, flat.momentum[0], flat.momentum[1],
-                                             state))
+            self.launches.append((sp, flat.chunks[c0:c0 + nc], nc))
+        self.grads = grads            # keeps the gradients alive as long as their addresses
+        self.scaler_state = opt._scaler.state
+        self.table = opt._table.device
 
-    def _update_numpy(self, flat, grads):
-        """The CPU path: the kernel's arithmetic, in the same order, as vectorised NumPy over
-        cache-sized blocks of each parameter, reading the gradients where they are."""
-        if self._temps is None:
-            self._temps = [numpy.empty(_CPU_BLOCK, numpy.float32) for _ in range(3)]
-        t1, t2, t3 = self._temps
-        sc = self._scaler
+    def __call__(self):
+        flat, state = self.flat, self.scaler_state
+        with flat.device_scope():
+            if self.dynamic:
+                for sp, chunks, nc in self.launches:
+                    self.check((nc,), (BLOCK,), (sp, chunks, state))
+            for sp, chunks, nc in self.launches:
+                self.update((nc,), (BLOCK,), (
+                    sp, chunks, flat.params[_flat.F32], flat.params[_flat.F16], flat.master,
+                    flat.momentum[_flat.F32], flat.momentum[_flat.F16], flat.params[_flat.F64],
+                    flat.momentum[_flat.F64], self.table, state))
+
+
+class _NumpyStep:
+    """The CPU path: the kernel's arithmetic, in the same order, as vectorised NumPy over
+    cache-sized blocks of each parameter, reading the gradients where they are."""
+
+    def __init__(self, opt, flat, grads):
+        self.opt, self.flat = opt, flat
+        if opt._temps is None:
+            opt._temps = {dt: [numpy.empty(_CPU_BLOCK, dt) for _ in range(3)]
+                          for dt in (numpy.dtype(numpy.float32), numpy.dtype(numpy.float64))}
+        self.blocks = []
+        for i, (e, g) in enumerate(zip(flat.entries, grads)):
+            g = None if g is None else g.reshape(-1)
+            adt = _flat.STATE_DTYPES[e.group]
+            p = (flat.master if e.group == _flat.F16 else flat.params[e.group])
+            for a in range(0, e.size, _CPU_BLOCK):
+                b = min(a + _CPU_BLOCK, e.size)
+                lo, hi = e.offset + a, e.offset + b
+                p16 = flat.params[_flat.F16][lo:hi] if e.group == _flat.F16 else None
+                self.blocks.append((i, g, a, b, p[lo:hi], flat.momentum[e.group][lo:hi], p16,
+                                    opt._temps[adt]))
+        self.grads = grads
+
+    def __call__(self):
+        opt = self.opt
+        sc = opt._scaler
         scale = sc.state[_scaler.SCALE:_scaler.SCALE + 1].view(numpy.float32)[0]
-        blocks = [(e, None if g is None else g.reshape(-1), a, min(a + _CPU_BLOCK, e.size))
-                  for e, g in zip(flat.entries, grads) for a in range(0, e.size, _CPU_BLOCK)]
+        mode = sc.mode
 
-        def load_grad(g, a, b, out):          # g = grad / scale, in float32
+        def load_grad(g, a, b, out):          # g = grad / scale, in the arithmetic type
             if g is None:
                 out[...] = 0
-            elif sc.mode == _scaler.NONE:
+            elif mode == _scaler.NONE:
                 out[...] = g[a:b]
             else:
-                numpy.divide(g[a:b], scale, out=out, dtype=numpy.float32)
+                numpy.divide(g[a:b], scale, out=out, dtype=out.dtype)
             return out
 
         with numpy.errstate(invalid='ignore', over='ignore', divide='ignore'):
-            if sc.mode == _scaler.DYNAMIC and not all(
-                    numpy.isfinite(load_grad(g, a, b, t1[:b - a])).all()
-                    for e, g, a, b in blocks if g is not None):
+            if mode == _scaler.DYNAMIC and not all(
+                    numpy.isfinite(load_grad(g, a, b, temps[0][:b - a])).all()
+                    for i, g, a, b, p, v, p16, temps in self.blocks if g is not None):
                 sc.finish_step_host(True)
                 return
-        lr, mom, wd = (numpy.float32(x) for x in (self.lr, self.momentum, self.weight_decay))
-        p16 = flat.params[1]
-        for e, g, a, b in blocks:
-            n, lo, hi = b - a, e.offset + a, e.offset + b
-            p = (flat.params[0] if e.group == 0 else flat.master)[lo:hi]
-            v = flat.momentum[e.group][lo:hi]
+        hyper = opt._table.values
+        nesterov = opt.nesterov
+        for i, g, a, b, p, v, p16, (t1, t2, t3) in self.blocks:
+            lr, mom, wd, enabled = hyper[i]
+            if not enabled:
+                continue
+            n = b - a
+            dt = t1.dtype.type
+            lr, mom, wd = dt(lr), dt(mom), dt(wd)
             gb, tb, ub = load_grad(g, a, b, t1[:n]), t2[:n], t3[:n]
-            if e.group == 1:        # adopt float16 values written from outside the optimizer
-                stale = p16[lo:hi].view(numpy.uint16) != p.astype(numpy.float16).view(numpy.uint16)
+            if p16 is not None:     # adopt float16 values written from outside the optimizer
+                stale = p16.view(numpy.uint16) != p.astype(numpy.float16).view(numpy.uint16)
                 if stale.any():
-                    p[stale] = p16[lo:hi][stale]
-            if e.decay and wd != 0:
+                    p[stale] = p16[stale]
+            if wd != 0:
                 numpy.multiply(p, wd, out=tb)           # g = g + wd * p
                 gb += tb
             v *= mom                                    # v = v * momentum - lr * g
             numpy.multiply(gb, lr, out=tb)
             v -= tb
-            if self.nesterov:                           # p = p + (v * momentum - lr * g)
+            if nesterov:                                # p = p + (v * momentum - lr * g)
                 numpy.multiply(v, mom, out=ub)
                 ub -= tb
                 p += ub
             else:                                       # p = p + v
                 p += v
-            if e.group == 1:
-                p16[lo:hi] = p                          # rounds to nearest even
-        if sc.mode == _scaler.DYNAMIC:
+            if p16 is not None:
+                p16[...] = p                            # rounds to nearest even
+        if mode == _scaler.DYNAMIC:
             sc.finish_step_host(False)
-
-    # ---- serialization -----------------------------------------------------------------------------
-
-    def serialize(self, serializer):
-        """Saves/loads t, epoch, the loss-scale state and, per parameter, its momentum ``v`` and
-        (float16 parameters) its float32 ``master``; the parameters belong to the model."""
-        self.t = serializer('t', self.t)
-        self.epoch = serializer('epoch', self.epoch)
-        sc = self._scaler
-        sc.mode = int(serializer('loss_scaling_mode', sc.mode))
-        sc.interval = int(serializer('loss_scaling_interval', sc.interval))
-        sc.min_scale = float(serializer('loss_scaling_min', sc.min_scale))
-        sc.max_scale = float(serializer('loss_scaling_max', sc.max_scale))
-        with variable._AllowArrayAccessWithNonstandardLayout():
-            flat = self._try_build(required=True)
-        serializer('loss_scaler', sc.state)
-        for e in flat.entries:
-            s = serializer[e.name]
-            s('v', e.v)
-            if e.master is not None:
-                s('master', e.master)
 
 
 def _address(a):

@@ -1,0 +1,211 @@
+"""Per-parameter update rules of the batched optimizer: what Chainer code expects to find on
+``param.update_rule`` (``enabled``, ``hyperparam``, ``state``, ``t``, ``serialize``), while the
+update itself runs for all parameters at once in ``MomentumSGD.update()``.
+
+Changes that matter to the kernel are tracked, not polled: assigning any hyperparameter (the
+optimizer's, or a parameter's own) or ``enabled`` bumps a counter in :class:`Versions`, and the
+optimizer rebuilds its device-side hyperparameter table only when a counter moved. The common
+step, where nothing changed, costs two integer comparisons.
+"""
+import numpy
+
+from chainer import optimizer as chainer_optimizer
+from chainer import serializer as serializer_module
+
+HYPERPARAMETERS = ('lr', 'momentum', 'weight_decay')
+_PRIVATE = ('_parent', '_versions', '_is_global')
+
+
+class Versions:
+    """Change counters shared by an optimizer, its hyperparameters and its rules."""
+
+    __slots__ = ('globals', 'entries')
+
+    def __init__(self):
+        self.globals = 0      # the optimizer's own hyperparameters
+        self.entries = 0      # anything per parameter: own values, enabled, the set of rules
+
+
+class TrackedHyperparameter(chainer_optimizer.Hyperparameter):
+    """A ``chainer.optimizer.Hyperparameter`` that reports every assignment to :class:`Versions`."""
+
+    def __setattr__(self, name, value):
+        object.__setattr__(self, name, value)
+        self._changed(name)
+
+    def __delattr__(self, name):
+        object.__delattr__(self, name)
+        self._changed(name)
+
+    def _changed(self, name):
+        d = self.__dict__
+        versions = d.get('_versions')
+        if versions is None or name in ('_versions', '_is_global'):
+            return
+        if d.get('_is_global'):
+            versions.globals += 1
+        else:
+            versions.entries += 1
+
+    def get_dict(self):
+        d = super().get_dict()
+        for k in _PRIVATE:
+            d.pop(k, None)
+        return d
+
+
+def track(hyperparam, versions, is_global):
+    """Make ``hyperparam`` (a Chainer Hyperparameter, possibly the user's own object) tracked."""
+    if not isinstance(hyperparam, chainer_optimizer.Hyperparameter):
+        raise TypeError('hyperparam must be a chainer.optimizer.Hyperparameter; got {!r}'
+                        .format(type(hyperparam).__name__))
+    if type(hyperparam) is chainer_optimizer.Hyperparameter:
+        hyperparam.__class__ = TrackedHyperparameter       # same layout: a plain object
+    elif not isinstance(hyperparam, TrackedHyperparameter):
+        raise TypeError('hyperparam of type {} cannot be tracked; use '
+                        'chainer.optimizer.Hyperparameter'.format(type(hyperparam).__name__))
+    hyperparam.__dict__['_is_global'] = is_global
+    hyperparam.__dict__['_versions'] = versions
+    versions.globals += 1
+    versions.entries += 1
+    return hyperparam
+
+
+def resolve(hyperparam, name, root):
+    """(value, own): ``name`` as Chainer would read it from ``hyperparam``; ``own`` is False when
+    it comes from ``root`` (the optimizer's hyperparameters), which the kernel reads itself."""
+    h = hyperparam
+    while h is not None:
+        if h is root:
+            return None, False
+        d = h.__dict__
+        if name in d:
+            return float(d[name]), True
+        h = d.get('_parent')
+    raise AttributeError('hyperparameter {!r} is not set (nor inherited)'.format(name))
+
+
+class Clock:
+    """The optimizer's step count ``t``, and the steps that were applied (not skipped for an
+    overflow), from which each rule's own ``t`` follows without a per-step loop."""
+
+    def __init__(self, scaler):
+        self.t = 0
+        self.scaler = scaler
+        self._cached = (None, 0)
+
+    def applied(self):
+        """Steps applied so far (reads the skipped count from the device when t has moved)."""
+        if self.t == 0:
+            return 0
+        if self._cached[0] != self.t:
+            self._cached = (self.t, self.t - self.scaler.skipped)
+        return self._cached[1]
+
+    def forget(self):
+        self._cached = (None, 0)
+
+
+class Rule(chainer_optimizer.UpdateRule):
+    """``param.update_rule`` under chainer_tc's batched MomentumSGD.
+
+    ``enabled`` (``Link.disable_update()``), ``hyperparam.lr/momentum/weight_decay`` and
+    ``state['v']`` (and ``state['master']`` for float16 parameters) behave as with Chainer's
+    ``MomentumSGDRule``; ``state`` arrays are views of the optimizer's flat buffers. ``t`` counts
+    the steps applied while the rule was enabled, as Chainer's does. The update itself is the
+    optimizer's: ``param.update()`` alone is refused, and so are hooks on a single rule.
+    """
+
+    is_elementwise = True
+
+    def __init__(self, parent_hyperparam, clock, versions):
+        self._clock = clock
+        self._versions = versions
+        self._enabled = True
+        self._t_base = 0
+        self._t_frozen = 0
+        super().__init__(parent_hyperparam)
+
+    @property
+    def hyperparam(self):
+        return self._hyperparam
+
+    @hyperparam.setter
+    def hyperparam(self, value):
+        self._hyperparam = track(value, self._versions, is_global=False)
+
+    @property
+    def enabled(self):
+        return self._enabled
+
+    @enabled.setter
+    def enabled(self, value):
+        value = bool(value)
+        if value == self._enabled:
+            return
+        t = self.t
+        self._enabled = value
+        self.t = t
+        self._versions.entries += 1
+
+    @property
+    def t(self):
+        return self._t_base + self._clock.applied() if self._enabled else self._t_frozen
+
+    @t.setter
+    def t(self, value):
+        if self._enabled:
+            self._t_base = int(value) - self._clock.applied()
+        else:
+            self._t_frozen = int(value)
+
+    def update(self, param):
+        raise RuntimeError(
+            'chainer_tc.optimizers.MomentumSGD updates all parameters together, in one kernel, '
+            'in optimizer.update(); param.update() / update_rule.update() cannot update one '
+            'parameter alone')
+
+    def add_hook(self, hook, name=None, timing='auto'):
+        raise NotImplementedError(
+            'chainer_tc.optimizers.MomentumSGD has no per-rule hooks (the update of every '
+            'parameter is one kernel); add the hook to the optimizer instead: '
+            'optimizer.add_hook(hook) runs it with (update_rule, param) for each parameter when '
+            'hook.call_for_each_param is True')
+
+    def use_fp32_update(self, flag=True):
+        if not flag:
+            raise ValueError('chainer_tc.optimizers.MomentumSGD always updates float16 parameters '
+                             'through float32 master weights; use_fp32_update(False) is not '
+                             'supported')
+
+    def serialize(self, serializer):
+        """``t`` and ``v`` under the parameter's path, as Chainer's MomentumSGDRule writes them,
+        plus ``master`` for float16 parameters (optional when loading: a file from Chainer's
+        optimizer has none, and the master is then taken from the parameter)."""
+        self.t = serializer('t', self.t)
+        loading = isinstance(serializer, serializer_module.Deserializer)
+        state = self._state
+        if state is None:
+            if not loading:
+                return
+            state = {}
+            for key in ('v', 'master'):
+                try:
+                    value = serializer(key, None)
+                except KeyError:
+                    if key == 'v' and self.enabled:
+                        raise
+                    value = None
+                if value is not None:
+                    state[key] = numpy.asarray(value) if isinstance(value, numpy.ndarray) \
+                        else value
+            self._state = state or None
+            return
+        for key in list(state):
+            try:
+                state[key] = serializer(key, state[key])
+            except KeyError:
+                if key == 'v' and self.enabled:
+                    raise
+                if key == 'master':           # take the parameter's value at the next update
+                    state[key][...] = numpy.nan
