@@ -1,0 +1,358 @@
+"""chainer_tc.optimizers.MomentumSGD as a drop-in: what Chainer users do with the optimizer they
+replace (freeze links, per-parameter hyperparameters, copies, pickles, float64, snapshots both
+ways) gives Chainer's result, on the NumPy path and through the emulated kernel."""
+import copy
+import pickle
+
+import numpy
+import pytest
+
+import chainer_tc  # noqa: F401  (before chainer: CUDA libraries)
+import chainer
+import chainer.functions as F
+import chainer.links as L
+from chainer import serializers
+
+from chainer_tc import kernels
+from chainer_tc import optimizers
+
+
+@pytest.fixture(params=['numpy', 'emulator'])
+def path(request, monkeypatch):
+    monkeypatch.setenv('CHAINER_TC_EMULATE', '1' if request.param == 'emulator' else '0')
+    return request.param
+
+
+class Net(chainer.Chain):
+    def __init__(self, dtype=numpy.float32, seed=0):
+        super().__init__()
+        init = chainer.initializers.Normal(0.3, dtype=dtype, rng=numpy.random.RandomState(seed))
+        with self.init_scope():
+            self.conv = L.Convolution2D(3, 4, 3, initialW=init,
+                                        initial_bias=chainer.initializers.Zero(dtype))
+            self.bn = L.BatchNormalization(4, dtype=dtype)
+            self.fc = L.Linear(4 * 4 * 4, 5, initialW=init,
+                               initial_bias=chainer.initializers.Zero(dtype))
+
+    def forward(self, x):
+        return self.fc(F.relu(self.bn(self.conv(x))))
+
+
+def data(dtype=numpy.float32, seed=0, n=4):
+    r = numpy.random.RandomState(seed)
+    return r.randn(n, 3, 6, 6).astype(dtype), r.randint(0, 5, n).astype(numpy.int32)
+
+
+def lossfun(model, x, t):
+    return lambda: F.softmax_cross_entropy(model(x), t)
+
+
+def chainer_pair(dtype=numpy.float32, lr=0.1, momentum=0.9, wd=1e-2):
+    """The same model twice: Chainer's MomentumSGD + WeightDecay on one, ours on the other."""
+    ref = Net(dtype)
+    ours = copy.deepcopy(ref)
+    o_ref = chainer.optimizers.MomentumSGD(lr=lr, momentum=momentum).setup(ref)
+    if wd:
+        o_ref.add_hook(chainer.optimizer_hooks.WeightDecay(wd))
+    o = optimizers.MomentumSGD(lr=lr, momentum=momentum, weight_decay=wd).setup(ours)
+    return ref, o_ref, ours, o
+
+
+def step_both(ref, o_ref, ours, o, x, t, steps=1):
+    for _ in range(steps):
+        o_ref.update(lossfun(ref, x, t))
+        o.update(lossfun(ours, x, t))
+
+
+def assert_same_params(a, b):
+    pa, pb = dict(a.namedparams()), dict(b.namedparams())
+    assert pa.keys() == pb.keys()
+    for k in pa:
+        numpy.testing.assert_array_equal(pb[k].array, pa[k].array, err_msg=k)
+
+
+def snapshot(model):
+    return {n: p.array.copy() for n, p in model.namedparams()}
+
+
+# ---- frozen links --------------------------------------------------------------------------------
+
+def test_frozen_link_is_not_touched_and_resumes_like_chainer(path):
+    x, t = data()
+    ref, o_ref, ours, o = chainer_pair()
+    step_both(ref, o_ref, ours, o, x, t, 2)
+    ref.conv.disable_update()
+    ours.conv.disable_update()          # after setup, as fine-tuning users do
+    frozen = {n: p.array.copy() for n, p in ours.conv.namedparams()}
+    v_frozen = ours.conv.W.update_rule.state['v'].copy()
+    step_both(ref, o_ref, ours, o, x, t, 3)
+    for n, p in ours.conv.namedparams():
+        numpy.testing.assert_array_equal(p.array, frozen[n], err_msg='frozen ' + n)
+    numpy.testing.assert_array_equal(ours.conv.W.update_rule.state['v'], v_frozen)
+    assert not ours.conv.update_enabled and ours.fc.update_enabled
+    assert_same_params(ref, ours)
+    ref.conv.enable_update()
+    ours.conv.enable_update()
+    step_both(ref, o_ref, ours, o, x, t, 2)
+    assert_same_params(ref, ours)
+    assert ours.conv.W.update_rule.t == ref.conv.W.update_rule.t == 4
+    assert ours.fc.W.update_rule.t == ref.fc.W.update_rule.t == 7
+
+
+def test_a_skipped_overflow_step_does_not_count_in_rule_t(path):
+    model = Net()
+    o = optimizers.MomentumSGD(lr=0.1).setup(model)
+    o.loss_scaling(initial_scale=4.0)
+    x, t = data()
+    o.update(lossfun(model, x, t))
+    o.update(lossfun(model, x * numpy.float32(numpy.inf), t))
+    assert o.skipped_steps == 1
+    assert o.t == 2 and model.fc.W.update_rule.t == 1
+
+
+# ---- per-parameter hyperparameters ----------------------------------------------------------------
+
+def test_per_parameter_lr_and_momentum_equal_chainer(path):
+    x, t = data()
+    ref, o_ref, ours, o = chainer_pair(wd=0)
+    for m in (ref, ours):
+        m.fc.W.update_rule.hyperparam.lr = 0.01
+        m.conv.b.update_rule.hyperparam.momentum = 0.5
+    step_both(ref, o_ref, ours, o, x, t, 3)
+    assert_same_params(ref, ours)
+    for m, opt in ((ref, o_ref), (ours, o)):
+        opt.lr = 0.05                       # the optimizer's lr reaches every other parameter
+        m.fc.W.update_rule.hyperparam.lr = 0.2
+    step_both(ref, o_ref, ours, o, x, t, 2)
+    assert_same_params(ref, ours)
+    assert ours.fc.W.update_rule.hyperparam.lr == 0.2
+    assert ours.fc.b.update_rule.hyperparam.lr == 0.05
+    del ours.fc.W.update_rule.hyperparam.lr          # back to inheriting
+    del ref.fc.W.update_rule.hyperparam.lr
+    step_both(ref, o_ref, ours, o, x, t, 1)
+    assert_same_params(ref, ours)
+
+
+def test_per_parameter_weight_decay_equals_chainer_per_rule_hooks(path):
+    x, t = data()
+    ref, o_ref, ours, o = chainer_pair(wd=0)
+    ours.fc.W.update_rule.hyperparam.weight_decay = 1e-2
+    ref.fc.W.update_rule.add_hook(chainer.optimizer_hooks.WeightDecay(1e-2))
+    step_both(ref, o_ref, ours, o, x, t, 4)
+    assert_same_params(ref, ours)
+
+
+def test_decay_filter_sets_a_per_parameter_weight_decay():
+    model = Net()
+    o = optimizers.MomentumSGD(weight_decay=1e-4,
+                               decay_filter=optimizers.skip_bn_and_bias).setup(model)
+    for name, p in model.namedparams():
+        assert p.update_rule.hyperparam.weight_decay == (1e-4 if p.ndim > 1 else 0.0), name
+    o.weight_decay = 5e-4
+    assert model.fc.W.update_rule.hyperparam.weight_decay == 5e-4
+    assert model.fc.b.update_rule.hyperparam.weight_decay == 0.0
+
+
+def test_unchanged_step_writes_no_hyperparameter_and_an_lr_change_writes_row_0(monkeypatch):
+    monkeypatch.setenv('CHAINER_TC_EMULATE', '1')
+    model = Net()
+    o = optimizers.MomentumSGD(lr=0.1).setup(model)
+    x, t = data()
+    o.update(lossfun(model, x, t))
+    table = o._table.device.copy()
+    with kernels.count_launches() as c:
+        o.update(lossfun(model, x, t))
+    assert c.per_kernel == {'momentum_sgd_update': 1}
+    numpy.testing.assert_array_equal(o._table.device, table)
+    o.lr = 0.025
+    with kernels.count_launches() as c:
+        o.update(lossfun(model, x, t))
+    assert c.per_kernel == {'momentum_sgd_set_globals': 1, 'momentum_sgd_update': 1}
+    assert o._table.device[0, 0] == 0.025
+    numpy.testing.assert_array_equal(o._table.device[1:], table[1:])
+
+
+def test_replaced_hyperparameter_object_is_tracked(path):
+    x, t = data()
+    ref, o_ref, ours, o = chainer_pair(wd=0)
+    for m, opt in ((ref, o_ref), (ours, o)):
+        h = chainer.optimizer.Hyperparameter(opt.hyperparam)
+        m.fc.W.update_rule.hyperparam = h
+        h.lr = 0.3
+    step_both(ref, o_ref, ours, o, x, t, 2)
+    assert_same_params(ref, ours)
+
+
+def test_single_parameter_update_and_rule_hooks_are_refused():
+    model = Net()
+    optimizers.MomentumSGD().setup(model)
+    with pytest.raises(RuntimeError, match='updates all parameters together'):
+        model.fc.W.update()
+    with pytest.raises(NotImplementedError, match='no per-rule hooks'):
+        model.fc.W.update_rule.add_hook(chainer.optimizer_hooks.WeightDecay(1e-4))
+
+
+def test_a_foreign_update_rule_is_refused_by_name():
+    model = Net()
+    o = optimizers.MomentumSGD().setup(model)
+    model.fc.W.update_rule = chainer.optimizers.momentum_sgd.MomentumSGDRule()
+    model.fc.W.array = model.fc.W.array.copy()       # forces the rebuild that meets the rule
+    x, t = data()
+    with pytest.raises(RuntimeError, match=r"parameter /fc/W has update rule .*not chainer_tc"):
+        with pytest.warns(RuntimeWarning):
+            o.update(lossfun(model, x, t))
+
+
+# ---- copies and pickles --------------------------------------------------------------------------
+
+@pytest.mark.parametrize('how', ['deepcopy', 'pickle'])
+@pytest.mark.parametrize('dtype', [numpy.float32, numpy.float16])
+def test_copy_trains_like_the_original_and_independently(path, how, dtype):
+    x, t = data(dtype)
+    model = Net(dtype)
+    o = optimizers.MomentumSGD(lr=0.05, weight_decay=1e-3).setup(model)
+    if dtype == numpy.float16:
+        o.loss_scaling(interval=2, initial_scale=8.0)
+    for _ in range(3):
+        o.update(lossfun(model, x, t))
+    o2 = copy.deepcopy(o) if how == 'deepcopy' else pickle.loads(pickle.dumps(o))
+    model2 = o2.target
+    assert model2 is not model
+    before = snapshot(model)
+    for _ in range(3):
+        o2.update(lossfun(model2, x, t))
+    for n, a in snapshot(model).items():      # the original did not move
+        numpy.testing.assert_array_equal(a, before[n], err_msg=n)
+    for _ in range(3):
+        o.update(lossfun(model, x, t))
+    assert_same_params(model, model2)
+    assert (o2.t, o2.loss_scale, o2.skipped_steps) == (o.t, o.loss_scale, o.skipped_steps)
+    for (n, p), (_, q) in zip(model.namedparams(), model2.namedparams()):
+        numpy.testing.assert_array_equal(p.update_rule.state['v'], q.update_rule.state['v'])
+
+
+# ---- float64 -------------------------------------------------------------------------------------
+
+def test_float64_equals_chainer_bit_for_bit(path):
+    x, t = data(numpy.float64)
+    ref, o_ref, ours, o = chainer_pair(numpy.float64, lr=0.1, momentum=0.8, wd=1e-2)
+    step_both(ref, o_ref, ours, o, x, t, 6)
+    for name, p in ours.namedparams():
+        assert p.dtype == numpy.float64 and p.update_rule.state['v'].dtype == numpy.float64
+    assert_same_params(ref, ours)
+
+
+def test_float64_with_static_loss_scaling_equals_chainer(path):
+    x, t = data(numpy.float64)
+    ref, o_ref, ours, o = chainer_pair(numpy.float64, wd=0)
+    o_ref.loss_scaling(scale=256.0)
+    o.loss_scaling(scale=256.0)
+    step_both(ref, o_ref, ours, o, x, t, 3)
+    assert_same_params(ref, ours)
+
+
+def test_mixed_float64_float32_float16_parameters_kernel_equals_numpy(monkeypatch):
+    def run(emulate):
+        monkeypatch.setenv('CHAINER_TC_EMULATE', '1' if emulate else '0')
+        link = chainer.Link()
+        r = numpy.random.RandomState(0)
+        with link.init_scope():
+            for i, (n, dt) in enumerate([(33, 'f8'), (2049, 'f4'), (130, 'e'), (4097, 'f8')]):
+                setattr(link, 'p{}'.format(i), chainer.Parameter(r.randn(n).astype(dt)))
+        o = optimizers.MomentumSGD(lr=0.1, weight_decay=1e-3, nesterov=True).setup(link)
+        o.loss_scaling(interval=2, initial_scale=16.0)
+        link.p0.update_rule.hyperparam.lr = 0.3
+        for s in range(4):
+            g = numpy.random.RandomState(10 + s)
+            for _, p in sorted(link.namedparams()):
+                p.grad = (g.randn(*p.shape) * 16).astype(p.dtype)
+            if s == 2:
+                link.p3.grad[5] = numpy.nan
+            o.update()
+        return {n: (p.array.copy(), p.update_rule.state['v'].copy())
+                for n, p in link.namedparams()}, o.loss_scale
+    a, sa = run(False)
+    b, sb = run(True)
+    assert sa == sb
+    for n in a:
+        for x, y in zip(a[n], b[n]):
+            numpy.testing.assert_array_equal(x.view(numpy.uint8), y.view(numpy.uint8), err_msg=n)
+
+
+# ---- snapshots with Chainer's optimizer, both ways ----------------------------------------------
+
+@pytest.mark.parametrize('direction', ['chainer_to_ours', 'ours_to_chainer'])
+def test_snapshots_move_between_chainer_and_ours(path, tmp_path, direction):
+    x, t = data()
+    ref, o_ref, ours, o = chainer_pair()
+    step_both(ref, o_ref, ours, o, x, t, 3)
+    src_model, src_opt = (ref, o_ref) if direction == 'chainer_to_ours' else (ours, o)
+    serializers.save_npz(str(tmp_path / 'opt.npz'), src_opt)
+    serializers.save_npz(str(tmp_path / 'model.npz'), src_model)
+    # a fresh pair, resumed from the one snapshot, must continue like the uninterrupted run
+    ref2, o_ref2, ours2, o2 = chainer_pair()
+    for m, opt in ((ref2, o_ref2), (ours2, o2)):
+        serializers.load_npz(str(tmp_path / 'model.npz'), m)
+        serializers.load_npz(str(tmp_path / 'opt.npz'), opt)
+    assert o2.t == o_ref2.t == 3
+    step_both(ref, o_ref, ours, o, x, t, 2)
+    step_both(ref2, o_ref2, ours2, o2, x, t, 2)
+    assert_same_params(ref, ref2)
+    assert_same_params(ref, ours2)
+    assert_same_params(ours, ours2)
+
+
+def test_state_v_is_a_view_of_the_flat_momentum():
+    model = Net()
+    o = optimizers.MomentumSGD().setup(model)
+    for e in o._flat.entries:
+        v = e.param.update_rule.state['v']
+        assert v is e.v and numpy.shares_memory(v, o._flat.momentum[e.group])
+
+
+# ---- tied weights --------------------------------------------------------------------------------
+
+def test_tied_weights_are_trained_once_per_step(path):
+    class Tied(chainer.Chain):
+        def __init__(self):
+            super().__init__()
+            with self.init_scope():
+                self.a = L.Linear(4, 4, initialW=numpy.eye(4, dtype=numpy.float32) * 0.5)
+                self.b = L.Linear(4, 4, nobias=True)
+            self.b.W = self.a.W               # the same Parameter in both links
+
+        def forward(self, x):
+            return F.sum(self.b(F.tanh(self.a(x))))
+
+    model = Tied()
+    o = optimizers.MomentumSGD(lr=0.1, momentum=0.0).setup(model)
+    x = numpy.random.RandomState(0).randn(3, 4).astype(numpy.float32)
+    model.cleargrads()
+    model(x).backward()
+    expect = model.a.W.array - numpy.float32(0.1) * model.a.W.grad
+    o.update(lambda: model(x))
+    numpy.testing.assert_allclose(model.a.W.array, expect, rtol=1e-6)
+    assert model.b.W is model.a.W
+    assert len(o._flat.entries) == 2                  # a/W, a/b (b/W is a/W)
+
+
+# ---- device ------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_state_lives_on_the_parameters_device_whatever_the_current_device():
+    import cupy
+    if cupy.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip('needs two GPUs')
+    model = Net()
+    model.to_device('@cupy:1')
+    with cupy.cuda.Device(0):
+        o = optimizers.MomentumSGD(lr=0.1).setup(model)
+        o.loss_scaling()
+        x, t = (cupy.asarray(a) for a in data())
+        with cupy.cuda.Device(1):
+            x, t = cupy.asarray(x), cupy.asarray(t)
+        o.update(lossfun(model, x, t))
+    assert o._scaler.state.device.id == 1
+    assert o._table.device.device.id == 1
+    for e in o._flat.entries:
+        assert e.v.device.id == 1
