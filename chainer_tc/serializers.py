@@ -78,6 +78,32 @@ class _SafeNpz(object):
         return self.npz[key]        # allow_pickle=False: numpy refuses pickles again
 
 
+def _open(file):
+    name = repr(file) if isinstance(file, str) else 'the file'
+    try:
+        npz = numpy.load(file, allow_pickle=False)
+    except zipfile.BadZipFile as e:
+        raise ValueError('{} is not a valid .npz file: {}'.format(name, e)) from None
+    if not isinstance(npz, numpy.lib.npyio.NpzFile):
+        raise ValueError('{} is a single .npy array, not an .npz file of named arrays; '
+                         'chainer_tc.serializers.load_npz reads what save_npz writes'
+                         .format(name))
+    return npz, name
+
+
+def read_npz(file):
+    """``{key: array}`` of every array in an ``.npz`` file, read as :func:`load_npz` reads
+    (nothing unpickled; an object array is refused naming its key; a saved None is None)."""
+    npz, name = _open(file)
+    with npz:
+        safe = _SafeNpz(npz, name)
+        out = {}
+        for key in npz.files:
+            a = safe[key]
+            out[key] = None if a.dtype.hasobject else a
+        return out
+
+
 def load_npz(file, obj, path='', strict=True, ignore_names=None):
     """Loads ``obj`` (a Link, Optimizer, Trainer, ... anything with ``serialize``) from an
     ``.npz`` file, as ``chainer.serializers.load_npz`` does, without unpickling.
@@ -95,15 +121,7 @@ def load_npz(file, obj, path='', strict=True, ignore_names=None):
         ValueError: the file holds an object array under a key that is read (named in the
             message), or is not an ``.npz`` file.
     """
-    name = repr(file) if isinstance(file, str) else 'the file'
-    try:
-        npz = numpy.load(file, allow_pickle=False)
-    except zipfile.BadZipFile as e:
-        raise ValueError('{} is not a valid .npz file: {}'.format(name, e)) from None
-    if not isinstance(npz, numpy.lib.npyio.NpzFile):
-        raise ValueError('{} is a single .npy array, not an .npz file of named arrays; '
-                         'chainer_tc.serializers.load_npz reads what save_npz writes'
-                         .format(name))
+    npz, name = _open(file)
     with npz:
         deserializer = chainer_npz.NpzDeserializer(
             _SafeNpz(npz, name), path=path, strict=strict, ignore_names=ignore_names)

@@ -7,3 +7,4 @@ from chainer_tc.functions.pooling import average_pooling_2d  # NOQA
 from chainer_tc.functions.pooling import global_average_pooling_2d  # NOQA
 from chainer_tc.functions.pooling import max_pooling_2d  # NOQA
 from chainer_tc.functions.convolution_2d import convolution_2d  # NOQA
+from chainer_tc.functions.cast import cast  # NOQA

@@ -39,7 +39,15 @@ def update_running(running_mean, running_var, mean, var, rows, decay):
 
 
 def backward(gy, y, x, gamma, mean, invstd, relu, fixed):
-    """(gx, ggamma, gbeta, g) where g is gy through the ReLU mask (the residual's gradient)."""
+    """(gx, ggamma, gbeta, g) where g is gy through the ReLU mask (the residual's gradient).
+
+    With loss scaling, float16 gradients overflow to inf now and then (expected: the optimizer
+    skips the step); the arithmetic on them then makes inf and nan without NumPy's warnings."""
+    with numpy.errstate(over='ignore', invalid='ignore'):
+        return _backward(gy, y, x, gamma, mean, invstd, relu, fixed)
+
+
+def _backward(gy, y, x, gamma, mean, invstd, relu, fixed):
     a = acc_dtype(x.dtype)
     g = gy.astype(a)
     if relu:

@@ -8,11 +8,20 @@
 
 Same parameters and persistent values (gamma, beta, avg_mean, avg_var, N) as
 ``chainer.links.BatchNormalization``, so weights load from either with ``serializers.load_npz``.
+
+One difference in defaults: with ``dtype=None`` and ``chainer.config.dtype`` float16 (or
+mixed16), gamma, beta and the running statistics are float32, as Chainer's link makes them under
+mixed16 only. The functions normalise float16 data in float32 anyway, and cuDNN's fused
+BN+Add+ReLU path takes float32 scale, bias and statistics for float16 data. ``dtype=numpy.float16``
+still gives float16 parameters.
 """
+import numpy
+
 import chainer
 import chainer.links as L
 
 from chainer_tc import functions as bn_functions
+from chainer_tc.links import _messages
 
 
 class BatchNormalization(L.BatchNormalization):
@@ -30,6 +39,10 @@ class BatchNormalization(L.BatchNormalization):
             raise ValueError('{} normalises NHWC input over every axis but the last (the '
                              'channels); axis={} is not supported'
                              .format(type(self).__name__, axis))
+        if dtype is None:       # float16 data: float32 parameters and statistics
+            dtype = chainer.get_dtype(None, map_mixed16=numpy.float32)
+            if dtype == numpy.float16:
+                dtype = numpy.dtype(numpy.float32)
         # Chainer needs an axis to defer the size; ours comes from x.shape[-1] at the first call
         super().__init__(size, decay, eps, dtype, use_gamma, use_beta, initial_gamma,
                          initial_beta, axis=(0,) if size is None else None,
@@ -40,9 +53,7 @@ class BatchNormalization(L.BatchNormalization):
             self._initialize_params((x.shape[-1],))
         channels = self.avg_mean.shape[0]
         if x.ndim < 2 or x.shape[-1] != channels:
-            raise ValueError('{} expects channels-last (NHWC) input with its {} channels on the '
-                             'last axis; got shape {}'.format(type(self).__name__, channels,
-                                                             x.shape))
+            raise _messages.not_channels_last(self, channels, x.shape)
         if z is not None and not self._relu:
             raise TypeError('BatchNormalization takes no residual z; use BatchNormAddReLU')
         gamma = self.gamma if self.gamma is not None else self._get_gamma()[0]

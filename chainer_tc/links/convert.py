@@ -4,10 +4,14 @@
     model = chainer_tc.links.to_nchw(model)     # and back, e.g. for export
 
 Weights, biases, BN parameters and running statistics are carried over (filters transposed), so
-the converted link computes the same function on transposed data. Only the links change: a
+the converted link computes the same function on transposed data. float16 BatchNormalization
+parameters and statistics become float32 in NHWC (what the NHWC link makes for float16 data, and
+what cuDNN's fused path needs); going back to NCHW keeps their dtype. Only the links change: a
 model's ``forward`` that reshapes, concatenates or pools along fixed axes must itself be written
 for the layout it receives (chainer_tc.models.ResNet50 takes ``layout=``).
 """
+import numpy
+
 import chainer
 import chainer.links as L
 
@@ -29,21 +33,30 @@ def _conv(old, to_nhwc):
 
 
 def _bn(old, to_nhwc):
-    if not to_nhwc:
-        new = L.BatchNormalization(old.avg_mean.shape[0], decay=old.decay, eps=old.eps,
-                                   use_gamma=old.gamma is not None, use_beta=old.beta is not None)
-    elif old.axis not in (None, (0, 2, 3)):
+    if to_nhwc and old.axis not in (None, (0, 2, 3)):
         raise ValueError('cannot convert a BatchNormalization over axis {} to NHWC: it must '
                          'normalise the channels of NCHW input (axis None or (0, 2, 3))'
                          .format(old.axis))
+    if old.avg_mean is None:
+        raise ValueError('cannot convert {}: its size is not known yet (built with size=None '
+                         'and never called); call the model once first'.format(old.name))
+    dtype = old.avg_mean.dtype
+    if not to_nhwc:
+        new = L.BatchNormalization(old.avg_mean.shape[0], decay=old.decay, eps=old.eps,
+                                   dtype=dtype, use_gamma=old.gamma is not None,
+                                   use_beta=old.beta is not None)
     else:
+        if dtype == numpy.float16:      # exact: float32 holds every float16 value
+            dtype = numpy.dtype(numpy.float32)
         new = BatchNormalization(old.avg_mean.shape[0], decay=old.decay, eps=old.eps,
-                                 use_gamma=old.gamma is not None, use_beta=old.beta is not None)
+                                 dtype=dtype, use_gamma=old.gamma is not None,
+                                 use_beta=old.beta is not None)
     new.to_device(old.device)
     for name in ('gamma', 'beta'):
         if getattr(old, name) is not None:
-            getattr(new, name).array = getattr(old, name).array.copy()
-    new.avg_mean, new.avg_var, new.N = old.avg_mean.copy(), old.avg_var.copy(), old.N
+            getattr(new, name).array = getattr(old, name).array.astype(dtype)
+    new.avg_mean, new.avg_var = old.avg_mean.astype(dtype), old.avg_var.astype(dtype)
+    new.N = old.N
     return new
 
 

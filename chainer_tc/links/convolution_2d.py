@@ -17,6 +17,7 @@ import chainer.links as L
 from chainer import initializers
 
 from chainer_tc import functions as TF
+from chainer_tc.links import _messages
 
 
 def _to_nhwc(w):
@@ -49,9 +50,7 @@ class Convolution2D(L.Convolution2D):
             self._initialize_params(x.shape[-1])
         in_channels = self.W.shape[3] * self.groups
         if x.ndim != 4 or x.shape[3] != in_channels:
-            raise ValueError('{} expects channels-last (NHWC) input with its {} channels on the '
-                             'last axis; got shape {}'.format(type(self).__name__, in_channels,
-                                                             x.shape))
+            raise _messages.not_channels_last(self, in_channels, x.shape)
         return TF.convolution_2d(x, self.W, self.b, self.stride, self.pad, self.dilate,
                                  self.groups)
 
