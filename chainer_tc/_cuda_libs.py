@@ -110,6 +110,23 @@ def load_from(search_paths):
     return loaded, errors
 
 
+def find_library(name, search_paths=None):
+    """Full path of the library ``name`` (a name in :data:`LIBRARIES`), or None if absent.
+
+    The path :func:`preload` loaded wins; otherwise the wheel directories under ``search_paths``
+    (default: :func:`default_search_paths`) are searched the same way.
+    """
+    entries = {n: (package, pattern) for n, package, pattern in LIBRARIES}
+    if name not in entries:
+        raise ValueError('unknown library %r; expected one of %s' % (name, ', '.join(entries)))
+    if name in _loaded:
+        return _loaded[name]
+    package, pattern = entries[name]
+    lib_dir = find_lib_dirs(default_search_paths() if search_paths is None else
+                            search_paths).get(package)
+    return _pick(lib_dir, pattern) if lib_dir else None
+
+
 def preload():
     """Preload the CUDA libraries once per process (no-op when opted out or already done)."""
     global _done

@@ -359,9 +359,10 @@ def test_cudnn_eligibility(kwargs, reason):
 @pytest.mark.parametrize('with_z', [True, False])
 def test_cudnn_ex_path_is_taken_and_matches(monkeypatch, with_z):
     import cupy
-    from cupy_backends.cuda.libs import cudnn as lib
+    from chainer_tc.cuda import cudnn
     calls = []
-    for name in ('batchNormalizationForwardTrainingEx', 'batchNormalizationBackwardEx'):
+    lib = cudnn.binding()       # our ctypes binding: the calls that may run under capture
+    for name in ('batch_normalization_forward_training_ex', 'batch_normalization_backward_ex'):
         real = getattr(lib, name)
         monkeypatch.setattr(lib, name, lambda *a, _real=real, _n=name: (calls.append(_n),
                                                                          _real(*a))[1])
@@ -378,7 +379,8 @@ def test_cudnn_ex_path_is_taken_and_matches(monkeypatch, with_z):
         y.backward()
         grads = [v.grad for v in vs] + ([zv.grad] if with_z else [])
         out.append([chainer.backends.cuda.to_cpu(a) for a in [y.array, rm, rv] + grads])
-    assert calls == ['batchNormalizationForwardTrainingEx', 'batchNormalizationBackwardEx']
+    assert calls == ['batch_normalization_forward_training_ex',
+                     'batch_normalization_backward_ex']
     for a, b in zip(*out):
         numpy.testing.assert_allclose(b.astype('f8'), a.astype('f8'), atol=3e-2, rtol=2e-2)
 
@@ -386,8 +388,8 @@ def test_cudnn_ex_path_is_taken_and_matches(monkeypatch, with_z):
 @pytest.mark.gpu
 def test_cudnn_ex_path_not_taken_for_float32(monkeypatch):
     import cupy
-    from cupy_backends.cuda.libs import cudnn as lib
-    monkeypatch.setattr(lib, 'batchNormalizationForwardTrainingEx',
+    from chainer_tc.cuda import cudnn
+    monkeypatch.setattr(cudnn.binding(), 'batch_normalization_forward_training_ex',
                         lambda *a: pytest.fail('cuDNN Ex must not be used for float32'))
     x, gamma, beta, z = data((2, 3, 3, 8), numpy.float32, numpy.float32)
     y = TF.batch_normalization_add_relu(cupy.asarray(x), cupy.asarray(z), cupy.asarray(gamma),

@@ -1,13 +1,16 @@
 """BatchNormalization (+ Add + ReLU) through cuDNN's fused NHWC kernels.
 
 ``cudnnBatchNormalizationForwardTrainingEx`` / ``cudnnBatchNormalizationBackwardEx`` (cuDNN 8.9,
-through CuPy 13's raw bindings ``cupy_backends.cuda.libs.cudnn``), with bnOps
+through ``chainer_tc.cuda.cudnn``, so they can run under CUDA stream capture), with bnOps
 ``CUDNN_BATCHNORM_OPS_BN_ADD_ACTIVATION`` (residual z), ``..._BN_ACTIVATION`` (ReLU) or
 ``..._BN`` (plain), in ``CUDNN_BATCHNORM_SPATIAL_PERSISTENT`` mode. The cuDNN documentation
 requires, for the activation variants: NHWC fully packed half data, a ReLU activation descriptor,
 the persistent mode, and C a multiple of 4; scale, bias and statistics are float32 for half data
 (the derived BN descriptor), and epsilon >= CUDNN_BN_MIN_EPSILON. The reserve space written by the
-forward call (the ReLU mask and more) must reach the backward call unchanged.
+forward call (the ReLU mask and more) must reach the backward call unchanged: it lives on the
+forward node's :class:`FusedBatchNorm`. Descriptors and workspace/reserve sizes are set up once per
+(device, shape, dtype, bnOps), outside capture, with CuPy's bindings; a later call with the same
+key creates and queries nothing (``chainer_tc.cuda.counters()``).
 
 :func:`eligibility` decides, from dtypes and shapes alone, whether a call can take this path (and
 says why not); everything else falls to kernels/batchnorm.cu, which handles every case.
@@ -16,6 +19,10 @@ import numpy
 
 import chainer
 
+from chainer_tc.cuda import _counters
+from chainer_tc.cuda import cudnn
+from chainer_tc.cuda import descriptors
+from chainer_tc.cuda import runtime
 
 
 def _min_eps():
@@ -50,73 +57,95 @@ def eligibility(is_cupy, x_dtype, x_shape, gamma_dtype, running_dtype, relu, eps
     return True, None
 
 
-class FusedBatchNorm:
-    """One call's descriptors and buffers, kept from forward to backward."""
+class _Plan:
+    """Descriptors and buffer sizes of one (device, shape, dtype, bnOps): set up once, outside
+    stream capture, then shared by every call with that key."""
 
-    def __init__(self, x, has_z, relu):
-        import cupy
-        import cupyx.cudnn as cudnn
+    def __init__(self, device_id, shape, dtype, has_z, relu):
         from cupy_backends.cuda.libs import cudnn as lib
-        self.cupy, self.lib = cupy, lib
-        self.handle = cudnn.get_handle()            # the current device's, stream set per call
+        what = 'cuDNN fused batch normalization of x {} {} (z: {}, relu: {})'.format(
+            shape, numpy.dtype(dtype).name, has_z, relu)
+        runtime.refuse_capture(what)
+        self.handle = runtime.handle(device_id)
         self.mode = lib.CUDNN_BATCHNORM_SPATIAL_PERSISTENT
         self.ops = (lib.CUDNN_BATCHNORM_OPS_BN_ADD_ACTIVATION if has_z else
                     lib.CUDNN_BATCHNORM_OPS_BN_ACTIVATION if relu else lib.CUDNN_BATCHNORM_OPS_BN)
-        self.desc = cudnn.create_tensor_descriptor(x, lib.CUDNN_TENSOR_NHWC)   # x, y, z alike
-        self.bn_desc = cudnn.create_uninitialized_tensor_descriptor()
-        lib.deriveBNTensorDescriptor(self.bn_desc.value, self.desc.value, self.mode)
-        self.act = cudnn.create_activation_descriptor(lib.CUDNN_ACTIVATION_RELU) \
-            if relu or has_z else None
+        desc = descriptors.tensor_4d(shape, dtype, 'NHWC')          # x, y, z and their grads
+        bn_desc = descriptors.batch_norm(shape, dtype, 'NHWC', self.mode)
+        act = descriptors.relu() if relu or has_z else None
+        self._keep = (desc, bn_desc, act)
+        self.desc, self.bn_desc = desc.value, bn_desc.value
+        self.z_desc = desc.value if has_z else 0
+        self.act = act.value if act is not None else 0
+        self.one, self.zero = cudnn.scaling_factors(dtype)     # float for half data
+        _counters.add('workspace_queries', 3)
+        self.forward_workspace = lib.getBatchNormalizationForwardTrainingExWorkspaceSize(
+            self.handle, self.mode, self.ops, self.desc, self.z_desc, self.desc, self.bn_desc,
+            self.act)
+        self.reserve_size = lib.getBatchNormalizationTrainingExReserveSpaceSize(
+            self.handle, self.mode, self.ops, self.act, self.desc)
+        self.backward_workspace = lib.getBatchNormalizationBackwardExWorkspaceSize(
+            self.handle, self.mode, self.ops, self.desc, self.desc, self.desc, self.z_desc,
+            self.desc, self.bn_desc, self.act)
+
+
+_plans = {}
+
+
+def _plan(x, has_z, relu):
+    key = (x.data.device_id, x.shape, x.dtype.char, has_z, relu)
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _plans[key] = _Plan(x.data.device_id, x.shape, x.dtype, has_z, relu)
+    return plan
+
+
+def _ptr(a):
+    return 0 if a is None else a.data.ptr
+
+
+class FusedBatchNorm:
+    """One call's buffers, kept from forward to backward: the saved mean and inverse standard
+    deviation and the reserve space (read by the backward call); the plan is shared."""
+
+    def __init__(self, x, has_z, relu):
+        self.plan = _plan(x, has_z, relu)
         self.has_z = has_z
-        self.one = numpy.ones((), numpy.float32)       # scaling factors: float for half data
-        self.zero = numpy.zeros((), numpy.float32)
-
-    def _z_desc(self):
-        return self.desc.value if self.has_z else 0
-
-    def _act(self):
-        return self.act.value if self.act is not None else 0
 
     def forward(self, x, z, gamma, beta, eps, decay, running_mean, running_var):
-        cupy, lib = self.cupy, self.lib
+        import cupy
+        p = self.plan
         C = x.shape[-1]
         y = cupy.empty_like(x)
         self.mean = cupy.empty(C, numpy.float32)
         self.invstd = cupy.empty(C, numpy.float32)
-        ws_size = lib.getBatchNormalizationForwardTrainingExWorkspaceSize(
-            self.handle, self.mode, self.ops, self.desc.value, self._z_desc(), self.desc.value,
-            self.bn_desc.value, self._act())
-        rs_size = lib.getBatchNormalizationTrainingExReserveSpaceSize(
-            self.handle, self.mode, self.ops, self._act(), self.desc.value)
-        workspace = cupy.empty(max(ws_size, 1), numpy.uint8)
-        self.reserve = cupy.empty(max(rs_size, 1), numpy.uint8)
-        self.reserve_size = rs_size
+        workspace = runtime.alloc(p.forward_workspace)
+        self.reserve = runtime.alloc(p.reserve_size)
         update = running_mean is not None
-        lib.batchNormalizationForwardTrainingEx(
-            self.handle, self.mode, self.ops, self.one.ctypes.data, self.zero.ctypes.data,
-            self.desc.value, x.data.ptr, self._z_desc(), z.data.ptr if self.has_z else 0,
-            self.desc.value, y.data.ptr, self.bn_desc.value, gamma.data.ptr, beta.data.ptr,
-            1.0 - decay if update else 0.0,
-            running_mean.data.ptr if update else 0, running_var.data.ptr if update else 0,
-            eps, self.mean.data.ptr, self.invstd.data.ptr, self._act(), workspace.data.ptr,
-            ws_size, self.reserve.data.ptr, rs_size)
+        lib = cudnn.binding()
+        lib.set_stream(p.handle, runtime.stream_ptr())
+        lib.batch_normalization_forward_training_ex(
+            p.handle, p.mode, p.ops, p.one, p.zero, p.desc, x.data.ptr, p.z_desc,
+            _ptr(z) if self.has_z else 0, p.desc, y.data.ptr, p.bn_desc, gamma.data.ptr,
+            beta.data.ptr, 1.0 - decay if update else 0.0, _ptr(running_mean),
+            _ptr(running_var), eps, self.mean.data.ptr, self.invstd.data.ptr, p.act,
+            runtime.address(workspace), p.forward_workspace, runtime.address(self.reserve),
+            p.reserve_size)
         return y
 
     def backward(self, x, y, gy, gamma, beta, eps):
-        cupy, lib = self.cupy, self.lib
+        import cupy
+        p = self.plan
         gx = cupy.empty_like(x)
         gz = cupy.empty_like(x) if self.has_z else None
         ggamma, gbeta = cupy.empty_like(gamma), cupy.empty_like(beta)
-        ws_size = lib.getBatchNormalizationBackwardExWorkspaceSize(
-            self.handle, self.mode, self.ops, self.desc.value, self.desc.value, self.desc.value,
-            self._z_desc(), self.desc.value, self.bn_desc.value, self._act())
-        workspace = cupy.empty(max(ws_size, 1), numpy.uint8)
-        lib.batchNormalizationBackwardEx(
-            self.handle, self.mode, self.ops, self.one.ctypes.data, self.zero.ctypes.data,
-            self.one.ctypes.data, self.zero.ctypes.data, self.desc.value, x.data.ptr,
-            self.desc.value, y.data.ptr, self.desc.value, gy.data.ptr, self._z_desc(),
-            gz.data.ptr if self.has_z else 0, self.desc.value, gx.data.ptr, self.bn_desc.value,
-            gamma.data.ptr, beta.data.ptr, ggamma.data.ptr, gbeta.data.ptr, eps,
-            self.mean.data.ptr, self.invstd.data.ptr, self._act(), workspace.data.ptr, ws_size,
-            self.reserve.data.ptr, self.reserve_size)
+        workspace = runtime.alloc(p.backward_workspace)
+        lib = cudnn.binding()
+        lib.set_stream(p.handle, runtime.stream_ptr())
+        lib.batch_normalization_backward_ex(
+            p.handle, p.mode, p.ops, p.one, p.zero, p.one, p.zero, p.desc, x.data.ptr,
+            p.desc, y.data.ptr, p.desc, gy.data.ptr, p.z_desc, _ptr(gz), p.desc, gx.data.ptr,
+            p.bn_desc, gamma.data.ptr, beta.data.ptr, ggamma.data.ptr, gbeta.data.ptr, eps,
+            self.mean.data.ptr, self.invstd.data.ptr, p.act, runtime.address(workspace),
+            p.backward_workspace, runtime.address(self.reserve), p.reserve_size)
         return gx, ggamma, gbeta, gz

@@ -4,11 +4,13 @@
     y = TF.convolution_2d(x, W, b, stride=2, pad=1)     # x: (N, H, W, C), W: (O, kh, kw, C)
 
 Semantics of ``chainer.functions.convolution_2d`` (cover_all=False) in NHWC. CuPy arrays run on
-cuDNN with NHWC tensor and filter descriptors (``cupyx.cudnn``, honouring ``config.autotune``,
-``config.use_cudnn_tensor_core``, ``config.cudnn_deterministic`` and
-``chainer.backends.cuda.set_max_workspace_size``): no transposes on the GPU. NumPy arrays run
-Chainer's own CPU convolution on transposed copies (the CPU path may transpose; its speed is
-secondary). Double backpropagation is not supported.
+cuDNN with NHWC tensor and filter descriptors through ``chainer_tc.cuda.conv`` (honouring
+``config.autotune``, ``config.use_cudnn_tensor_core`` and ``config.cudnn_deterministic``; the
+workspace limit is ``chainer_tc.cuda.conv.get_workspace_limit()``): no transposes on the GPU,
+and after the first call of a shape nothing but the cuDNN call itself, so it can be captured
+into a CUDA graph. NumPy arrays run Chainer's own CPU convolution on transposed copies (the CPU
+path may transpose; its speed is secondary). Backward computes only the gradients asked for (no
+gx for a network's raw input). Double backpropagation is not supported.
 """
 import numpy
 
@@ -19,6 +21,7 @@ from chainer.utils import type_check
 from chainer.functions.connection import convolution_2d as chainer_conv
 from chainer.functions.connection import deconvolution_2d as chainer_deconv
 
+from chainer_tc.cuda import conv as cuda_conv
 from chainer_tc.functions import _util
 
 
@@ -36,17 +39,6 @@ def _run_cpu(node, inputs):
     return node.forward_cpu(inputs)
 
 
-def _cudnn():
-    """(cupy, cupyx.cudnn, keyword arguments every cuDNN convolution call takes)."""
-    import cupy
-    import cupyx.cudnn
-    from cupy_backends.cuda.libs import cudnn as libcudnn
-    config = chainer.config
-    return cupy, cupyx.cudnn, dict(
-        auto_tune=config.autotune, tensor_core=config.use_cudnn_tensor_core,
-        d_layout=libcudnn.CUDNN_TENSOR_NHWC, w_layout=libcudnn.CUDNN_TENSOR_NHWC)
-
-
 class Convolution2DNHWC(function_node.FunctionNode):
 
     def __init__(self, stride=1, pad=0, dilate=1, groups=1):
@@ -59,6 +51,8 @@ class Convolution2DNHWC(function_node.FunctionNode):
                              'dilate {}, groups {}, pad {}'.format(
                                  (self.sy, self.sx), (self.dy, self.dx), self.groups,
                                  (self.ph, self.pw)))
+        self.geometry = cuda_conv.Geometry((self.ph, self.pw), (self.sy, self.sx),
+                                           (self.dy, self.dx), self.groups)
 
     def check_type_forward(self, in_types):
         type_check._argname(in_types, ('x', 'W') + (('b',) if len(in_types) == 3 else ()))
@@ -98,63 +92,65 @@ class Convolution2DNHWC(function_node.FunctionNode):
                 groups=self.groups)
             y, = _run_cpu(node, (_nchw(x), _nchw(W)) + (() if b is None else (b,)))
             return _nhwc(y),
-        xp, cudnn, opts = _cudnn()
+        xp = chainer.backend.get_array_module(x)
+        x, W = xp.ascontiguousarray(x), xp.ascontiguousarray(W)
         y = xp.empty((x.shape[0], oh, ow, W.shape[0]), x.dtype)
-        cudnn.convolution_forward(
-            xp.ascontiguousarray(x), xp.ascontiguousarray(W), b, y, (self.ph, self.pw),
-            (self.sy, self.sx), (self.dy, self.dx), self.groups, **opts)
+        cuda_conv.forward(x, W, y, self.geometry, cuda_conv.chainer_settings())
+        if b is not None:
+            y += b                  # broadcast over the last (channel) axis: one kernel
         return y,
 
     def backward(self, indexes, grad_outputs):
         x, W = self.get_retained_inputs()
         gy, = grad_outputs
-        grads = _Convolution2DNHWCGrad(self, len(self.inputs) == 3).apply((x, W, gy))
-        return tuple(grads[i] for i in indexes)
+        return _Convolution2DNHWCGrad(self, indexes).apply((x, W, gy))
 
 
 class _Convolution2DNHWCGrad(function_node.FunctionNode):
-    """(gx, gW[, gb]) of Convolution2DNHWC; not differentiable again."""
+    """The gradients of Convolution2DNHWC asked for: ``indexes`` among 0 (gx), 1 (gW), 2 (gb),
+    in that order. Nothing else is computed: no gx for an input that needs none (a network's
+    raw input), as Chainer's Convolution2DFunction. Not differentiable again."""
 
-    def __init__(self, f, with_bias):
-        self.f, self.with_bias = f, with_bias
+    def __init__(self, f, indexes):
+        self.f, self.indexes = f, tuple(indexes)
 
     def forward(self, inputs):
         x, W, gy = inputs
-        if isinstance(x, numpy.ndarray):
-            gx, gW = self._cpu(x, W, gy)
-        else:
-            gx, gW = self._cudnn(x, W, gy)
-        out = (gx, gW)
-        if self.with_bias:
-            out += (gy.reshape(-1, gy.shape[-1]).sum(axis=0),)
-        return out
+        grads = self._cpu(x, W, gy) if isinstance(x, numpy.ndarray) else self._cudnn(x, W, gy)
+        if 2 in self.indexes:
+            grads[2] = gy.reshape(-1, gy.shape[-1]).sum(axis=0)
+        return tuple(grads[i] for i in self.indexes)
 
     def _cpu(self, x, W, gy):
-        f = self.f
-        x_c, w_c, gy_c = _nchw(x), _nchw(W), _nchw(gy)
+        f, grads = self.f, {}
+        gy_c = _nchw(gy)
         # gx by deconvolution and gW by Chainer's own kernels, called directly (no graph nodes)
         geometry = dict(dilate=(f.dy, f.dx), groups=f.groups)
-        gx, = _run_cpu(chainer_deconv.Deconvolution2DFunction(
-            (f.sy, f.sx), (f.ph, f.pw), outsize=x_c.shape[2:], **geometry), (gy_c, w_c))
-        node = chainer_conv.Convolution2DFunction((f.sy, f.sx), (f.ph, f.pw), **geometry)
-        node._use_ideep = False
-        gW, = _run_cpu(chainer_conv.Convolution2DGradW(node, w_c.shape, w_c.dtype, None),
-                       (x_c, gy_c))
-        return _nhwc(gx), _nhwc(gW)
+        if 0 in self.indexes:
+            gx, = _run_cpu(chainer_deconv.Deconvolution2DFunction(
+                (f.sy, f.sx), (f.ph, f.pw), outsize=x.shape[1:3], **geometry), (gy_c, _nchw(W)))
+            grads[0] = _nhwc(gx)
+        if 1 in self.indexes:
+            node = chainer_conv.Convolution2DFunction((f.sy, f.sx), (f.ph, f.pw), **geometry)
+            node._use_ideep = False
+            w_shape = (W.shape[0], W.shape[3], W.shape[1], W.shape[2])
+            gW, = _run_cpu(chainer_conv.Convolution2DGradW(node, w_shape, W.dtype, None),
+                           (_nchw(x), gy_c))
+            grads[1] = _nhwc(gW)
+        return grads
 
     def _cudnn(self, x, W, gy):
-        f = self.f
-        xp, cudnn, opts = _cudnn()
-        x, W, gy = (xp.ascontiguousarray(a) for a in (x, W, gy))
-        geometry = ((f.ph, f.pw), (f.sy, f.sx), (f.dy, f.dx), f.groups)
-        deterministic = chainer.config.cudnn_deterministic
-        gW = xp.empty_like(W)
-        cudnn.convolution_backward_filter(x, gy, gW, *geometry, deterministic=deterministic,
-                                          **opts)
-        gx = xp.empty_like(x)
-        cudnn.convolution_backward_data(W, gy, None, gx, *geometry, deterministic=deterministic,
-                                        **opts)
-        return gx, gW
+        f, grads = self.f, {}
+        xp = chainer.backend.get_array_module(x)
+        gy = xp.ascontiguousarray(gy)
+        settings = cuda_conv.chainer_settings()
+        if 0 in self.indexes:
+            grads[0] = gx = xp.empty(x.shape, x.dtype)
+            cuda_conv.backward_data(xp.ascontiguousarray(W), gy, gx, f.geometry, settings)
+        if 1 in self.indexes:
+            grads[1] = gW = xp.empty(W.shape, W.dtype)
+            cuda_conv.backward_filter(xp.ascontiguousarray(x), gy, gW, f.geometry, settings)
+        return grads
 
     def backward(self, indexes, grad_outputs):
         raise NotImplementedError('chainer_tc: double backpropagation through convolution is '

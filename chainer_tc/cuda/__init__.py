@@ -1,0 +1,20 @@
+"""What CuPy 13 lacks for a captured training step: a cuDNN binding usable under stream capture.
+
+``cudnn``       a ctypes binding to libcudnn.so.8 for the calls that run inside a step
+                (cudnnSetStream, the three convolutions, the fused batch-norm pair)
+``descriptors`` cuDNN descriptors built once, through CuPy's bindings, outside capture
+``conv``        the convolution driver: descriptors and algorithm chosen once per key, then
+                only ctypes calls per call
+``runtime``     the few CuPy runtime facts the drivers need per call
+
+:func:`counters` says how many descriptors were created and how many algorithm and workspace
+queries were made, so a test can assert that nothing is created after warm-up. Importing this
+package imports neither CuPy nor cuDNN. Nothing here imports chainer_tc.functions, links, models,
+optimizers or static_graph.
+"""
+from chainer_tc.cuda._counters import counters  # NOQA
+from chainer_tc.cuda._counters import reset_counters  # NOQA
+
+
+class PerformanceWarning(UserWarning):
+    """cuDNN had to take a slower path than asked for (said once, with the reason)."""

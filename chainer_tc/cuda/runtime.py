@@ -1,0 +1,49 @@
+"""The CuPy runtime facts the cuDNN drivers need, in one place (tests without a GPU replace them).
+
+Per call the drivers only read the current stream and allocate workspace from the current CuPy
+allocator (inside a capture that is whatever pool the capture uses). The handle and the capture
+check are needed only when something is set up, outside capture.
+"""
+
+
+def stream_ptr():
+    """The current CuPy stream as a cudaStream_t (0 for the legacy default stream)."""
+    import cupy
+    return cupy.cuda.get_current_stream().ptr
+
+
+def is_capturing():
+    """True while the current CuPy stream is capturing a CUDA graph."""
+    import cupy
+    stream = cupy.cuda.get_current_stream()
+    return stream.ptr != 0 and stream.is_capturing()
+
+
+def handle(device_id):
+    """CuPy's cuDNN handle of device ``device_id`` (``cupyx.cudnn.get_handle``, created once)."""
+    import cupy
+    import cupyx.cudnn
+    with cupy.cuda.Device(device_id):
+        return cupyx.cudnn.get_handle()
+
+
+def alloc(nbytes):
+    """``nbytes`` of device memory from the current CuPy allocator, or None for 0 bytes."""
+    if not nbytes:
+        return None
+    import cupy
+    return cupy.cuda.memory.alloc(nbytes)
+
+
+def address(memory):
+    """The device address of what :func:`alloc` returned (0 for None)."""
+    return 0 if memory is None else memory.ptr
+
+
+def refuse_capture(what):
+    """Raise if the current stream is capturing: ``what`` must be set up before capture."""
+    if is_capturing():
+        raise RuntimeError(
+            '{} is not set up yet and cannot be while the stream is capturing (cuDNN '
+            'descriptors, algorithm and workspace queries run outside capture only): run the '
+            'same step once before begin_capture()'.format(what))
