@@ -3,7 +3,7 @@
     info [--json]              versions, GPUs, and which chainer_tc features can run here (and why not)
     kernels [--json]           compile kernels/*.cu with NVRTC 12 for sm_70/80/90: registers, spills
     check-gpu-stack            check the CUDA/cuDNN install without a GPU (what CI runs)
-    dali-check LIST ROOT       scan an image data set (list file + root, or a class-per-directory
+    dali-check ROOT [LIST]     scan an image data set (root + list file, or a class-per-directory
                                tree) and list every bad line and file; non-zero exit if any
 """
 import sys

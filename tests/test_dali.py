@@ -108,7 +108,7 @@ def test_training_outputs_shapes_values_and_seed(data):
     xa, ta = next(a)
     xb, tb = next(b)
     xc, _ = next(c)
-    assert xa.shape == (8, 32, 32, 3) and xa.dtype == numpy.float16
+    assert xa.shape == (8, 32, 32, 3) and xa.dtype == numpy.float32    # chainer.config.dtype
     assert ta.dtype == numpy.int32 and set(ta.tolist()) <= {0, 1}
     assert numpy.array_equal(xa, xb) and numpy.array_equal(ta, tb)     # same seed, same batch
     assert not numpy.array_equal(xa, xc)
@@ -364,7 +364,7 @@ def test_empty_image_is_found_up_front(data, tmp_path):
 
 
 @pytest.mark.parametrize('kwargs,error,message', [
-    (dict(device='tpu'), ValueError, r"device must be one of \('gpu', 'cpu'\); got 'tpu'"),
+    (dict(device='tpu'), ValueError, r"device must be one of \('gpu', 'cpu'\) or None; got 'tpu'"),
     (dict(dtype='int8'), ValueError, 'dtype must be float16 or float32'),
     (dict(layout='HWC'), ValueError, r"layout must be one of \('NHWC', 'NCHW'\)"),
     (dict(crop=0), ValueError, 'crop must be a positive integer; got 0'),
@@ -413,7 +413,7 @@ def test_dali_check_lists_every_bad_line_and_file(data, tmp_path, capsys):
         '{} 0'.format(rel[2]),                  # 13: empty
     ]
     lst = bad_list(data, tmp_path, lines)
-    assert check.main([lst, data.root, '--num-classes', '2', '--jobs', '2']) == 1
+    assert check.main([data.root, lst, '--num-classes', '2', '--jobs', '2']) == 1
     out = capsys.readouterr()
     report = out.out.splitlines()
     for expected in ('bad.txt:8: ', 'bad.txt:9: ', 'bad.txt:11: label 3 is out of range',
@@ -429,18 +429,18 @@ def test_dali_check_lists_every_bad_line_and_file(data, tmp_path, capsys):
 def test_dali_check_decodes_to_find_corrupt_data(data, tmp_path, capsys):
     bad = bad_file(data, 'corrupt')         # header and end intact: only a decode finds it
     lst = bad_list(data, tmp_path, ['{} 0'.format(bad)])
-    assert check.main([lst, data.root, '--no-decode']) == 0
-    assert check.main([lst, data.root]) == 1
+    assert check.main([data.root, lst, '--no-decode']) == 0
+    assert check.main([data.root, lst]) == 1
     assert 'bad_corrupt.jpg: cannot be decoded: broken data stream' in capsys.readouterr().out
     os.remove(bad)
 
 
 def test_dali_check_good_sets_and_missing_paths(data, tmp_path, capsys):
-    assert check.main([data.ids_list, data.root]) == 0
+    assert check.main([data.root, data.ids_list]) == 0
     assert check.main([data.root]) == 0                  # class-per-directory tree
     assert capsys.readouterr().out.splitlines() == ['all 29 images are good'] * 2
-    assert check.main([str(tmp_path / 'none.txt'), data.root]) == 2
-    assert check.main([data.ids_list, str(tmp_path / 'nowhere')]) == 2
+    assert check.main([data.root, str(tmp_path / 'none.txt')]) == 2
+    assert check.main([str(tmp_path / 'nowhere'), data.ids_list]) == 2
     assert 'does not exist' in capsys.readouterr().err
 
 
@@ -498,8 +498,8 @@ def test_trainer_with_evaluator_gives_exact_accuracy(data, tmp_path):
 @pytest.mark.gpu
 def test_gpu_pipeline_gives_cupy_arrays_without_a_copy_on_the_consumer_stream(data):
     import cupy
-    it = dali.DaliIterator(pipeline(data, train=False, device='gpu', crop=CROP), batch_size=8,
-                           repeat=False)
+    it = dali.DaliIterator(pipeline(data, train=False, device='gpu', crop=CROP,
+                                    dtype=numpy.float16), batch_size=8, repeat=False)
     pool = cupy.get_default_memory_pool()
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:

@@ -1,9 +1,11 @@
-"""``python -m chainer_tc dali-check LIST ROOT`` (or ``dali-check ROOT`` for a class-per-directory
+"""``python -m chainer_tc dali-check ROOT LIST`` (or ``dali-check ROOT`` for a class-per-directory
 tree): scans a data set and lists every bad line of the list and every bad image (missing, empty,
 not a JPEG or PNG, truncated, not decodable), with a progress bar on stderr. Exit status 0 when all
-is well, 1 when anything is bad, 2 for bad arguments (a missing LIST or ROOT).
+is well, 1 when anything is bad, 2 for bad arguments (a missing LIST or ROOT). ROOT comes first,
+as in ``imagenet_pipeline(root, list_file)``; the old order LIST ROOT (a file, then a directory)
+still works, with a deprecation notice.
 
-    python -m chainer_tc dali-check train.txt /data/imagenet/train --num-classes 1000
+    python -m chainer_tc dali-check /data/imagenet/train train.txt --num-classes 1000
 """
 import argparse
 import collections
@@ -11,6 +13,7 @@ import concurrent.futures
 import os
 import sys
 import time
+import warnings
 
 from chainer_tc.dali import dataset
 
@@ -18,11 +21,11 @@ from chainer_tc.dali import dataset
 def main(argv=None):
     p = argparse.ArgumentParser(
         prog='python -m chainer_tc dali-check',
-        usage='%(prog)s [LIST] ROOT [--num-classes N] [--jobs J] [--no-decode]',
+        usage='%(prog)s ROOT [LIST] [--num-classes N] [--jobs J] [--no-decode]',
         description='Check an image data set for the DALI pipelines: every bad list line and '
                     'image is listed; exit status 1 if any.')
-    p.add_argument('paths', nargs='+', metavar='LIST ROOT',
-                   help="the list file (lines 'relative/path label') and the image root; or "
+    p.add_argument('paths', nargs='+', metavar='ROOT [LIST]',
+                   help="the image root and the list file (lines 'relative/path label'); or "
                         "ROOT alone for a class-per-directory tree")
     p.add_argument('--num-classes', type=int, default=None, metavar='N',
                    help='labels must lie in [0, N)')
@@ -34,8 +37,14 @@ def main(argv=None):
     if args.num_classes is not None and args.num_classes < 1:
         p.error('--num-classes must be a positive integer; got {}'.format(args.num_classes))
     if len(args.paths) > 2:
-        p.error('expected LIST ROOT or ROOT; got {} paths'.format(len(args.paths)))
-    list_file, root = args.paths if len(args.paths) == 2 else (None, args.paths[0])
+        p.error('expected ROOT LIST or ROOT; got {} paths'.format(len(args.paths)))
+    root, list_file = args.paths if len(args.paths) == 2 else (args.paths[0], None)
+    if list_file is not None and os.path.isfile(root) and os.path.isdir(list_file):
+        note = ('dali-check takes ROOT LIST; got the list file {!r} first and the root {!r} '
+                'second: taken in that order for now'.format(root, list_file))
+        print('dali-check: deprecated: {}'.format(note), file=sys.stderr)
+        warnings.warn(note, DeprecationWarning, stacklevel=2)
+        root, list_file = list_file, root
     try:
         if not os.path.isdir(root):
             raise FileNotFoundError('root {!r} does not exist or is not a directory'.format(root))

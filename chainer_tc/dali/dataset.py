@@ -77,7 +77,7 @@ def load(root, list_file=None, num_classes=None, check_files=True):
 
 def hint(root, list_file=None):
     """The command that lists every bad line and file of a data set."""
-    args = [list_file, root] if list_file is not None else [root]
+    args = [root, list_file] if list_file is not None else [root]
     return 'python -m chainer_tc dali-check {} lists every bad line and file'.format(
         ' '.join(str(a) for a in args))
 

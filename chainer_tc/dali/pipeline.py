@@ -1,14 +1,16 @@
 """The ResNet-50 ImageNet input pipelines, defined with DALI.
 
     from chainer_tc import dali
-    train = dali.imagenet_pipeline('/data/train', 'train.txt', device='gpu', shard_id=0)
-    val = dali.imagenet_pipeline('/data/val', 'val.txt', train=False, device='gpu')
+    train = dali.imagenet_pipeline('/data/train', 'train.txt', shard_id=0)   # (root, list)
+    val = dali.imagenet_pipeline('/data/val', 'val.txt', train=False)
+    val = dali.imagenet_pipeline('/data/val', 'val.txt', train=False, mean='mean.npy', std=255)
 
 Training: random resized crop (area 8%-100% of the image, aspect ratio 3/4-4/3, decoded together
 with the crop), resize to ``crop`` x ``crop``, horizontal flip with probability 1/2, normalisation
-by the ImageNet mean and standard deviation. Validation: resize the shorter side to ``resize``
-(default ``crop * 256 / 224``, so 256 for 224), centre crop ``crop`` x ``crop``, the same
-normalisation. Outputs: images (NHWC, or NCHW, float16 or float32) and int32 labels.
+``(pixel - mean) / std`` per channel (default: ImageNet's mean and standard deviation).
+Validation: resize the shorter side to ``resize`` (default ``crop * 256 / 224``, so 256 for 224),
+centre crop ``crop`` x ``crop``, the same normalisation. Outputs: images (NHWC, or NCHW, float16 or
+float32: by default ``chainer.config.dtype``) and int32 labels, on the GPU when CuPy sees one.
 
 The object returned holds the data set, already read and checked, and the settings;
 DaliIterator builds the DALI pipeline from it (``build``) and feeds it, through an
@@ -16,13 +18,17 @@ DaliIterator builds the DALI pipeline from it (``build``) and feeds it, through 
 the files (``fn.io.file.read``), decodes and augments them in its own threads.
 """
 import os
+import warnings
 
 import numpy
 
-from chainer_tc.dali import dataset as dataset_module
+import chainer
 
-IMAGENET_MEAN = (0.485, 0.456, 0.406)      # RGB, as fractions of 255
-IMAGENET_STD = (0.229, 0.224, 0.225)
+from chainer_tc.dali import dataset as dataset_module
+from chainer_tc.dali import normalisation
+
+IMAGENET_MEAN = normalisation.IMAGENET_MEAN      # RGB, as fractions of 255
+IMAGENET_STD = normalisation.IMAGENET_STD
 DEVICES = ('gpu', 'cpu')
 LAYOUTS = ('NHWC', 'NCHW')
 # Buffers the mixed decoder reserves up front, as in DALI's ResNet-50 example: no reallocation
@@ -31,15 +37,16 @@ _DEVICE_MEMORY_PADDING = 211025920
 _HOST_MEMORY_PADDING = 140544512
 
 
-def imagenet_pipeline(root, list_file=None, train=True, crop=224, resize=None, device='gpu',
-                      device_id=None, dtype=numpy.float16, layout='NHWC', num_classes=None,
+def imagenet_pipeline(root, list_file=None, train=True, crop=224, resize=None, device=None,
+                      device_id=None, dtype=None, layout='NHWC', num_classes=None,
                       seed=None, num_threads=None, prefetch_queue_depth=2, shard_id=0,
                       num_shards=1, check_files=True, area=(0.08, 1.0),
-                      aspect_ratio=(3 / 4, 4 / 3)):
+                      aspect_ratio=(3 / 4, 4 / 3), mean=None, std=None):
     """The ResNet-50 training (``train=True``) or validation pipeline over a data set.
 
     Args:
-        root (str): directory of the images.
+        root (str): directory of the images (first, as in ``dali-check ROOT LIST``; the old
+            order ``(list_file, root)`` still works, with a DeprecationWarning).
         list_file (str): Chainer's ImageNet list (``relative/path label`` per line); None reads
             the class-per-directory tree under ``root``.
         train (bool): training augmentation, or the deterministic validation transform.
@@ -47,9 +54,19 @@ def imagenet_pipeline(root, list_file=None, train=True, crop=224, resize=None, d
         resize (int): validation only: the shorter side before the centre crop (default
             ``round(crop * 256 / 224)``).
         device (str): 'gpu': mixed (nvJPEG) decoding, augmentation on the GPU, CuPy outputs;
-            'cpu': everything on the CPU, NumPy outputs.
+            'cpu': everything on the CPU, NumPy outputs; None (default): 'gpu' when CuPy sees a
+            GPU, else 'cpu' (the choice is in ``self.device``).
         device_id (int): GPU to use (default: CuPy's current device).
-        dtype: numpy.float16 or numpy.float32 images.
+        dtype: numpy.float16 or numpy.float32 images; None (default): ``chainer.get_dtype()``
+            (float16 under ``CHAINER_DTYPE=float16`` or mixed16), so the images arrive in the
+            model's dtype.
+        mean: per-channel mean (RGB, 0-255 scale) subtracted from the pixels: None (default)
+            ImageNet's ``255 * IMAGENET_MEAN``; 3 numbers; an array of shape (3,) or (3, H, W);
+            or the path of a ``.npy`` file holding one (read without unpickling). A (3, H, W)
+            mean image, like Chainer's example's ``mean.npy`` (3, 256, 256), is reduced to its
+            per-channel means: a per-pixel mean cannot follow random crops and resizes.
+        std: divisor (0-255 scale): None (default) ImageNet's ``255 * IMAGENET_STD``; one number
+            for all channels (Chainer's example: 255); or 3 numbers.
         layout (str): 'NHWC' or 'NCHW'.
         num_classes (int): labels must lie in [0, num_classes) (default: any label >= 0 for a
             list, the number of class directories for a tree).
@@ -63,9 +80,14 @@ def imagenet_pipeline(root, list_file=None, train=True, crop=224, resize=None, d
             (one ``stat`` per image, a few seconds for ImageNet).
         area, aspect_ratio (pairs of float): ranges of the random resized crop.
     """
+    if list_file is not None and os.path.isfile(root) and os.path.isdir(list_file):
+        warnings.warn('imagenet_pipeline takes (root, list_file); got the list file {!r} first '
+                      'and the root {!r} second: taken in that order for now'
+                      .format(root, list_file), DeprecationWarning, stacklevel=2)
+        root, list_file = list_file, root
     return ImagenetPipeline(root, list_file, train, crop, resize, device, device_id, dtype,
                             layout, num_classes, seed, num_threads, prefetch_queue_depth,
-                            shard_id, num_shards, check_files, area, aspect_ratio)
+                            shard_id, num_shards, check_files, area, aspect_ratio, mean, std)
 
 
 class ImagenetPipeline(object):
@@ -75,7 +97,7 @@ class ImagenetPipeline(object):
 
     def __init__(self, root, list_file, train, crop, resize, device, device_id, dtype, layout,
                  num_classes, seed, num_threads, prefetch_queue_depth, shard_id, num_shards,
-                 check_files, area, aspect_ratio):
+                 check_files, area, aspect_ratio, mean=None, std=None):
         _positive_int('crop', crop)
         if resize is None:
             resize = int(round(crop * 256 / 224))
@@ -83,14 +105,23 @@ class ImagenetPipeline(object):
         if not train and resize < crop:
             raise ValueError('resize={} is smaller than crop={}: the centre crop would not fit'
                              .format(resize, crop))
+        if device is None:
+            device = 'gpu' if _cupy_sees_a_gpu() else 'cpu'
         if device not in DEVICES:
-            raise ValueError('device must be one of {}; got {!r}'.format(DEVICES, device))
+            raise ValueError('device must be one of {} or None; got {!r}'.format(DEVICES, device))
+        if dtype is None:
+            dtype = chainer.get_dtype()
+            if dtype not in (numpy.float16, numpy.float32):
+                raise ValueError('dtype defaults to chainer.config.dtype, which is {}; DALI '
+                                 'outputs float16 or float32: pass dtype='.format(dtype.name))
         try:
             dtype = numpy.dtype(dtype)
         except TypeError:
             dtype = None
         if dtype not in (numpy.float16, numpy.float32):
             raise ValueError('dtype must be float16 or float32; got {!r}'.format(dtype))
+        mean = normalisation.channel_mean(mean)
+        std = normalisation.channel_std(std)
         if layout not in LAYOUTS:
             raise ValueError('layout must be one of {}; got {!r}'.format(LAYOUTS, layout))
         if num_threads is None:
@@ -123,6 +154,7 @@ class ImagenetPipeline(object):
         self.prefetch_queue_depth = int(prefetch_queue_depth)
         self.shard_id, self.num_shards = int(shard_id), int(num_shards)
         self.area, self.aspect_ratio = tuple(area), tuple(aspect_ratio)
+        self.mean, self.std = mean, std         # per channel, 0-255 scale
 
     def build(self, batch_size, source):
         """A built ``nvidia.dali.Pipeline`` whose outputs are (images, labels). ``source()``
@@ -155,7 +187,7 @@ class ImagenetPipeline(object):
                 mirror = 0
             images = fn.crop_mirror_normalize(
                 images, crop=(self.crop, self.crop), mirror=mirror,
-                mean=[255 * m for m in IMAGENET_MEAN], std=[255 * s for s in IMAGENET_STD],
+                mean=list(self.mean), std=list(self.std),
                 dtype=types.FLOAT16 if self.dtype == numpy.float16 else types.FLOAT,
                 output_layout='HWC' if self.layout == 'NHWC' else 'CHW')
             pipe.set_outputs(images, labels.gpu() if gpu else labels)
@@ -166,6 +198,14 @@ class ImagenetPipeline(object):
 def _positive_int(name, value):
     if isinstance(value, bool) or not isinstance(value, (int, numpy.integer)) or value < 1:
         raise ValueError('{} must be a positive integer; got {!r}'.format(name, value))
+
+
+def _cupy_sees_a_gpu():
+    try:
+        import cupy
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:       # CuPy missing, no driver, no device: the CPU pipeline
+        return False
 
 
 def _gpu_device_id(device_id):
