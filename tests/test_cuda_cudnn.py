@@ -236,6 +236,9 @@ def fake(monkeypatch):
         state.allocs.append(nbytes)
         return types.SimpleNamespace(ptr=0x10000000 + nbytes)
     monkeypatch.setattr(runtime, 'alloc', alloc)
+    counter = iter(range(0x20000000, 0x30000000, 0x100000))
+    monkeypatch.setattr(runtime, 'empty',
+                        lambda shape, dtype: FakeArray(shape, dtype, next(counter)))
 
     def query(name):
         def f(*args):
@@ -574,6 +577,88 @@ def test_fused_bn_plan_is_set_up_once_per_key(fake, monkeypatch):
     fake.capturing = True
     with pytest.raises(RuntimeError, match='before begin_capture'):
         _bn_cudnn.FusedBatchNorm(FakeArray((2, 7, 7, 64), numpy.float16, 1), True, True)
+
+
+@needs_cudnn
+def test_fused_bn_calls_pass_each_buffer_where_cudnn_expects_it(fake, monkeypatch):
+    from cupy_backends.cuda.libs import cudnn as lib
+    for name, size in (('getBatchNormalizationForwardTrainingExWorkspaceSize', 512),
+                       ('getBatchNormalizationTrainingExReserveSpaceSize', 128),
+                       ('getBatchNormalizationBackwardExWorkspaceSize', 256)):
+        monkeypatch.setattr(lib, name, lambda *a, _s=size: _s)
+    monkeypatch.setattr(_bn_cudnn, '_plans', {})
+    f16, f32 = numpy.float16, numpy.float32
+    x, z = FakeArray((4, 7, 7, 64), f16, 0x1000), FakeArray((4, 7, 7, 64), f16, 0x2000)
+    gamma, beta = FakeArray((64,), f32, 0x3000), FakeArray((64,), f32, 0x4000)
+    rm, rv = FakeArray((64,), f32, 0x5000), FakeArray((64,), f32, 0x6000)
+    node = _bn_cudnn.FusedBatchNorm(x, True, True)
+    p = node.plan
+    y = node.forward(x, z, gamma, beta, 2e-5, 0.9, rm, rv)
+    (n1, a1), (n2, a2) = lib_calls(fake)
+    assert (n1, a1) == ('cudnnSetStream', (HANDLE, STREAM))
+    fwd = dict(zip((p for p, _ in cudnn.PROTOTYPES[n2]), a2))
+    one = ctypes.c_float.from_address(fwd['alpha']).value
+    zero = ctypes.c_float.from_address(fwd['beta']).value
+    assert (one, zero) == (1.0, 0.0), 'float scaling factors for half data'
+    assert fwd['handle'] == HANDLE and fwd['mode'] == lib.CUDNN_BATCHNORM_SPATIAL_PERSISTENT
+    assert fwd['bnOps'] == lib.CUDNN_BATCHNORM_OPS_BN_ADD_ACTIVATION
+    assert fwd['xDesc'] == fwd['zDesc'] == fwd['yDesc'] == p.desc
+    assert fwd['bnScaleBiasMeanVarDesc'] == p.bn_desc and fwd['activationDesc'] == p.act != 0
+    assert (fwd['xData'], fwd['zData'], fwd['yData']) == (0x1000, 0x2000, y.data.ptr)
+    assert (fwd['bnScale'], fwd['bnBias']) == (0x3000, 0x4000)
+    assert (fwd['resultRunningMean'], fwd['resultRunningVariance']) == (0x5000, 0x6000)
+    assert fwd['exponentialAverageFactor'] == pytest.approx(0.1) and fwd['epsilon'] == 2e-5
+    assert fwd['resultSaveMean'] == node.mean.data.ptr
+    assert fwd['resultSaveInvVariance'] == node.invstd.data.ptr
+    assert (fwd['workspace'], fwd['workSpaceSizeInBytes']) == (0x10000000 + 512, 512)
+    assert (fwd['reserveSpace'], fwd['reserveSpaceSizeInBytes']) == (0x10000000 + 128, 128)
+    assert node.reserve.ptr == fwd['reserveSpace'], 'the reserve space stays with the node'
+    del fake.lib.log[:]
+    gy = FakeArray(x.shape, f16, 0x7000)
+    gx, ggamma, gbeta, gz = node.backward(x, y, gy, gamma, beta, 2e-5)
+    (_, _), (n3, a3) = lib_calls(fake)
+    bwd = dict(zip((p for p, _ in cudnn.PROTOTYPES[n3]), a3))
+    assert [ctypes.c_float.from_address(bwd[k]).value for k in (
+        'alphaDataDiff', 'betaDataDiff', 'alphaParamDiff', 'betaParamDiff')] == [1, 0, 1, 0]
+    assert (bwd['xData'], bwd['yData'], bwd['dyData']) == (0x1000, y.data.ptr, 0x7000)
+    assert (bwd['dzData'], bwd['dxData']) == (gz.data.ptr, gx.data.ptr)
+    assert (bwd['bnScaleData'], bwd['bnBiasData']) == (0x3000, 0x4000)
+    assert (bwd['dBnScaleData'], bwd['dBnBiasData']) == (ggamma.data.ptr, gbeta.data.ptr)
+    assert (bwd['savedMean'], bwd['savedInvVariance']) == (fwd['resultSaveMean'],
+                                                           fwd['resultSaveInvVariance'])
+    assert (bwd['reserveSpace'], bwd['reserveSpaceSizeInBytes']) == (fwd['reserveSpace'], 128)
+    assert (bwd['workSpace'], bwd['workSpaceSizeInBytes']) == (0x10000000 + 256, 256)
+    assert bwd['epsilon'] == 2e-5 and bwd['activationDesc'] == p.act
+    assert bwd['dzDesc'] == bwd['dxDesc'] == bwd['dyDesc'] == p.desc
+    assert bwd['dBnScaleBiasDesc'] == p.bn_desc
+    assert gz.shape == x.shape and ggamma.dtype == numpy.float32
+
+
+@needs_cudnn
+def test_plain_fused_bn_passes_null_z_activation_and_running_statistics(fake, monkeypatch):
+    from cupy_backends.cuda.libs import cudnn as lib
+    for name in ('getBatchNormalizationForwardTrainingExWorkspaceSize',
+                 'getBatchNormalizationTrainingExReserveSpaceSize',
+                 'getBatchNormalizationBackwardExWorkspaceSize'):
+        monkeypatch.setattr(lib, name, lambda *a: 0)
+    monkeypatch.setattr(_bn_cudnn, '_plans', {})
+    x = FakeArray((2, 5, 5, 8), numpy.float16, 0x1000)
+    gamma, beta = FakeArray((8,), numpy.float32, 0x3000), FakeArray((8,), numpy.float32, 0x4000)
+    node = _bn_cudnn.FusedBatchNorm(x, False, False)
+    y = node.forward(x, None, gamma, beta, 1e-5, 0.9, None, None)
+    fwd = dict(zip((p for p, _ in cudnn.PROTOTYPES['cudnnBatchNormalizationForwardTrainingEx']),
+                   lib_calls(fake)[1][1]))
+    assert fwd['bnOps'] == lib.CUDNN_BATCHNORM_OPS_BN
+    assert (fwd['zDesc'], fwd['zData'], fwd['activationDesc']) == (0, 0, 0)
+    assert (fwd['resultRunningMean'], fwd['resultRunningVariance']) == (0, 0)
+    assert fwd['exponentialAverageFactor'] == 0.0
+    assert (fwd['workspace'], fwd['reserveSpace'], fwd['reserveSpaceSizeInBytes']) == (0, 0, 0)
+    del fake.lib.log[:]
+    gx, _, _, gz = node.backward(x, y, FakeArray(x.shape, numpy.float16, 0x7000), gamma, beta,
+                                 1e-5)
+    bwd = dict(zip((p for p, _ in cudnn.PROTOTYPES['cudnnBatchNormalizationBackwardEx']),
+                   lib_calls(fake)[1][1]))
+    assert gz is None and (bwd['dzDesc'], bwd['dzData'], bwd['activationDesc']) == (0, 0, 0)
 
 
 # ---- gradients asked for only (CPU path) ---------------------------------------------------------

@@ -35,6 +35,12 @@ def alloc(nbytes):
     return cupy.cuda.memory.alloc(nbytes)
 
 
+def empty(shape, dtype):
+    """A new CuPy array (current device, current allocator)."""
+    import cupy
+    return cupy.empty(shape, dtype)
+
+
 def address(memory):
     """The device address of what :func:`alloc` returned (0 for None)."""
     return 0 if memory is None else memory.ptr

@@ -113,12 +113,10 @@ class FusedBatchNorm:
         self.has_z = has_z
 
     def forward(self, x, z, gamma, beta, eps, decay, running_mean, running_var):
-        import cupy
         p = self.plan
-        C = x.shape[-1]
-        y = cupy.empty_like(x)
-        self.mean = cupy.empty(C, numpy.float32)
-        self.invstd = cupy.empty(C, numpy.float32)
+        y = runtime.empty(x.shape, x.dtype)
+        self.mean = runtime.empty(x.shape[-1:], numpy.float32)
+        self.invstd = runtime.empty(x.shape[-1:], numpy.float32)
         workspace = runtime.alloc(p.forward_workspace)
         self.reserve = runtime.alloc(p.reserve_size)
         update = running_mean is not None
@@ -134,11 +132,11 @@ class FusedBatchNorm:
         return y
 
     def backward(self, x, y, gy, gamma, beta, eps):
-        import cupy
         p = self.plan
-        gx = cupy.empty_like(x)
-        gz = cupy.empty_like(x) if self.has_z else None
-        ggamma, gbeta = cupy.empty_like(gamma), cupy.empty_like(beta)
+        gx = runtime.empty(x.shape, x.dtype)
+        gz = runtime.empty(x.shape, x.dtype) if self.has_z else None
+        ggamma, gbeta = runtime.empty(gamma.shape, gamma.dtype), runtime.empty(beta.shape,
+                                                                               beta.dtype)
         workspace = runtime.alloc(p.backward_workspace)
         lib = cudnn.binding()
         lib.set_stream(p.handle, runtime.stream_ptr())
