@@ -76,7 +76,10 @@ class FlatParams:
                                  ', '.join('{} on {}'.format(n, d) for d, n in devices.items())))
         self.device = next(iter(devices))
         self.xp = _array_module(entries[0].param.array)
-        order = sorted(entries, key=lambda e: e.group)      # stable: the model's order within
+        # by dtype, then decayed before undecayed (so that in the common case the parameters
+        # sharing their hyperparameters are contiguous: see MomentumSGD's flat CPU step);
+        # stable: the model's order within
+        order = sorted(entries, key=lambda e: (e.group, _no_decay(e.param)))
         sizes = [0] * len(DTYPES)
         for e in order:
             e.offset = sizes[e.group]
@@ -133,6 +136,14 @@ class FlatParams:
     def num_chunks(self):
         return int(self.chunks.shape[0])
 
+    def grad_buffers(self):
+        """Zeroed flat gradient buffers with the parameters' layout, and a view per entry."""
+        with on_device(self):
+            bufs = [_zeros(self.xp, self.sizes[g], DTYPES[g]) for g in range(len(DTYPES))]
+            views = [bufs[e.group][e.offset:e.offset + e.size].reshape(e.shape)
+                     for e in self.entries]
+        return bufs, views
+
     def stale(self):
         """The first entry whose parameter no longer holds its view (replaced, retyped, moved),
         or None. Cheap: one identity test per parameter."""
@@ -152,6 +163,13 @@ class FlatParams:
                 g = xp.ascontiguousarray(g)
             out.append(g)
         return out
+
+
+def _no_decay(param):
+    try:
+        return float(param.update_rule.hyperparam.weight_decay) == 0
+    except AttributeError:
+        return False
 
 
 def _adopt(e, key, dst, src, xp):

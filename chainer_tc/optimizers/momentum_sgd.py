@@ -254,12 +254,16 @@ class MomentumSGD(chainer_optimizer.GradientMethod):
         self.t += 1
         plan()
 
-    def _plan(self, flat, grads):
+    def _plan(self, flat, grads, flat_grads=None):
         """A callable that updates every parameter from ``grads`` (one array or None per entry
-        of ``flat``), reading everything else (hyperparameters, loss scale) when it runs."""
-        if kernels.backend(flat.xp) == 'numpy':
-            return _NumpyStep(self, flat, grads)
-        return _KernelStep(self, flat, grads)
+        of ``flat``), reading everything else (hyperparameters, loss scale) when it runs.
+        ``flat_grads``: the gradients are views of these buffers (``flat.grad_buffers()``),
+        which lets the CPU path update whole runs of parameters at once."""
+        if kernels.backend(flat.xp) != 'numpy':
+            return _KernelStep(self, flat, grads)
+        if flat_grads is not None:
+            return _NumpyFlatStep(self, flat, grads, flat_grads)
+        return _NumpyStep(self, flat, grads)
 
     def _set_globals(self, row):
         flat = self._flat
@@ -416,6 +420,97 @@ class _NumpyStep:
                 p += v
             if p16 is not None:
                 p16[...] = p                            # rounds to nearest even
+        if mode == _scaler.DYNAMIC:
+            sc.finish_step_host(False)
+
+
+class _NumpyFlatStep(_NumpyStep):
+    """The CPU path over flat gradient buffers: the same per-element arithmetic as
+    :class:`_NumpyStep` (so the same bits), applied to runs of consecutive parameters that share
+    their hyperparameters (padding between parameters stays zero), a few NumPy calls per run
+    instead of per parameter. The runs are recomputed when the hyperparameter table changes."""
+
+    def __init__(self, opt, flat, grads, flat_grads):
+        self.opt, self.flat = opt, flat
+        if opt._temps is None:
+            opt._temps = {dt: [numpy.empty(_CPU_BLOCK, dt) for _ in range(3)]
+                          for dt in (numpy.dtype(numpy.float32), numpy.dtype(numpy.float64))}
+        self.grads = grads
+        self.flat_grads = flat_grads
+        self._runs_of = None
+
+    def _runs(self):
+        """[(group, lo, hi, lr, momentum, weight_decay)] for the enabled runs, in blocks."""
+        values = self.opt._table.values
+        if self._runs_of is values:
+            return self._blocks
+        flat = self.flat
+        runs = []
+        for e, hp in zip(flat.entries, values):
+            lo, hi = e.offset, e.offset + -(-e.size // _flat.ALIGN) * _flat.ALIGN
+            if runs and runs[-1][0] == e.group and tuple(runs[-1][3:]) == hp and runs[-1][2] == lo:
+                runs[-1][2] = hi
+            else:
+                runs.append([e.group, lo, hi] + list(hp))
+        blocks = []
+        for group, lo, hi, lr, mom, wd, enabled in runs:
+            if not enabled:
+                continue
+            dt = _flat.STATE_DTYPES[group].type
+            p = flat.master if group == _flat.F16 else flat.params[group]
+            for a in range(lo, hi, _CPU_BLOCK):
+                b = min(a + _CPU_BLOCK, hi)
+                blocks.append((self.flat_grads[group][a:b], p[a:b], flat.momentum[group][a:b],
+                               flat.params[_flat.F16][a:b] if group == _flat.F16 else None,
+                               self.opt._temps[numpy.dtype(dt)], dt(lr), dt(mom), dt(wd)))
+        self._runs_of, self._blocks = values, blocks
+        return blocks
+
+    def __call__(self):
+        opt = self.opt
+        sc = opt._scaler
+        scale = sc.state[_scaler.SCALE:_scaler.SCALE + 1].view(numpy.float32)[0]
+        mode = sc.mode
+
+        def load_grad(g, out):
+            if mode == _scaler.NONE:
+                out[...] = g
+            else:
+                numpy.divide(g, scale, out=out, dtype=out.dtype)
+            return out
+
+        if mode == _scaler.DYNAMIC:
+            temps = opt._temps
+            with numpy.errstate(invalid='ignore', over='ignore', divide='ignore'):
+                for g in self.flat_grads:
+                    t = temps[numpy.dtype(_flat.STATE_DTYPES[_flat.DTYPES.index(g.dtype)])][0]
+                    for a in range(0, g.size, _CPU_BLOCK):
+                        b = min(a + _CPU_BLOCK, g.size)
+                        if not numpy.isfinite(load_grad(g[a:b], t[:b - a])).all():
+                            sc.finish_step_host(True)
+                            return
+        nesterov = opt.nesterov
+        for g, p, v, p16, (t1, t2, t3), lr, mom, wd in self._runs():
+            n = g.size
+            gb, tb, ub = load_grad(g, t1[:n]), t2[:n], t3[:n]
+            if p16 is not None:
+                stale = p16.view(numpy.uint16) != p.astype(numpy.float16).view(numpy.uint16)
+                if stale.any():
+                    p[stale] = p16[stale]
+            if wd != 0:
+                numpy.multiply(p, wd, out=tb)
+                gb += tb
+            v *= mom
+            numpy.multiply(gb, lr, out=tb)
+            v -= tb
+            if nesterov:
+                numpy.multiply(v, mom, out=ub)
+                ub -= tb
+                p += ub
+            else:
+                p += v
+            if p16 is not None:
+                p16[...] = p
         if mode == _scaler.DYNAMIC:
             sc.finish_step_host(False)
 

@@ -1,0 +1,130 @@
+"""NHWC convolution on the CPU, directly in channels-last: one matrix product per call.
+
+    y = forward(x, W, b, geometry)                 # x (N, H, W, C), W (O, kh, kw, C/groups)
+    gx, gW, gb = backward(x, W, gy, geometry, need_x=True, need_b=True)
+
+The patches of a channels-last image are a strided view of the (padded) input: shape
+(N, oh, ow, kh, kw, C), no copy until the matrix product reads it. A 1x1 convolution with stride
+1 and no padding (most of ResNet-50's) needs no patches at all. The input gradient scatters the
+patch gradients back with one add per filter tap (kh * kw adds), never per pixel.
+
+float16 data is multiplied in float32 (NumPy has no float16 BLAS) and rounded once to float16 at
+the end; float32 and float64 use BLAS in their own precision. The results equal Chainer's NCHW
+convolution within the rounding of a differently ordered sum.
+"""
+import numpy
+from numpy.lib import stride_tricks
+
+
+class Geometry:
+    """Stride, padding, dilation, groups, and the output size for one input shape."""
+
+    __slots__ = ('sy', 'sx', 'ph', 'pw', 'dy', 'dx', 'groups')
+
+    def __init__(self, stride, pad, dilate, groups):
+        (self.sy, self.sx), (self.ph, self.pw) = stride, pad
+        (self.dy, self.dx), self.groups = dilate, groups
+
+    def out_size(self, h, w, kh, kw):
+        oh = (h + 2 * self.ph - self.dy * (kh - 1) - 1) // self.sy + 1
+        ow = (w + 2 * self.pw - self.dx * (kw - 1) - 1) // self.sx + 1
+        return oh, ow
+
+    def pointwise(self, kh, kw):
+        return (kh, kw, self.sy, self.sx, self.ph, self.pw) == (1, 1, 1, 1, 0, 0)
+
+
+def _work_dtype(dtype):
+    return numpy.float32 if dtype == numpy.float16 else dtype
+
+
+def _patches(x, kh, kw, g):
+    """(N, oh, ow, kh, kw, C) view of the zero-padded ``x`` (the padded copy only if padded)."""
+    n, h, w, c = x.shape
+    if g.ph or g.pw:
+        xp = numpy.zeros((n, h + 2 * g.ph, w + 2 * g.pw, c), x.dtype)
+        xp[:, g.ph:g.ph + h, g.pw:g.pw + w] = x
+    else:
+        xp = numpy.ascontiguousarray(x)
+    oh, ow = g.out_size(h, w, kh, kw)
+    s0, s1, s2, s3 = xp.strides
+    return stride_tricks.as_strided(
+        xp, (n, oh, ow, kh, kw, c), (s0, g.sy * s1, g.sx * s2, g.dy * s1, g.dx * s2, s3),
+        writeable=False)
+
+
+def _columns(x, kh, kw, g, dtype):
+    """The patch matrix (N * oh * ow, kh * kw * C) in the work dtype, C-contiguous."""
+    if g.pointwise(kh, kw):
+        return x.reshape(-1, x.shape[3]).astype(dtype, copy=False)
+    p = _patches(x, kh, kw, g)
+    return p.astype(dtype).reshape(-1, kh * kw * x.shape[3])   # astype always copies here
+
+
+def _group_slices(c, o, groups):
+    cg, og = c // groups, o // groups
+    return [(slice(i * cg, (i + 1) * cg), slice(i * og, (i + 1) * og)) for i in range(groups)]
+
+
+def forward(x, W, b, g):
+    n, h, w, c = x.shape
+    o, kh, kw, _ = W.shape
+    dt = _work_dtype(x.dtype)
+    oh, ow = g.out_size(h, w, kh, kw)
+    wm = W.astype(dt, copy=False).reshape(o, -1)
+    if g.groups == 1:
+        y = _columns(x, kh, kw, g, dt) @ wm.T
+    else:
+        y = numpy.empty((n * oh * ow, o), dt)
+        for cs, os_ in _group_slices(c, o, g.groups):
+            y[:, os_] = _columns(x[..., cs], kh, kw, g, dt) @ wm[os_].T
+    if b is not None:
+        y += b.astype(dt, copy=False)
+    return y.reshape(n, oh, ow, o).astype(x.dtype, copy=False)
+
+
+def _scatter(gcol, x_shape, kh, kw, g, dtype):
+    """The input gradient: the patch gradients (N, oh, ow, kh, kw, C) added back into place."""
+    n, h, w, c = x_shape
+    if g.pointwise(kh, kw):
+        return gcol.reshape(x_shape)
+    oh, ow = gcol.shape[1:3]
+    gxp = numpy.zeros((n, h + 2 * g.ph, w + 2 * g.pw, c), dtype)
+    for i in range(kh):
+        y0 = i * g.dy
+        for j in range(kw):
+            x0 = j * g.dx
+            gxp[:, y0:y0 + g.sy * (oh - 1) + 1:g.sy, x0:x0 + g.sx * (ow - 1) + 1:g.sx] += \
+                gcol[:, :, :, i, j]
+    return gxp[:, g.ph:g.ph + h, g.pw:g.pw + w]
+
+
+def backward(x, W, gy, g, need_x=True, need_W=True, need_b=False):
+    """(gx, gW, gb), each None where not needed."""
+    n, h, w, c = x.shape
+    o, kh, kw, cg = W.shape
+    dt = _work_dtype(x.dtype)
+    oh, ow = gy.shape[1:3]
+    gy2 = gy.reshape(-1, o).astype(dt, copy=False)
+    wm = W.astype(dt, copy=False).reshape(o, -1)
+    gx = gW = gb = None
+    groups = _group_slices(c, o, g.groups)
+    if need_W:
+        gW = numpy.empty((o, kh * kw * cg), dt)
+        for cs, os_ in groups:
+            xs = x if g.groups == 1 else x[..., cs]
+            gW[os_] = gy2[:, os_].T @ _columns(xs, kh, kw, g, dt)
+        gW = gW.reshape(W.shape).astype(W.dtype, copy=False)
+    if need_x:
+        if g.groups == 1:
+            gcol = gy2 @ wm
+        else:
+            gcol = numpy.empty((n * oh * ow, kh * kw, c), dt)
+            for cs, os_ in groups:
+                gcol[:, :, cs] = (gy2[:, os_] @ wm[os_]).reshape(-1, kh * kw, cg)
+        gcol = gcol.reshape(n, oh, ow, kh, kw, c)
+        gx = numpy.ascontiguousarray(_scatter(gcol, x.shape, kh, kw, g, dt)) \
+            .astype(x.dtype, copy=False)
+    if need_b:
+        gb = gy2.sum(axis=0).astype(gy.dtype, copy=False)
+    return gx, gW, gb

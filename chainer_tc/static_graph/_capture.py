@@ -1,0 +1,104 @@
+"""The GPU replay: the whole step (forward, backward, the batched update and the loss-scale
+bookkeeping) captured once into a ``cupy.cuda.Graph`` and replayed with one ``launch()``.
+
+Capture records the kernels an eager step launches, on a stream of our own (capture is refused on
+the legacy default stream), with every allocation made during capture served by a memory pool
+that nothing else allocates from: the graph's addresses stay valid for as long as this object
+lives, and no later allocation can reuse them. What the host must write between replays is
+written outside the graph, on the same stream, before the launch: the batch (into the
+signature's input buffers), and the optimizer's hyperparameter table when it changed (one tiny
+kernel). The loss scale and the overflow decision never leave the device.
+
+A step that cannot be captured (a host synchronisation inside it, such as ``float(loss)`` or an
+optimizer hook that reads a norm; a cuDNN call through a binding that refuses capture) raises
+:class:`~chainer_tc.static_graph._program.NotReplayable` with CUDA's reason, and TrainStep runs
+that signature eagerly.
+"""
+import chainer
+
+from chainer_tc.static_graph import _program
+from chainer_tc.static_graph import _trace
+
+
+def _prepare_cudnn(stream):
+    """Give our cuDNN binding's handle the capture stream before capture begins."""
+    try:
+        from chainer_tc.cuda import cudnn as binding
+    except ImportError:                      # no cuDNN binding module: nothing to prepare
+        return
+    prepare = getattr(binding, 'prepare_capture', None)
+    if prepare is not None:
+        prepare(stream)
+
+
+class CapturedStep:
+    """One input signature's step as a CUDA graph; building it performs the current step."""
+
+    def __init__(self, step, entry, externals):
+        import cupy
+        opt = step.optimizer
+        flat = opt._flat
+        self.cupy = cupy
+        self.pool = cupy.cuda.MemoryPool()
+        self.hooks = opt._has_hooks('pre') or opt._has_hooks('post')
+        with flat.device_scope():
+            self.stream = cupy.cuda.Stream(non_blocking=False)
+            opt._table.refresh(opt.hyperparam, opt._versions, opt._set_globals)
+            _prepare_cudnn(self.stream)
+            with self.stream, cupy.cuda.using_allocator(self.pool.malloc):
+                self.stream.synchronize()
+                self.stream.begin_capture()
+                graph = None
+                try:
+                    with _trace.Recorder() as rec:
+                        loss = step._call_lossfun(entry.buffers)
+                        opt.target.cleargrads()
+                        opt.scaled_backward(loss)
+                    grads = flat.grads()
+                    plan = opt._plan(flat, grads)
+                    if not self.hooks:
+                        plan()
+                except Exception as e:
+                    _abandon(self.stream)
+                    raise _program.NotReplayable(
+                        'capturing the step into a CUDA graph failed: {}: {}'
+                        .format(type(e).__name__, e)) from e
+                graph = self.stream.end_capture()
+        trace = rec.trace
+        trace.grads, trace.loss, trace.inputs = grads, loss.array, entry.buffers
+        # the same checks as the CPU replay: a value frozen into the graph must be a constant
+        self.program = _program.Program(entry.first, trace, externals + list(entry.buffers))
+        self.graph = graph
+        self.trace = trace               # keeps every array the graph touches referenced
+        self.loss = loss.array
+        self.grads = [(e.param, g) for e, g in zip(flat.entries, grads)]
+        self.flat = flat
+        self.graph.upload(self.stream)
+        self._launch(step, first=True)
+
+    def _launch(self, step, first=False):
+        """Replay: host-side writes, then the graph; with optimizer hooks, the graph holds
+        forward and backward, and the update runs eagerly after it (hooks may synchronise)."""
+        opt = step.optimizer
+        with self.flat.device_scope(), self.stream:
+            opt._table.refresh(opt.hyperparam, opt._versions, opt._set_globals)
+            self.graph.launch(self.stream)
+            if self.hooks:
+                for param, g in self.grads:
+                    param.grad = g
+                opt.update()
+            else:
+                opt.t += 1
+            self.program.report()
+            return chainer.Variable(self.loss.copy(), requires_grad=False)
+
+    def run(self, step):
+        return self._launch(step)
+
+
+def _abandon(stream):
+    """End a failed capture so that the stream is usable again."""
+    try:
+        stream.end_capture()
+    except Exception:
+        pass

@@ -1,0 +1,299 @@
+"""``TrainStep``: a whole training step (forward, backward, the batched update) traced once and
+replayed, without Chainer's per-node Python machinery.
+
+    from chainer_tc.static_graph import TrainStep
+    step = TrainStep(model, optimizer, lossfun)      # lossfun(*batch) -> loss; default: model
+    for x, t in batches:
+        loss = step(x, t)                            # a Variable holding this step's loss
+
+The first calls for a given input signature run eagerly (``warmup``, then two recorded steps);
+from then on the step is replayed: on the CPU by :class:`~chainer_tc.static_graph._program.Program`
+(the recorded array computations, same bits as eager), on a GPU as one CUDA graph launch
+(:mod:`chainer_tc.static_graph._capture`). See docs/static_graph.md for the rules a step must
+follow to be replayable; a step that breaks them runs eagerly, with one warning saying why.
+"""
+import collections
+import warnings
+
+import chainer
+from chainer import configuration
+from chainer import variable
+
+from chainer_tc.optimizers import momentum_sgd
+from chainer_tc.static_graph import _program
+from chainer_tc.static_graph import _trace
+
+
+class _Entry:
+    """Everything kept for one input signature."""
+
+    def __init__(self, inputs):
+        self.buffers = tuple(_empty_like(a) for a in inputs)
+        self.calls = 0
+        self.first = None          # the first recorded trace
+        self.replay = None         # a Program (CPU) or a captured graph (GPU)
+        self.failed = None         # why this signature runs eagerly
+
+    def load(self, inputs):
+        for buf, a in zip(self.buffers, inputs):
+            _copy_into(buf, a)
+
+
+class TrainStep:
+    """One training iteration of ``model`` with ``optimizer``, replayed after it was traced.
+
+    Args:
+        model (chainer.Link): the model; it must be ``optimizer.target`` or a link under it.
+        optimizer (chainer_tc.optimizers.MomentumSGD): set up on the model. Its loss scaling
+            (static or dynamic), lr schedules, per-parameter settings and frozen links work
+            under replay; its hooks run eagerly after the replayed forward and backward.
+        lossfun (callable): ``lossfun(*inputs) -> loss Variable``; default ``model``.
+        warmup (int): eager iterations per input signature before tracing (cuDNN autotune, the
+            memory pool and lazy initialisation settle there).
+        max_signatures (int): input signatures (shapes, dtypes, train mode, ...) kept traced
+            at once; a last partial batch is a second signature.
+        capture (bool): on a GPU, capture the step into a CUDA graph (default True).
+
+    Attributes:
+        traces (int): replays built so far (a new input signature builds one).
+        replays (int): steps run by replay.
+        eager_steps (int): steps run eagerly (warm-up and recording included).
+    """
+
+    def __init__(self, model, optimizer, lossfun=None, warmup=1, max_signatures=4,
+                 capture=True):
+        if not isinstance(optimizer, momentum_sgd.MomentumSGD):
+            raise TypeError('TrainStep replays chainer_tc.optimizers.MomentumSGD (whose '
+                            'hyperparameters and loss scale live in device memory); got {}. '
+                            'Use it, or call optimizer.update(lossfun, ...) eagerly'
+                            .format(type(optimizer).__name__))
+        if optimizer.target is None:
+            raise RuntimeError('optimizer is not set up: call optimizer.setup(model) first')
+        if not isinstance(model, chainer.Link):
+            raise TypeError('model must be a chainer.Link; got {}'.format(type(model).__name__))
+        if lossfun is not None and not callable(lossfun):
+            raise TypeError('lossfun must be callable(*inputs) -> loss; got {!r}'
+                            .format(lossfun))
+        if int(warmup) < 0 or int(max_signatures) < 1:
+            raise ValueError('warmup must be >= 0 and max_signatures >= 1; got {} and {}'
+                             .format(warmup, max_signatures))
+        self.model = model
+        self.optimizer = optimizer
+        self.lossfun = lossfun if lossfun is not None else model
+        self.warmup = int(warmup)
+        self.max_signatures = int(max_signatures)
+        self.capture = bool(capture)
+        self.traces = 0
+        self.replays = 0
+        self.eager_steps = 0
+        self._entries = collections.OrderedDict()
+        self._flat = None
+        self._warned = set()
+
+    # ---- the step ---------------------------------------------------------------------------------
+
+    def __call__(self, *args, **kwargs):
+        names = tuple(sorted(kwargs))
+        inputs = tuple(_as_array(a, i) for i, a in enumerate(args + tuple(kwargs[k]
+                                                                          for k in names)))
+        self._names = len(args), names
+        flat = self.optimizer._flat
+        if flat is not None and flat.stale() is not None:
+            flat = None                   # a parameter was replaced: the next update rebuilds
+        if flat is not self._flat:
+            if self._entries and self._flat is not None:
+                self._warn('model', 'the optimizer rebuilt its parameter buffers (a parameter '
+                                    'was replaced, moved or retyped): every trace is dropped '
+                                    'and the step is traced again')
+            self._entries.clear()
+            self._flat = flat
+        key = self._key(inputs)
+        entry = self._entries.get(key)
+        if entry is None:
+            if self._entries:
+                self._warn('signature', 'the step was called with a new input signature {}: '
+                                        'it is traced again (each signature is traced once; '
+                                        'a last partial batch is one more)'.format(key[0]))
+            entry = self._entries[key] = _Entry(inputs)
+            while len(self._entries) > self.max_signatures:
+                self._entries.popitem(last=False)
+        else:
+            self._entries.move_to_end(key)
+        entry.calls += 1
+        if entry.replay is not None:
+            return self._replay(entry, inputs)
+        if entry.failed is not None or entry.calls <= self.warmup:
+            return self._eager(inputs)
+        return self._record(entry, inputs)
+
+    def _key(self, inputs):
+        opt = self.optimizer
+        sc = opt._scaler
+        config = configuration.config
+        return (tuple((a.shape, a.dtype.str, type(a).__module__) for a in inputs), self._names,
+                bool(config.train), bool(config.enable_backprop),
+                (sc.mode, sc.interval, sc.min_scale, sc.max_scale), opt.nesterov,
+                opt._has_hooks('pre') or opt._has_hooks('post'))
+
+    def _call_lossfun(self, inputs):
+        n, names = self._names
+        return self.lossfun(*inputs[:n], **dict(zip(names, inputs[n:])))
+
+    def _eager(self, inputs):
+        """``optimizer.update(lossfun, *inputs)``, keeping the loss."""
+        self.eager_steps += 1
+        holder = []
+
+        def lossfun():
+            loss = self._call_lossfun(inputs)
+            holder.append(loss)
+            return loss
+        self.optimizer.update(lossfun)
+        return _detached(holder[0])
+
+    def _record(self, entry, inputs):
+        """An eager step on the signature's input buffers, recorded; the second one of a
+        signature builds its replay."""
+        opt = self.optimizer
+        entry.load(inputs)
+        if entry.first is not None and self.capture and _is_cupy(entry.buffers):
+            return self._capture(entry, inputs)
+        self.eager_steps += 1
+        with _trace.Recorder() as rec:
+            loss = self._call_lossfun(entry.buffers)
+            opt.target.cleargrads()
+            opt.scaled_backward(loss)
+        trace = rec.trace
+        with variable._AllowArrayAccessWithNonstandardLayout():
+            flat = opt._try_build(required=True)
+            trace.grads = flat.grads()
+        trace.loss = loss.array
+        trace.inputs = entry.buffers
+        result = _detached(loss)
+        del loss
+        if entry.first is None:
+            entry.first = trace
+            opt.update()
+            return result
+        try:
+            entry.replay = self._build(entry, trace)
+            self.traces += 1
+        except _program.NotReplayable as e:
+            entry.failed = str(e)
+            self._warn('failed:' + str(e), 'TrainStep: this step cannot be replayed, it runs '
+                                            'eagerly: {}'.format(e))
+        entry.first = None
+        opt.update()
+        return result
+
+    def _externals(self, trace):
+        """Arrays a replay may read without recomputing them: refreshed in place elsewhere."""
+        opt = self.optimizer
+        out = list(trace.inputs)
+        out.append(opt._scaler.state)
+        for e in opt._flat.entries:
+            out.append(e.view)
+        for link in self.model.links():
+            for name in link._persistent:
+                out.append(link.__dict__[name])
+        for link in opt.target.links():
+            for name in link._persistent:
+                out.append(link.__dict__[name])
+        return [a for a in out if isinstance(a, _trace.array_types())]
+
+    def _build(self, entry, trace):
+        program = _program.Program(entry.first, trace, self._externals(trace))
+        flat = self._flat
+        # the gradients move into flat buffers laid out like the parameters: the update then
+        # runs over whole runs of parameters (and one buffer is one allreduce)
+        buffers, views = flat.grad_buffers()
+        copies = []
+        for i, (g, view) in enumerate(zip(trace.grads, views)):
+            if g is None:
+                continue
+            if g.flags.c_contiguous and program.relocate(g, view):
+                trace.grads[i] = view
+            else:
+                copies.append((view, g))      # moved by a copy after each replay
+        for (param, g) in zip((e.param for e in flat.entries), trace.grads):
+            if g is not None:
+                param.grad = g
+        plan = self.optimizer._plan(flat, views, flat_grads=buffers)
+        return _CpuReplay(program, plan, trace, copies)
+
+    def _capture(self, entry, inputs):
+        from chainer_tc.static_graph import _capture
+        try:
+            entry.replay = _capture.CapturedStep(self, entry, self._externals(entry.first))
+        except _program.NotReplayable as e:
+            entry.failed = str(e)
+            entry.first = None
+            self._warn('failed:' + str(e), 'TrainStep: this step cannot be captured, it runs '
+                                            'eagerly: {}'.format(e))
+            return self._eager(inputs)
+        entry.first = None
+        self.traces += 1
+        self.replays += 1
+        return chainer.Variable(entry.replay.loss.copy(), requires_grad=False)
+
+    def _replay(self, entry, inputs):
+        self.replays += 1
+        entry.load(inputs)
+        return entry.replay.run(self)
+
+    def _warn(self, key, message):
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+class _CpuReplay:
+    def __init__(self, program, plan, trace, copies):
+        self.program = program
+        self.plan = plan
+        self.loss = trace.loss
+        self.copies = copies
+        self.grads = [(e.param, g) for e, g in zip(plan.flat.entries, trace.grads)]
+
+    def run(self, step):
+        opt = step.optimizer
+        self.program.run()
+        for dst, src in self.copies:
+            dst[...] = src
+        if opt._has_hooks('pre') or opt._has_hooks('post'):
+            # hooks see and may change param.grad, as in an eager step: give them this step's
+            for param, g in self.grads:
+                param.grad = g
+            opt.update()
+        else:
+            opt._step(self.plan)
+        self.program.report()
+        return chainer.Variable(self.loss.copy(), requires_grad=False)
+
+
+def _as_array(a, i):
+    if isinstance(a, chainer.Variable):
+        a = a.array
+    if not isinstance(a, _trace.array_types()):
+        raise TypeError('TrainStep inputs must be arrays (NumPy or CuPy) or Variables; input {} '
+                        'is {}'.format(i, type(a).__name__))
+    return a
+
+
+def _is_cupy(arrays):
+    return any(type(a).__module__.startswith('cupy') for a in arrays)
+
+
+def _empty_like(a):
+    return chainer.backend.get_array_module(a).empty_like(a)
+
+
+def _copy_into(buf, a):
+    if type(buf) is type(a):
+        buf[...] = a
+    else:
+        buf.set(a)                   # NumPy batch into a CuPy buffer
+
+
+def _detached(loss):
+    return chainer.Variable(loss.array, requires_grad=False)

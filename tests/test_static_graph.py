@@ -1,0 +1,371 @@
+"""TrainStep: a replayed training step gives the same bits as eager steps, follows what changes
+between iterations (lr, loss scale, skipped steps, BatchNorm statistics, frozen links), re-traces
+on a new signature, refuses what it cannot replay, and works inside a Trainer."""
+import copy
+import tracemalloc
+import warnings
+
+import numpy
+import pytest
+
+import chainer_tc  # noqa: F401  (before chainer)
+import chainer
+import chainer.functions as F
+import chainer.links as L
+from chainer import serializers
+from chainer import training
+from chainer.training import extensions
+
+from chainer_tc import optimizers
+from chainer_tc.models import ResNet50
+from chainer_tc.static_graph import TrainStep
+from chainer_tc.static_graph import TrainStepUpdater
+
+
+@pytest.fixture(params=['numpy', 'emulator'])
+def path(request, monkeypatch):
+    monkeypatch.setenv('CHAINER_TC_EMULATE', '1' if request.param == 'emulator' else '0')
+    return request.param
+
+
+class StockNet(chainer.Chain):
+    """Chainer's own links only."""
+
+    def __init__(self, dtype=numpy.float32):
+        super().__init__()
+        init = chainer.initializers.Normal(0.3, dtype=dtype, rng=numpy.random.RandomState(0))
+        with self.init_scope():
+            self.conv = L.Convolution2D(3, 6, 3, pad=1, initialW=init,
+                                        initial_bias=chainer.initializers.Zero(dtype))
+            self.bn = L.BatchNormalization(6, dtype=dtype)
+            self.conv2 = L.Convolution2D(6, 6, 3, stride=2, initialW=init, nobias=True)
+            self.fc = L.Linear(6 * 3 * 3, 5, initialW=init,
+                               initial_bias=chainer.initializers.Zero(dtype))
+
+    def forward(self, x):
+        h = F.relu(self.bn(self.conv(x)))
+        h = F.max_pooling_2d(F.relu(self.conv2(h) + 0), 1)
+        return self.fc(h)
+
+
+def batches(n, size=4, dtype=numpy.float32, seed=0, shape=(3, 8, 8)):
+    r = numpy.random.RandomState(seed)
+    return [(r.randn(size, *shape).astype(dtype), r.randint(0, 5, size).astype(numpy.int32))
+            for _ in range(n)]
+
+
+def make(dtype=numpy.float32, model_fn=StockNet, scaling=None, **kw):
+    model = model_fn(dtype)
+    opt = optimizers.MomentumSGD(lr=0.05, weight_decay=1e-3, **kw).setup(model)
+    if scaling == 'dynamic':
+        opt.loss_scaling(interval=3, initial_scale=2.0 ** 10)
+    elif scaling == 'static':
+        opt.loss_scaling(scale=64.0)
+    return model, opt
+
+
+def sce(model):
+    def lossfun(x, t):
+        return F.softmax_cross_entropy(F.cast(model(x), numpy.float32), t)
+    return lossfun
+
+
+def run_eager(model, opt, data):
+    losses = []
+    lossfun = sce(model)
+    for x, t in data:
+        holder = []
+        opt.update(lambda: holder.append(lossfun(x, t)) or holder[-1])
+        losses.append(holder[-1].array.copy())
+    return losses
+
+
+def run_step(model, opt, data, **kw):
+    step = TrainStep(model, opt, sce(model), **kw)
+    return [step(x, t).array.copy() for x, t in data], step
+
+
+def state(model, opt):
+    out = {'param' + n: p.array.copy() for n, p in model.namedparams()}
+    for link_name, link in model.namedlinks():
+        for name in link._persistent:
+            v = link.__dict__[name]
+            if isinstance(v, numpy.ndarray):
+                out['persistent' + link_name + '/' + name] = v.copy()
+    for n, p in model.namedparams():
+        out['v' + n] = p.update_rule.state['v'].copy()
+    out['scaler'] = opt._scaler.state.copy()
+    return out
+
+
+def assert_same(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        numpy.testing.assert_array_equal(a[k].view(numpy.uint8), b[k].view(numpy.uint8),
+                                         err_msg=k)
+
+
+def twin(**kw):
+    a = make(**kw)
+    b = copy.deepcopy(a[0]), None
+    b = (b[0], optimizers.MomentumSGD(lr=0.05, weight_decay=1e-3,
+                                      nesterov=kw.get('nesterov', False)).setup(b[0]))
+    if kw.get('scaling') == 'dynamic':
+        b[1].loss_scaling(interval=3, initial_scale=2.0 ** 10)
+    elif kw.get('scaling') == 'static':
+        b[1].loss_scaling(scale=64.0)
+    return a, b
+
+
+# ---- bit-for-bit equality with eager steps ------------------------------------------------------
+
+@pytest.mark.parametrize('scaling', [None, 'static', 'dynamic'])
+def test_twenty_replayed_steps_equal_twenty_eager_steps(path, scaling):
+    data = batches(20)
+    (m1, o1), (m2, o2) = twin(scaling=scaling)
+    l1 = run_eager(m1, o1, data)
+    l2, step = run_step(m2, o2, data)
+    assert step.traces == 1 and step.replays == 20 - 3, 'warm-up, two recorded steps, replays'
+    for a, b in zip(l1, l2):
+        assert a.tobytes() == b.tobytes()
+    assert_same(state(m1, o1), state(m2, o2))
+    assert o1.t == o2.t == 20
+
+
+def test_tiny_resnet50_nhwc_replay_equals_eager():
+    def model_fn(dtype):
+        numpy.random.seed(0)
+        return ResNet50('NHWC', n_classes=5, width=16)
+    data = [(x.transpose(0, 2, 3, 1).copy(), t)
+            for x, t in batches(7, size=2, shape=(3, 32, 32))]
+    m1, o1 = make(model_fn=model_fn)
+    m2, o2 = make(model_fn=model_fn)
+    l1 = run_eager(m1, o1, data)
+    with warnings.catch_warnings():
+        warnings.simplefilter('error', RuntimeWarning)        # no "cannot be replayed"
+        l2, step = run_step(m2, o2, data)
+    assert step.replays == 4
+    assert [a.tobytes() for a in l1] == [b.tobytes() for b in l2]
+    assert_same(state(m1, o1), state(m2, o2))
+
+
+def test_float16_overflow_step_is_skipped_as_in_eager(path):
+    data = batches(12, dtype=numpy.float16)
+    x, t = data[8]
+    data[8] = (x * numpy.float16(numpy.inf), t)     # a replayed step whose gradients overflow
+    (m1, o1), (m2, o2) = twin(dtype=numpy.float16, scaling='dynamic')
+    l1 = run_eager(m1, o1, data)
+    l2, step = run_step(m2, o2, data)
+    assert o1.skipped_steps == o2.skipped_steps >= 1
+    assert o1.loss_scale == o2.loss_scale
+    assert [a.tobytes() for a in l1] == [b.tobytes() for b in l2]
+    assert_same(state(m1, o1), state(m2, o2))
+    assert step.replays == 9
+
+
+def test_lr_and_frozen_links_changed_between_replays_are_followed(path):
+    data = batches(12)
+    (m1, o1), (m2, o2) = twin()
+    step = TrainStep(m2, o2, sce(m2))
+    lf1 = sce(m1)
+    for i, (x, t) in enumerate(data):
+        for m, o in ((m1, o1), (m2, o2)):
+            if i == 5:
+                o.lr = 0.01
+                m.fc.W.update_rule.hyperparam.lr = 0.2
+            if i == 7:
+                m.conv.disable_update()
+            if i == 10:
+                m.conv.enable_update()
+        o1.update(lambda: lf1(x, t))
+        step(x, t)
+    assert step.replays == 9
+    assert_same(state(m1, o1), state(m2, o2))
+
+
+# ---- signatures -----------------------------------------------------------------------------------
+
+def test_a_shape_change_mid_run_retraces_once_and_stays_exact():
+    data = batches(6, size=4) + batches(1, size=3, seed=1) + batches(6, size=4, seed=2) \
+        + batches(3, size=3, seed=3)
+    (m1, o1), (m2, o2) = twin()
+    l1 = run_eager(m1, o1, data)
+    with pytest.warns(RuntimeWarning, match='new input signature') as record:
+        l2, step = run_step(m2, o2, data)
+    assert len([w for w in record if 'new input signature' in str(w.message)]) == 1
+    assert step.traces == 2
+    assert [a.tobytes() for a in l1] == [b.tobytes() for b in l2]
+    assert_same(state(m1, o1), state(m2, o2))
+
+
+def test_train_mode_is_part_of_the_signature():
+    (m, o), _ = twin()
+    step = TrainStep(m, o, sce(m))
+    for x, t in batches(5):
+        step(x, t)
+    with chainer.using_config('train', False), pytest.warns(RuntimeWarning, match='signature'):
+        step(*batches(1)[0])
+    assert step.traces == 1
+
+
+def test_memory_stays_flat_over_1000_replays():
+    (m, o), _ = twin()
+    step = TrainStep(m, o, sce(m))
+    x, t = batches(1)[0]
+    for _ in range(20):
+        step(x, t)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for _ in range(1000):
+            step(x, t)
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert step.replays >= 1000
+    assert grown < 64 * 1024, 'memory grew by {} bytes over 1000 replays'.format(grown)
+
+
+# ---- what cannot be replayed ---------------------------------------------------------------------
+
+def test_a_value_computed_outside_functions_is_refused_and_the_step_runs_eagerly():
+    data = batches(8)
+    results = []
+    for use_step in (False, True):
+        (m, o), _ = twin()
+
+        def lossfun(x, t):      # the labels are changed in Python, outside Chainer functions
+            return F.softmax_cross_entropy(m(x), (t + 1) % 5)
+        if use_step:
+            step = TrainStep(m, o, lossfun)
+            with pytest.warns(RuntimeWarning, match=r'cannot be replayed.*input 1 .*differs'):
+                for x, t in data:
+                    step(x, t)
+            assert step.replays == 0
+        else:
+            for x, t in data:
+                o.update(lossfun, x, t)
+        results.append(state(m, o))
+    assert_same(*results)
+
+
+def test_bad_arguments_are_named():
+    model = StockNet()
+    with pytest.raises(TypeError, match='replays chainer_tc.optimizers.MomentumSGD'):
+        TrainStep(model, chainer.optimizers.MomentumSGD().setup(model))
+    with pytest.raises(RuntimeError, match='not set up'):
+        TrainStep(model, optimizers.MomentumSGD())
+    step = TrainStep(model, optimizers.MomentumSGD().setup(model))
+    with pytest.raises(TypeError, match='input 1 is list'):
+        step(numpy.zeros((1, 3, 8, 8), numpy.float32), [1])
+
+
+# ---- inside a Trainer -----------------------------------------------------------------------------
+
+def trainer_for(model, opt, updater_cls, out, data, iterations=14, snapshot_at=None):
+    xs = numpy.concatenate([x for x, _ in data])
+    ts = numpy.concatenate([t for _, t in data])
+    ds = chainer.datasets.TupleDataset(xs, ts)
+    it = chainer.iterators.SerialIterator(ds, 4, shuffle=False)
+    classifier = L.Classifier(model)
+    opt.setup(classifier)
+    updater = updater_cls(it, opt)
+    trainer = training.Trainer(updater, (iterations, 'iteration'), out=str(out))
+    trainer.extend(extensions.ExponentialShift('lr', 0.8), trigger=(2, 'iteration'))
+    val = chainer.iterators.SerialIterator(ds, 8, repeat=False, shuffle=False)
+    trainer.extend(extensions.Evaluator(val, classifier), trigger=(5, 'iteration'))
+    trainer.extend(extensions.LogReport(trigger=(1, 'iteration')))
+    if snapshot_at:
+        trainer.extend(extensions.snapshot(filename='snap'),
+                       trigger=training.triggers.ManualScheduleTrigger([snapshot_at],
+                                                                       'iteration'))
+    return trainer
+
+
+def test_trainer_with_lr_schedule_evaluator_and_reports_equals_standard_updater(tmp_path):
+    data = batches(6)
+    logs = []
+    states = []
+    for cls in (training.updaters.StandardUpdater, TrainStepUpdater):
+        model = StockNet()
+        opt = optimizers.MomentumSGD(lr=0.1, weight_decay=1e-3)
+        trainer = trainer_for(model, opt, cls, tmp_path / cls.__name__, data)
+        trainer.run()
+        logs.append(trainer.get_extension('LogReport').log)
+        states.append(state(model, opt))
+    assert_same(*states)
+    assert len(logs[0]) == len(logs[1]) == 14
+    for a, b in zip(*logs):
+        for key in ('main/loss', 'main/accuracy', 'lr', 'validation/main/loss'):
+            assert (key in a) == (key in b)
+            if key in a:
+                assert a[key] == b[key], key
+
+
+def test_trainer_resumed_from_a_snapshot_continues_like_an_uninterrupted_run(tmp_path):
+    data = batches(6)
+    model = StockNet()
+    opt = optimizers.MomentumSGD(lr=0.1, weight_decay=1e-3)
+    straight = trainer_for(model, opt, TrainStepUpdater, tmp_path / 'a', data, snapshot_at=7)
+    straight.run()
+    expected = state(model, opt)
+
+    model2 = StockNet()
+    opt2 = optimizers.MomentumSGD(lr=0.1, weight_decay=1e-3)
+    resumed = trainer_for(model2, opt2, TrainStepUpdater, tmp_path / 'b', data)
+    serializers.load_npz(str(tmp_path / 'a' / 'snap'), resumed)
+    assert resumed.updater.iteration == 7
+    resumed.run()
+    assert_same(expected, state(model2, opt2))
+
+
+# ---- GPU -----------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_captured_step_equals_eager_on_the_gpu():
+    import cupy
+    data = [(cupy.asarray(x), cupy.asarray(t)) for x, t in batches(10)]
+    (m1, o1), (m2, o2) = twin()
+    for m in (m1, m2):
+        m.to_device('@cupy:0')
+    o1.setup(m1)
+    o2.setup(m2)
+    l1 = run_eager(m1, o1, data)
+    l2, step = run_step(m2, o2, data)
+    assert step.traces == 1 and step.replays == 8
+    for a, b in zip(l1, l2):
+        cupy.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    for (n, p), (_, q) in zip(sorted(m1.namedparams()), sorted(m2.namedparams())):
+        cupy.testing.assert_allclose(p.array, q.array, rtol=1e-4, atol=1e-6, err_msg=n)
+
+
+@pytest.mark.gpu
+def test_captured_step_host_time_does_not_grow_with_depth():
+    import time
+    import cupy
+
+    def timed(blocks):
+        class Deep(chainer.ChainList):
+            def __init__(self):
+                super().__init__(*[L.Linear(64, 64) for _ in range(blocks)])
+
+            def forward(self, x):
+                for link in self:
+                    x = F.relu(link(x))
+                return x
+        model = Deep()
+        model.to_device('@cupy:0')
+        opt = optimizers.MomentumSGD(lr=0.01).setup(model)
+        step = TrainStep(model, opt, lambda x: F.sum(model(x)))
+        x = cupy.ones((8, 64), cupy.float32)
+        for _ in range(5):
+            step(x)
+        cupy.cuda.Device().synchronize()
+        s = time.perf_counter()
+        for _ in range(50):
+            step(x)
+        host = (time.perf_counter() - s) / 50
+        cupy.cuda.Device().synchronize()
+        return host
+    shallow, deep = timed(4), timed(64)
+    assert deep < 3 * shallow, (shallow, deep)
