@@ -43,7 +43,7 @@ def validation(data, **kwargs):
         it.finalize()
 
 
-# ---- device and dtype ----------------------------------------------------------------------------
+# ---- device and dtype ---------------------------------------------------------------------------
 
 def test_device_defaults_to_what_cupy_sees(data, monkeypatch):
     p = dali.imagenet_pipeline(data.root, data.ids_list, check_files=False)
@@ -77,7 +77,7 @@ def test_float64_config_needs_an_explicit_dtype(data):
             dali.imagenet_pipeline(data.root, data.ids_list, device='cpu')
 
 
-# ---- normalisation -------------------------------------------------------------------------------
+# ---- normalisation ------------------------------------------------------------------------------
 
 def test_default_is_imagenets_and_mean_std_are_per_channel_0_255(data):
     p, x = validation(data, device='cpu')
@@ -130,7 +130,7 @@ def test_bad_mean_and_std_name_the_argument(data, kwargs, error, message):
         dali.imagenet_pipeline(data.root, data.ids_list, device='cpu', **kwargs)
 
 
-# ---- (root, list) everywhere ---------------------------------------------------------------------
+# ---- (root, list) everywhere --------------------------------------------------------------------
 
 def test_old_argument_order_still_works_with_a_deprecation_warning(data):
     with pytest.warns(DeprecationWarning, match=r'takes \(root, list_file\)'):

@@ -37,7 +37,7 @@ def _nhwc_images(n=2):
     return numpy.random.RandomState(0).randn(n, 16, 16, 3).astype(numpy.float32)
 
 
-# ---- errors that name the cause -------------------------------------------------------------------
+# ---- errors that name the cause -----------------------------------------------------------------
 
 def test_nchw_pooling_left_in_forward_is_named():
     model = TL.to_nhwc(OldNet())
@@ -71,7 +71,7 @@ def test_batch_normalization_link_names_the_cause_too():
         TL.BatchNormAddReLU(8)(numpy.zeros((2, 5, 4, 4), numpy.float32))
 
 
-# ---- NCHW data sets ------------------------------------------------------------------------------
+# ---- NCHW data sets -----------------------------------------------------------------------------
 
 def _nchw_dataset(n=5, dtype=numpy.float32):
     r = numpy.random.RandomState(1)
@@ -132,7 +132,7 @@ def test_nhwc_converter_drives_a_standard_updater():
         TL.nhwc_converter([(numpy.zeros(3, numpy.float32), 0)] * 2)
 
 
-# ---- float16 defaults of the links ----------------------------------------------------------------
+# ---- float16 defaults of the links --------------------------------------------------------------
 
 @pytest.mark.parametrize('config_dtype', [numpy.float16, chainer.mixed16])
 def test_batch_normalization_link_takes_float32_parameters_for_float16(config_dtype):
@@ -204,3 +204,55 @@ def test_cast_refuses_non_floating():
         TF.cast(numpy.ones(2, numpy.float32), numpy.int32)
     with pytest.raises(TypeError, match='floating-point x; got int32'):
         TF.cast(numpy.ones(2, numpy.int32), numpy.float32)
+
+
+# ---- the recipe of docs/migrating.md, end to end ------------------------------------------------
+
+def _recipe_trainer(out, stop, data):
+    """train_imagenet.py as docs/migrating.md changes it, on a tiny NCHW data set, float16."""
+    from chainer_tc import optimizers
+    from chainer_tc.models import ResNet50
+    numpy.random.seed(0)
+    with chainer.using_config('dtype', numpy.float16):
+        model = L.Classifier(ResNet50(n_classes=2, width=16, version='1'))
+        train = TL.nhwc_dataset(data)
+        it = chainer.iterators.MultiprocessIterator(train, 4, n_processes=1)    # 4 per epoch
+        optimizer = optimizers.MomentumSGD(lr=0.01, momentum=0.9)
+        optimizer.setup(model)
+        # this tiny v1 model's first gradients (BN over 4 rows per channel in the last stage)
+        # overflow float16 at the default initial scale 2**15 for several steps: start lower
+        optimizer.loss_scaling(initial_scale=2.0 ** 6)
+        updater = chainer.training.StandardUpdater(it, optimizer)
+        trainer = chainer.training.Trainer(updater, (stop, 'iteration'), out=out)
+        trainer.extend(chainer.training.extensions.snapshot(filename='snap_{.updater.iteration}'),
+                       trigger=(2, 'iteration'))
+        trainer.extend(chainer.training.extensions.LogReport(trigger=(1, 'iteration')))
+    return trainer, model, it
+
+
+def test_the_migration_recipe_trains_and_resumes(tmp_path):
+    from chainer_tc import serializers
+    r = numpy.random.RandomState(0)
+    data = chainer.datasets.TupleDataset(r.randn(16, 3, 32, 32).astype(numpy.float32),
+                                         r.randint(0, 2, 16).astype(numpy.int32))
+    full, full_model, it1 = _recipe_trainer(str(tmp_path / 'full'), 3, data)
+    with chainer.using_config('dtype', numpy.float16):
+        full.run()
+    first, _, it2 = _recipe_trainer(str(tmp_path / 'first'), 2, data)
+    with chainer.using_config('dtype', numpy.float16):
+        first.run()
+    resumed, resumed_model, it3 = _recipe_trainer(str(tmp_path / 'resumed'), 3, data)
+    serializers.load_npz(str(tmp_path / 'first' / 'snap_2'), resumed)
+    with chainer.using_config('dtype', numpy.float16):
+        resumed.run()
+    for i in (it1, it2, it3):
+        i.finalize()
+    assert full_model.predictor.conv1.W.dtype == numpy.float16
+    assert numpy.isfinite(float(full_model.loss.array))
+    _, initial, it4 = _recipe_trainer(str(tmp_path / 'unused'), 3, data)
+    it4.finalize()
+    assert not numpy.array_equal(initial.predictor.conv1.W.array,
+                                 full_model.predictor.conv1.W.array), 'the steps were taken'
+    for (n1, p1), (n2, p2) in zip(sorted(full_model.namedparams()),
+                                  sorted(resumed_model.namedparams())):
+        numpy.testing.assert_array_equal(p1.array, p2.array, err_msg=n1)

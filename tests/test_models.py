@@ -61,18 +61,23 @@ def _chainer_layout(name, array, nhwc):
 
 @pytest.mark.parametrize('version', ['1', '1.5'])
 def test_same_loss_and_gradients_in_both_layouts(version):
-    nchw, nhwc = make('NCHW', version=version), make('NHWC', version=version)
+    """In float64, so that what is compared is the semantics: 50 layers of batch-2 BatchNorm
+    amplify float32 rounding differences (our NHWC convolution sums in another order than
+    Chainer's NCHW one) into gradient differences of a few percent."""
+    with chainer.using_config('dtype', numpy.float64):
+        nchw, nhwc = make('NCHW', version=version), make('NHWC', version=version)
     for (n1, p1), (n2, p2) in zip(sorted(nchw.namedparams()), sorted(nhwc.namedparams())):
         assert n1 == n2
         numpy.testing.assert_array_equal(p1.array, _chainer_layout(n2, p2.array, True))
-    l1, _ = step(nchw, 'NCHW')
-    l2, _ = step(nhwc, 'NHWC')
-    assert l1 == pytest.approx(l2, rel=1e-5)
+    with chainer.using_config('dtype', numpy.float64):
+        l1, _ = step(nchw, 'NCHW')
+        l2, _ = step(nhwc, 'NHWC')
+    assert l1 == pytest.approx(l2, rel=1e-10)
     grads = dict(nhwc.namedparams())
     for name, p in nchw.namedparams():
         g = _chainer_layout(name, grads[name].grad, True)
         scale = numpy.abs(p.grad).max()
-        numpy.testing.assert_allclose(g, p.grad, rtol=1e-3, atol=1e-4 * scale, err_msg=name)
+        numpy.testing.assert_allclose(g, p.grad, rtol=1e-7, atol=1e-9 * scale, err_msg=name)
 
 
 def test_v1_and_v15_differ_where_the_stride_sits():
@@ -153,7 +158,7 @@ def test_bad_arguments():
         ResNet50(width=16, zero_init_residual='yes')
 
 
-# ---- float16 through chainer.config.dtype --------------------------------------------------------
+# ---- float16 through chainer.config.dtype -------------------------------------------------------
 
 def _dtypes(model):
     return {name: p.dtype for name, p in model.namedparams()}
@@ -210,11 +215,6 @@ def test_float16_training_with_loss_scaling_is_finite_and_learns():
         losses = []
         with warnings.catch_warnings():
             warnings.simplefilter('error', RuntimeWarning)
-            # not yet silenced at its source (reported): chainer_tc/functions/convolution_2d.py's
-            # CPU backward calls Chainer's deconvolution, col2im and filter-gradient code
-            warnings.filterwarnings(
-                'ignore', category=RuntimeWarning,
-                module=r'chainer\.(functions\.connection\.(de)?convolution_2d|utils\.conv)$')
             for _ in range(16):
                 loss = F.softmax_cross_entropy(model(x), t)
                 assert loss.dtype == numpy.float32

@@ -56,7 +56,8 @@ def channel_std(std):
     if a.shape != (3,):
         raise ValueError('std must be one number or 3 (RGB); got shape {}'.format(a.shape))
     if not (numpy.isfinite(a).all() and (a > 0).all()):
-        raise ValueError('std must be positive and finite (0-255 scale); got {}'.format(a.tolist()))
+        raise ValueError('std must be positive and finite (0-255 scale); got {}'
+                         .format(a.tolist()))
     _not_fractions(a, 'std', 'std')
     return tuple(float(v) for v in a)
 
