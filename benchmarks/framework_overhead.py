@@ -6,16 +6,22 @@ that limits fp16 training on a GPU, measured on the CPU.
 ResNet-50 with every channel count divided by 16, 32x32 inputs, batch 1, 2 and 4, so that the
 arithmetic is negligible and what is timed is Python, Chainer's graph and the optimizer:
 - baseline: NCHW model from Chainer's links, chainer.optimizers.MomentumSGD + WeightDecay hook;
-- chainer_tc: NHWC model (fused BN+Add+ReLU), chainer_tc.optimizers.MomentumSGD.
-Counts every FunctionNode applied in forward and backward. Prints a table, writes JSON.
+- chainer.static_graph: the same, with the model's forward under Chainer's @static_graph;
+- chainer_tc: NHWC model (fused BN+Add+ReLU), chainer_tc.optimizers.MomentumSGD, eager;
+- TrainStep: the same, each iteration replayed by chainer_tc.static_graph.TrainStep.
+Counts the FunctionNodes applied per iteration (a replay applies none: it re-runs the recorded
+array computations, counted as ops). All variants are measured in one run, interleaved, and
+the speedups are ratios against the baseline of the same run. Prints a table, writes JSON.
 """
 import argparse
-import collections
+import contextlib
+import io
 import json
 import os
 import platform
 import sys
 import time
+import warnings
 
 import numpy
 
@@ -23,8 +29,21 @@ import chainer_tc  # noqa: F401  (before chainer)
 import chainer
 import chainer.functions as F
 
+from chainer.graph_optimizations.static_graph import static_graph
+
 from chainer_tc import optimizers
 from chainer_tc.models import ResNet50
+from chainer_tc.static_graph import TrainStep
+
+VARIANTS = ('baseline', 'chainer.static_graph', 'chainer_tc', 'TrainStep')
+
+
+class StaticResNet50(ResNet50):
+    """The baseline model with its forward under Chainer's own static-graph optimization."""
+
+    @static_graph
+    def forward(self, x):
+        return super().forward(x)
 
 
 class NodeCounter(chainer.FunctionHook):
@@ -39,8 +58,9 @@ class NodeCounter(chainer.FunctionHook):
 
 def setup(variant):
     numpy.random.seed(0)
-    if variant == 'baseline':
-        model = ResNet50('NCHW', n_classes=10, width=16)
+    if variant in ('baseline', 'chainer.static_graph'):
+        cls = StaticResNet50 if variant == 'chainer.static_graph' else ResNet50
+        model = cls('NCHW', n_classes=10, width=16)
         opt = chainer.optimizers.MomentumSGD(lr=0.01).setup(model)
         opt.add_hook(chainer.optimizer_hooks.WeightDecay(1e-4))
     else:
@@ -49,28 +69,64 @@ def setup(variant):
     return model, opt
 
 
-def measure(variant, batch, iters):
-    model, opt = setup(variant)
-    r = numpy.random.RandomState(0)
-    x = r.randn(batch, 3, 32, 32).astype(numpy.float32)
-    if variant != 'baseline':
-        x = x.transpose(0, 2, 3, 1).copy()
-    t = r.randint(0, 10, batch).astype(numpy.int32)
+class Runner:
+    """One variant at one batch size: ``run()`` does one training iteration."""
 
-    def lossfun():
-        return F.softmax_cross_entropy(model(x), t)
-    opt.update(lossfun)                       # warm-up (lazy states)
-    counter = NodeCounter()
-    with counter:
-        opt.update(lossfun)
-    times = []
-    for _ in range(iters):
+    def __init__(self, variant, batch):
+        self.variant, self.batch = variant, batch
+        self.model, self.opt = setup(variant)
+        r = numpy.random.RandomState(0)
+        x = r.randn(batch, 3, 32, 32).astype(numpy.float32)
+        self.x = x if variant in ('baseline', 'chainer.static_graph') \
+            else x.transpose(0, 2, 3, 1).copy()
+        self.t = r.randint(0, 10, batch).astype(numpy.int32)
+        model = self.model
+
+        def lossfun(x, t):
+            return F.softmax_cross_entropy(model(x), t)
+        self.lossfun = lossfun
+        self.step = TrainStep(model, self.opt, lossfun) if variant == 'TrainStep' else None
+        self.times = []
+
+    def run(self):
+        with contextlib.redirect_stdout(io.StringIO()):   # chainer.static_graph prints
+            if self.step is not None:
+                self.step(self.x, self.t)
+            else:
+                self.opt.update(self.lossfun, self.x, self.t)
+
+    def timed(self):
         s = time.perf_counter()
-        opt.update(lossfun)
-        times.append(time.perf_counter() - s)
-    return {'variant': variant, 'batch': batch, 'ms_per_iter': 1e3 * float(numpy.median(times)),
-            'function_nodes_per_iter': counter.n,
-            'params': len(list(model.params()))}
+        self.run()
+        self.times.append(time.perf_counter() - s)
+
+    def nodes_per_iter(self):
+        counter = NodeCounter()
+        with counter:
+            self.run()
+        return counter.n
+
+    def result(self):
+        row = {'variant': self.variant, 'batch': self.batch,
+               'ms_per_iter': 1e3 * float(numpy.median(self.times)),
+               'function_nodes_per_iter': self.nodes_per_iter(),
+               'params': len(list(self.model.params()))}
+        if self.step is not None:
+            replay = next(iter(self.step._entries.values())).replay
+            row['replayed_ops_per_iter'] = len(replay.program._ops)
+            row['replays'] = self.step.replays
+        return row
+
+
+def measure(batch, iters, warmup=5):
+    runners = [Runner(v, batch) for v in VARIANTS]
+    for r in runners:
+        for _ in range(warmup):
+            r.run()
+    for _ in range(iters):                     # interleaved: drift hits every variant alike
+        for r in runners:
+            r.timed()
+    return [r.result() for r in runners]
 
 
 def main(argv=None):
@@ -80,19 +136,21 @@ def main(argv=None):
                                                  'framework_overhead.json'))
     args = p.parse_args(argv)
     rows = []
-    cases = [(v, b) for b in (1, 2, 4) for v in ('baseline', 'chainer_tc')]
-    for i, (v, b) in enumerate(cases):
-        sys.stderr.write('\r  [{:<{w}}] {} batch {}   '.format('#' * (i + 1), v, b, w=len(cases)))
-        rows.append(measure(v, b, args.iters))
+    batches = (1, 2, 4)
+    for i, b in enumerate(batches):
+        sys.stderr.write('\r  [{:<{w}}] batch {}   '.format('#' * (i + 1), b, w=len(batches)))
+        with warnings.catch_warnings():
+            warnings.simplefilter('ignore', UserWarning)   # batch 1: single-sample BN warns
+            rows.extend(measure(b, args.iters))
     sys.stderr.write('\r' + ' ' * 60 + '\r')
-    print('{:>10} {:>5} {:>11} {:>8} {:>14}'.format('variant', 'batch', 'ms/iter', 'speedup',
-                                                    'nodes/iter'))
+    print('{:>22} {:>5} {:>9} {:>8} {:>11} {:>11}'.format(
+        'variant', 'batch', 'ms/iter', 'speedup', 'nodes/iter', 'ops/iter'))
     for r in rows:
         base = next(b for b in rows if b['batch'] == r['batch'] and b['variant'] == 'baseline')
         r['speedup'] = base['ms_per_iter'] / r['ms_per_iter']
-        print('{:>10} {:>5} {:>11.2f} {:>7.2f}x {:>14}'.format(
+        print('{:>22} {:>5} {:>9.2f} {:>7.2f}x {:>11} {:>11}'.format(
             r['variant'], r['batch'], r['ms_per_iter'], r['speedup'],
-            r['function_nodes_per_iter']))
+            r['function_nodes_per_iter'], r.get('replayed_ops_per_iter', '')))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, 'w') as f:
         json.dump({'benchmark': 'framework_overhead', 'machine': platform.platform(),

@@ -13,9 +13,12 @@ def acc_dtype(dtype):
 
 def forward(x, z, gamma, beta, mean, invstd, relu):
     a = acc_dtype(x.dtype)
-    y = gamma.astype(a) * ((x.astype(a) - mean) * invstd) + beta.astype(a)
+    y = numpy.subtract(x.astype(a, copy=False), mean)     # gamma * ((x - mean) * invstd) + beta,
+    y *= invstd                                           # each step rounded as written, in
+    y *= gamma.astype(a, copy=False)                      # place
+    y += beta.astype(a, copy=False)
     if z is not None:
-        y += z.astype(a)
+        y += z.astype(a, copy=False)
     if relu:
         y = numpy.where(y > 0, y, a(0))
     return y.astype(x.dtype)
@@ -24,9 +27,11 @@ def forward(x, z, gamma, beta, mean, invstd, relu):
 def statistics(x, eps):
     """(mean, invstd, var) of each column, in the accumulation dtype."""
     a = acc_dtype(x.dtype)
-    xa = x.astype(a)
-    mean = xa.mean(axis=0)
-    var = ((xa - mean) ** 2).mean(axis=0)
+    xa = x.astype(a, copy=False)
+    n = a(x.shape[0])
+    mean = xa.sum(axis=0) / n                       # what ndarray.mean computes, bit for bit
+    d = xa - mean
+    var = numpy.square(d, out=d).sum(axis=0) / n
     invstd = numpy.reciprocal(numpy.sqrt(var + a(eps)))
     return mean, invstd, var
 
@@ -34,8 +39,8 @@ def statistics(x, eps):
 def update_running(running_mean, running_var, mean, var, rows, decay):
     a = mean.dtype.type
     d, adjust = a(decay), a(rows) / a(max(rows - 1, 1))
-    running_mean[...] = running_mean.astype(a) * d + (a(1) - d) * mean
-    running_var[...] = running_var.astype(a) * d + (a(1) - d) * adjust * var
+    running_mean[...] = running_mean.astype(a, copy=False) * d + (a(1) - d) * mean
+    running_var[...] = running_var.astype(a, copy=False) * d + (a(1) - d) * adjust * var
 
 
 def backward(gy, y, x, gamma, mean, invstd, relu, fixed):
@@ -43,21 +48,24 @@ def backward(gy, y, x, gamma, mean, invstd, relu, fixed):
 
     With loss scaling, float16 gradients overflow to inf now and then (expected: the optimizer
     skips the step); the arithmetic on them then makes inf and nan without NumPy's warnings."""
+    if gy.dtype != numpy.float16:
+        return _backward(gy, y, x, gamma, mean, invstd, relu, fixed)
     with numpy.errstate(over='ignore', invalid='ignore'):
         return _backward(gy, y, x, gamma, mean, invstd, relu, fixed)
 
 
 def _backward(gy, y, x, gamma, mean, invstd, relu, fixed):
     a = acc_dtype(x.dtype)
-    g = gy.astype(a)
+    g = gy.astype(a, copy=False)
     if relu:
         g = numpy.where(y > 0, g, a(0))
-    xhat = (x.astype(a) - mean) * invstd
+    xhat = (x.astype(a, copy=False) - mean) * invstd
     sum_g = g.sum(axis=0)
     sum_gx = (g * xhat).sum(axis=0)
     if fixed:
-        gx = gamma.astype(a) * invstd * g
+        gx = gamma.astype(a, copy=False) * invstd * g
     else:
-        gx = gamma.astype(a) * invstd * (g - (xhat * sum_gx + sum_g) * (a(1) / a(x.shape[0])))
-    return (gx.astype(x.dtype), sum_gx.astype(gamma.dtype), sum_g.astype(gamma.dtype),
-            g.astype(x.dtype))
+        gx = gamma.astype(a, copy=False) * invstd * (
+            g - (xhat * sum_gx + sum_g) * (a(1) / a(x.shape[0])))
+    return (gx.astype(x.dtype, copy=False), sum_gx.astype(gamma.dtype, copy=False),
+            sum_g.astype(gamma.dtype, copy=False), g.astype(x.dtype))

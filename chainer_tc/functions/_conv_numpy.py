@@ -9,7 +9,8 @@ The patches of a channels-last image are a strided view of the (padded) input: s
 patch gradients back with one add per filter tap (kh * kw adds), never per pixel.
 
 float16 data is multiplied in float32 (NumPy has no float16 BLAS) and rounded once to float16 at
-the end; float32 and float64 use BLAS in their own precision. The results equal Chainer's NCHW
+the end; float32 and float64 use BLAS in their own precision. With float16, overflows (expected
+under loss scaling: the optimizer skips such steps) are not warned about. The results equal Chainer's NCHW
 convolution within the rounding of a differently ordered sum.
 """
 import numpy
@@ -67,6 +68,13 @@ def _group_slices(c, o, groups):
 
 
 def forward(x, W, b, g):
+    if x.dtype != numpy.float16:
+        return _forward(x, W, b, g)
+    with numpy.errstate(over='ignore', invalid='ignore'):   # fp16 overflow: loss scaling's
+        return _forward(x, W, b, g)
+
+
+def _forward(x, W, b, g):
     n, h, w, c = x.shape
     o, kh, kw, _ = W.shape
     dt = _work_dtype(x.dtype)
@@ -100,7 +108,15 @@ def _scatter(gcol, x_shape, kh, kw, g, dtype):
 
 
 def backward(x, W, gy, g, need_x=True, need_W=True, need_b=False):
-    """(gx, gW, gb), each None where not needed."""
+    """(gx, gW, gb), each None where not needed. Overflows and the NaN they make are not warned
+    about: with float16 and loss scaling they are expected, and the optimizer skips the step."""
+    if x.dtype != numpy.float16:
+        return _backward(x, W, gy, g, need_x, need_W, need_b)
+    with numpy.errstate(over='ignore', invalid='ignore'):
+        return _backward(x, W, gy, g, need_x, need_W, need_b)
+
+
+def _backward(x, W, gy, g, need_x, need_W, need_b):
     n, h, w, c = x.shape
     o, kh, kw, cg = W.shape
     dt = _work_dtype(x.dtype)
@@ -110,10 +126,12 @@ def backward(x, W, gy, g, need_x=True, need_W=True, need_b=False):
     gx = gW = gb = None
     groups = _group_slices(c, o, g.groups)
     if need_W:
-        gW = numpy.empty((o, kh * kw * cg), dt)
-        for cs, os_ in groups:
-            xs = x if g.groups == 1 else x[..., cs]
-            gW[os_] = gy2[:, os_].T @ _columns(xs, kh, kw, g, dt)
+        if g.groups == 1:
+            gW = gy2.T @ _columns(x, kh, kw, g, dt)
+        else:
+            gW = numpy.empty((o, kh * kw * cg), dt)
+            for cs, os_ in groups:
+                gW[os_] = gy2[:, os_].T @ _columns(x[..., cs], kh, kw, g, dt)
         gW = gW.reshape(W.shape).astype(W.dtype, copy=False)
     if need_x:
         if g.groups == 1:

@@ -8,9 +8,10 @@ cuDNN with NHWC tensor and filter descriptors through ``chainer_tc.cuda.conv`` (
 ``config.autotune``, ``config.use_cudnn_tensor_core`` and ``config.cudnn_deterministic``; the
 workspace limit is ``chainer_tc.cuda.conv.get_workspace_limit()``): no transposes on the GPU,
 and after the first call of a shape nothing but the cuDNN call itself, so it can be captured
-into a CUDA graph. NumPy arrays run Chainer's own CPU convolution on transposed copies (the CPU
-path may transpose; its speed is secondary). Backward computes only the gradients asked for (no
-gx for a network's raw input). Double backpropagation is not supported.
+into a CUDA graph. NumPy arrays run ``_conv_numpy``: channels-last patches as a strided view and
+one matrix product per call (no transposes; equal to Chainer's NCHW convolution within the
+rounding of a differently ordered sum). Backward computes only the gradients asked for (no gx
+for a network's raw input). Double backpropagation is not supported.
 """
 import numpy
 
@@ -18,25 +19,10 @@ import chainer
 from chainer import function_node
 from chainer.utils import conv
 from chainer.utils import type_check
-from chainer.functions.connection import convolution_2d as chainer_conv
-from chainer.functions.connection import deconvolution_2d as chainer_deconv
 
 from chainer_tc.cuda import conv as cuda_conv
+from chainer_tc.functions import _conv_numpy
 from chainer_tc.functions import _util
-
-
-def _nchw(a):
-    return numpy.ascontiguousarray(a.transpose(0, 3, 1, 2))
-
-
-def _nhwc(a):
-    return numpy.ascontiguousarray(a.transpose(0, 2, 3, 1))
-
-
-def _run_cpu(node, inputs):
-    """Chainer's CPU implementation of ``node`` on standard-layout arrays, outside the graph."""
-    node._input_layouts = (None,) * len(inputs)
-    return node.forward_cpu(inputs)
 
 
 class Convolution2DNHWC(function_node.FunctionNode):
@@ -86,12 +72,7 @@ class Convolution2DNHWC(function_node.FunctionNode):
         b = inputs[2] if len(inputs) == 3 else None
         oh, ow = self._outsize(x, W)
         if isinstance(x, numpy.ndarray):
-            # Chainer's CPU convolution, called directly: no FunctionNode enters the graph
-            node = chainer_conv.Convolution2DFunction(
-                (self.sy, self.sx), (self.ph, self.pw), dilate=(self.dy, self.dx),
-                groups=self.groups)
-            y, = _run_cpu(node, (_nchw(x), _nchw(W)) + (() if b is None else (b,)))
-            return _nhwc(y),
+            return _conv_numpy.forward(x, W, b, self.cpu_geometry()),
         xp = chainer.backend.get_array_module(x)
         x, W = xp.ascontiguousarray(x), xp.ascontiguousarray(W)
         y = xp.empty((x.shape[0], oh, ow, W.shape[0]), x.dtype)
@@ -99,6 +80,10 @@ class Convolution2DNHWC(function_node.FunctionNode):
         if b is not None:
             y += b                  # broadcast over the last (channel) axis: one kernel
         return y,
+
+    def cpu_geometry(self):
+        return _conv_numpy.Geometry((self.sy, self.sx), (self.ph, self.pw), (self.dy, self.dx),
+                                    self.groups)
 
     def backward(self, indexes, grad_outputs):
         x, W = self.get_retained_inputs()
@@ -122,22 +107,9 @@ class _Convolution2DNHWCGrad(function_node.FunctionNode):
         return tuple(grads[i] for i in self.indexes)
 
     def _cpu(self, x, W, gy):
-        f, grads = self.f, {}
-        gy_c = _nchw(gy)
-        # gx by deconvolution and gW by Chainer's own kernels, called directly (no graph nodes)
-        geometry = dict(dilate=(f.dy, f.dx), groups=f.groups)
-        if 0 in self.indexes:
-            gx, = _run_cpu(chainer_deconv.Deconvolution2DFunction(
-                (f.sy, f.sx), (f.ph, f.pw), outsize=x.shape[1:3], **geometry), (gy_c, _nchw(W)))
-            grads[0] = _nhwc(gx)
-        if 1 in self.indexes:
-            node = chainer_conv.Convolution2DFunction((f.sy, f.sx), (f.ph, f.pw), **geometry)
-            node._use_ideep = False
-            w_shape = (W.shape[0], W.shape[3], W.shape[1], W.shape[2])
-            gW, = _run_cpu(chainer_conv.Convolution2DGradW(node, w_shape, W.dtype, None),
-                           (_nchw(x), gy_c))
-            grads[1] = _nhwc(gW)
-        return grads
+        gx, gW, _ = _conv_numpy.backward(x, W, gy, self.f.cpu_geometry(),
+                                         need_x=0 in self.indexes, need_W=1 in self.indexes)
+        return {0: gx, 1: gW}
 
     def _cudnn(self, x, W, gy):
         f, grads = self.f, {}

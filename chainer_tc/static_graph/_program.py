@@ -90,6 +90,27 @@ def _shares(a, arrays):
                if isinstance(b, _trace.array_types()) and type(b) is type(a))
 
 
+class _Slot:
+    """An array (or helper object) an op makes each step, and every place that refers to it.
+
+    ``rebind``: each replay, the op's fresh result is written into the places that refer to
+    it (op inputs, node attributes, reports): no copy, and the memory is recycled as in eager
+    execution. ``copy`` (when a reference cannot be rewritten: a view made outside the ops, a
+    container, a gradient in the optimizer's flat buffer): the fresh result is copied into the
+    recorded array, whose identity every reference keeps.
+    """
+
+    __slots__ = ('obj', 'alias', 'sub', 'sites', 'copy', 'bases')
+
+    def __init__(self, obj, alias, sub=None, bases=()):
+        self.obj = obj
+        self.alias = alias        # a view of one of its op's inputs (or outputs)
+        self.sub = sub            # helper object: its array attributes, (key, array, alias)
+        self.sites = []           # (container, key) holding obj
+        self.copy = False
+        self.bases = bases        # the slots whose memory this one may share
+
+
 class Program:
     """A replayable step, from two recorded steps ``first`` and ``last`` (the one replayed)."""
 
@@ -102,6 +123,7 @@ class Program:
         known = _Known()
         for a in externals:
             known.add(a)
+        slots = {}
         ops = []
         for i, (a, b) in enumerate(zip(first.ops, last.ops)):
             where = 'function #{} ({})'.format(i, b.label)
@@ -112,36 +134,118 @@ class Program:
                 raise NotReplayable('{}: its forward did not return'.format(where))
             self._check_inputs(a, b, known, where)
             self._check_attributes(a, b, known, where)
+            inputs = list(b.inputs)
             outs = []
             for y in b.outputs:
-                outs.append((y, _shares(y, b.inputs)))
+                slot = None
+                if id(y) not in slots and y not in known:     # else: returned an input as is
+                    slot = slots[id(y)] = _Slot(y, _shares(y, b.inputs),
+                                                bases=self._bases(y, b.inputs, slots))
                 known.add(y)
+                outs.append(slot)
             pins = []
             for key, v in b.post.items():
                 if b.pre.get(key) is v:
                     continue                   # given to the node, not made by its forward
+                if id(v) in slots:             # one of its outputs, kept as an attribute
+                    pins.append((key, slots[id(v)], True))
+                    continue
                 if isinstance(v, _trace.array_types()):
-                    pins.append((key, v, _shares(v, b.inputs + b.outputs), None))
-                else:                          # a helper object: pin the arrays it holds
+                    slot = _Slot(v, _shares(v, b.inputs + b.outputs),
+                                 bases=self._bases(v, b.inputs + b.outputs, slots))
+                else:                          # a helper object, and the arrays it holds
                     sub = tuple((k, x, _shares(x, b.inputs + b.outputs))
                                 for k, x in vars(v).items()
                                 if isinstance(x, _trace.array_types()))
+                    slot = _Slot(v, False, sub)
                     for _, x, _ in sub:
                         known.add(x)
-                    pins.append((key, v, False, sub))
+                slots[id(v)] = slot
+                pins.append((key, slot, False))
                 known.add(v)
-            ops.append((b.state.__dict__, b.pre, b.node.forward, b.inputs, tuple(outs),
-                        tuple(pins), b.config))
+            ops.append([b.state.__dict__, b.pre, b.node.forward, inputs, outs, pins, b.config])
         self._ops = ops
+        self._slots = slots
         self._known = known
         self.reports = self._reports(first, last, known)
+        self.loss = [last.loss]
         for g in last.grads:
             if g is not None and g not in known:
                 raise NotReplayable('a gradient was produced outside the recorded functions '
                                     '(shape {}): it would not be recomputed'.format(g.shape))
         if last.loss not in known:
             raise NotReplayable('the loss was not computed by the recorded functions')
+        self._find_sites()
+        self._propagated = False
 
+    def _find_sites(self):
+        """Every place that refers to a slot; a slot referred to where no place can be
+        rewritten (inside a container, or through a view made outside the ops) is copied."""
+        slots = self._slots
+        owners = {id(x): sl for sl in slots.values() if sl.sub for _, x, _ in sl.sub}
+
+        def pin_memory(v, depth=0):
+            if isinstance(v, _trace.array_types()):
+                for b in _base_chain(v):
+                    sl = slots.get(id(b)) or owners.get(id(b))
+                    if sl is not None:
+                        sl.copy = True
+            elif id(v) in slots:
+                slots[id(v)].copy = True
+            elif depth < 2 and isinstance(v, (tuple, list)):
+                for x in v:
+                    pin_memory(x, depth + 1)
+            elif depth < 2 and isinstance(v, dict):
+                for x in v.values():
+                    pin_memory(x, depth + 1)
+            elif isinstance(v, chainer.Variable):
+                pin_memory(v.raw_array, depth + 1)
+            elif isinstance(v, chainer.variable.VariableNode):
+                pin_memory(v.data, depth + 1)
+            elif depth < 2 and _is_plain(v):
+                pin_memory(vars(v), depth + 1)
+
+        def refer(container, key, v):
+            sl = slots.get(id(v))
+            if sl is not None:
+                sl.sites.append((container, key))
+            else:
+                pin_memory(v)
+
+        for d, pre, forward, inputs, outs, pins, config in self._ops:
+            for j, x in enumerate(inputs):
+                refer(inputs, j, x)
+            for key, v in pre.items():
+                refer(pre, key, v)
+        for values, observer in self.reports:
+            for key, v in values.items():
+                refer(values, key, v)
+        refer(self.loss, 0, self.loss[0])
+
+    def _propagate(self):
+        """A copied slot that views another op's result needs that result's memory fixed too."""
+        changed = True
+        while changed:
+            changed = False
+            for sl in self._slots.values():
+                if sl.copy:
+                    for b in sl.bases:
+                        if not b.copy:
+                            b.copy = changed = True
+        self._propagated = True
+
+    def pin(self, a):
+        """Keep the recorded array ``a`` (and its memory) from step to step."""
+        sl = self._slots.get(id(a))
+        if sl is not None:
+            sl.copy = True
+            self._propagated = False
+
+    @staticmethod
+    def _bases(a, arrays, slots):
+        xp = chainer.backend.get_array_module(a)
+        return tuple(slots[id(b)] for b in arrays if id(b) in slots and type(b) is type(a)
+                     and xp.may_share_memory(a, b))
     @staticmethod
     def _check_inputs(a, b, known, where):
         if len(a.inputs) != len(b.inputs):
@@ -197,32 +301,27 @@ class Program:
     def relocate(self, old, new):
         """Make the program write the recorded array ``old`` into ``new`` (same shape and dtype)
         instead, e.g. a gradient into a view of one flat buffer. Returns False, changing
-        nothing, when ``old`` cannot move: another recorded array is a view of it."""
-        for a in self._known.keep:
-            if a is not old and isinstance(a, _trace.array_types()) and any(
-                    b is old for b in _base_chain(getattr(a, 'base', None))):
-                return False
-
-        def sub(x):
-            return new if x is old else x
+        nothing, when ``old`` cannot move: it is not a result of one op, or something refers
+        to it (or views it) where no reference can be rewritten."""
+        sl = self._slots.get(id(old))
+        if sl is None or sl.copy or sl.sub is not None or any(
+                a is not old and isinstance(a, _trace.array_types()) and any(
+                    b is old for b in _base_chain(getattr(a, 'base', None)))
+                for a in self._known.keep):
+            return False
         new[...] = old
-        ops = []
-        for d, pre, forward, inputs, outs, pins, config in self._ops:
-            for k, v in pre.items():
-                if v is old:
-                    pre[k] = new
-            pins = tuple((k, sub(v), a, None if s is None else
-                          tuple((k2, sub(x), a2) for k2, x, a2 in s))
-                         for k, v, a, s in pins)
-            ops.append((d, pre, forward, tuple(sub(x) for x in inputs),
-                        tuple((sub(y), a) for y, a in outs), pins, config))
-        self._ops = ops
-        self.reports = [({k: sub(v) for k, v in values.items()}, o) for values, o in self.reports]
+        for c, k in sl.sites:
+            c[k] = new
+        del self._slots[id(old)]
+        sl.obj, sl.alias, sl.bases, sl.copy = new, False, (), True
+        self._slots[id(new)] = sl
         self._known.add(new)
         return True
 
     def run(self):
         """Replay the step: every op's forward over the recorded arrays, in order."""
+        if not self._propagated:
+            self._propagate()
         local = configuration.config._local.__dict__
         saved = dict(local)
         copyto = numpy.copyto
@@ -233,25 +332,36 @@ class Program:
                     local.clear()
                     local.update(config)
                 d.update(pre)
-                new = forward(inputs)
-                for (y, alias), z in zip(outs, new):
-                    if z is not y and not alias:
-                        copyto(y, z)
-                for key, v, alias, sub in pins:
-                    z = d[key]
-                    if z is v:
+                new = forward(tuple(inputs))
+                for sl, z in zip(outs, new):
+                    if sl is None:
                         continue
-                    if sub is None:
-                        if not alias:
-                            copyto(v, z)
-                    else:                      # refresh the recorded object from the new one
-                        vd, zd = v.__dict__, z.__dict__
-                        for k, x, a in sub:
-                            if not a:
-                                copyto(x, zd[k])
-                        for k, x in zd.items():
-                            if k not in vd or not isinstance(x, array_types):
-                                vd[k] = x
+                    if not sl.copy:
+                        for c, k in sl.sites:
+                            c[k] = z
+                    elif not sl.alias and z is not sl.obj:
+                        copyto(sl.obj, z)
+                for key, sl, is_output in pins:
+                    if not sl.copy:
+                        if not is_output:
+                            z = d[key]
+                            for c, k in sl.sites:
+                                c[k] = z
+                        continue
+                    v = sl.obj
+                    z = d[key]
+                    if z is not v and not is_output:
+                        if sl.sub is None:
+                            if not sl.alias:
+                                copyto(v, z)
+                        else:                  # refresh the recorded object from the new one
+                            vd, zd = v.__dict__, z.__dict__
+                            for k, x, a in sl.sub:
+                                if not a:
+                                    copyto(x, zd[k])
+                            for k, x in zd.items():
+                                if k not in vd or not isinstance(x, array_types):
+                                    vd[k] = x
                     d[key] = v
         finally:
             local.clear()

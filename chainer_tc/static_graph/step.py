@@ -214,6 +214,7 @@ class TrainStep:
             if g.flags.c_contiguous and program.relocate(g, view):
                 trace.grads[i] = view
             else:
+                program.pin(g)
                 copies.append((view, g))      # moved by a copy after each replay
         for (param, g) in zip((e.param for e in flat.entries), trace.grads):
             if g is not None:
@@ -251,7 +252,6 @@ class _CpuReplay:
     def __init__(self, program, plan, trace, copies):
         self.program = program
         self.plan = plan
-        self.loss = trace.loss
         self.copies = copies
         self.grads = [(e.param, g) for e, g in zip(plan.flat.entries, trace.grads)]
 
@@ -268,7 +268,7 @@ class _CpuReplay:
         else:
             opt._step(self.plan)
         self.program.report()
-        return chainer.Variable(self.loss.copy(), requires_grad=False)
+        return chainer.Variable(self.program.loss[0].copy(), requires_grad=False)
 
 
 def _as_array(a, i):
