@@ -2,7 +2,7 @@
 //
 // x, z, y, gy, gx, gz are (rows, C) row-major: NHWC with rows = N*H*W, C innermost. Computes
 //   training:  y = act(gamma * (x - mean) * invstd + beta + z),  mean/var over the rows (biased var)
-//   act = ReLU when relu != 0, identity otherwise; z may be null (no residual).
+//   act = ReLU when relu != 0 (max(v, 0): NaN stays NaN, as Chainer's relu), identity otherwise; z may be null.
 // Types: T (data) and P (gamma, beta, running statistics) in (half, half), (half, float),
 // (float, float), (double, double); statistics and reductions accumulate in float (double for
 // double data). invstd = 1 / sqrt(var + eps), correctly rounded as NumPy computes it.
@@ -132,7 +132,7 @@ bn_apply(const T* __restrict__ x, const T* __restrict__ z, const P* __restrict__
     const int c = (int)(i % C);
     A v = A(bn::load(gamma, c)) * ((A(bn::load(x, i)) - mean[c]) * invstd[c]) + A(bn::load(beta, c));
     if (z) v += A(bn::load(z, i));
-    if (relu && !(v > A(0))) v = A(0);
+    if (relu && v < A(0)) v = A(0);         // max(v, 0) as NumPy and Chainer: NaN stays NaN
     bn::store(y, i, v);
   }
 }

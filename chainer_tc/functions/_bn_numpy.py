@@ -20,8 +20,8 @@ def forward(x, z, gamma, beta, mean, invstd, relu):
     if z is not None:
         y += z.astype(a, copy=False)
     if relu:
-        y = numpy.where(y > 0, y, a(0))
-    return y.astype(x.dtype)
+        numpy.maximum(y, a(0), out=y)      # as Chainer's relu: NaN stays NaN, -0 stays -0
+    return y.astype(x.dtype, copy=False)
 
 
 def statistics(x, eps):
