@@ -160,6 +160,7 @@ def collect():
         'CUDNN_BATCHNORM_OPS_BN_ADD_ACTIVATION'))
     has_dali = (dali is not None, 'DALI not importable: %s' % probe.errors.get('dali'))
     graphs = hasattr(getattr(getattr(cupy, 'cuda', None), 'Stream', None), 'begin_capture')
+    capture_cudnn = _capture_cudnn()
     compiler = shutil.which('g++')
     nvrtc_ok = versions['nvrtc'] is not None
 
@@ -171,7 +172,10 @@ def collect():
             has_cupy, has_cudnn, cudnn_at_least(7401, 'BN_ADD_ACTIVATION'),
             (bn_ex, 'CuPy cuDNN binding lacks batchNormalizationForwardTrainingEx'),
             has_gpu, tensor_cores),
-        'cuda_graphs': _feature(has_cupy, (graphs, 'CuPy lacks Stream.begin_capture'), has_gpu),
+        # a training step with convolutions is capturable only through our own cuDNN binding:
+        # CuPy 13's refuses to run during capture
+        'cuda_graphs': _feature(has_cupy, (graphs, 'CuPy lacks Stream.begin_capture'),
+                                capture_cudnn, has_gpu),
         'dali_gpu_decode': _feature(has_dali, has_gpu),
         'cuda_emulator': _feature((compiler is not None, 'no C++ compiler (g++) on PATH')),
         'nvrtc_compile_check': _feature(
@@ -191,6 +195,17 @@ def collect():
         'errors': probe.errors,
         'warnings': sorted({'%s: %s' % (w.category.__name__, w.message) for w in caught}),
     }
+
+
+def _capture_cudnn():
+    """(ok, reason): chainer_tc's capture-safe cuDNN binding loads."""
+    try:
+        from chainer_tc.cuda import cudnn
+        cudnn.binding()
+        return True, None
+    except Exception as e:
+        return False, 'the capture-safe cuDNN binding (chainer_tc.cuda.cudnn) does not load: ' \
+            '{}'.format(e)
 
 
 def _chainer_tc_version():

@@ -369,3 +369,13 @@ def test_captured_step_host_time_does_not_grow_with_depth():
         return host
     shallow, deep = timed(4), timed(64)
     assert deep < 3 * shallow, (shallow, deep)
+
+
+# ---- info --------------------------------------------------------------------------------------
+
+def test_info_cuda_graphs_needs_the_capture_safe_cudnn_binding(monkeypatch):
+    from chainer_tc import info
+    assert info._capture_cudnn() == (True, None), 'the cuDNN 8.9 wheel is installed here'
+    monkeypatch.setattr(info, '_capture_cudnn', lambda: (False, 'binding missing'))
+    assert info.collect()['features']['cuda_graphs'] == {'available': False,
+                                                         'reason': 'binding missing'}
