@@ -9,8 +9,12 @@ written outside the graph, on the same stream, before the launch: the batch (int
 signature's input buffers), and the optimizer's hyperparameter table when it changed (one tiny
 kernel). The loss scale and the overflow decision never leave the device.
 
+cuDNN runs under capture through chainer_tc.cuda (CuPy 13's own cuDNN calls refuse to): its
+plans (descriptors, algorithms, workspace sizes) were made by the eager steps of the same
+signature, so inside the capture it only sets the stream and calls cuDNN.
+
 A step that cannot be captured (a host synchronisation inside it, such as ``float(loss)`` or an
-optimizer hook that reads a norm; a cuDNN call through a binding that refuses capture) raises
+optimizer hook that reads a norm; a cuDNN call through CuPy's own binding) raises
 :class:`~chainer_tc.static_graph._program.NotReplayable` with CUDA's reason, and TrainStep runs
 that signature eagerly.
 """
@@ -18,17 +22,6 @@ import chainer
 
 from chainer_tc.static_graph import _program
 from chainer_tc.static_graph import _trace
-
-
-def _prepare_cudnn(stream):
-    """Give our cuDNN binding's handle the capture stream before capture begins."""
-    try:
-        from chainer_tc.cuda import cudnn as binding
-    except ImportError:                      # no cuDNN binding module: nothing to prepare
-        return
-    prepare = getattr(binding, 'prepare_capture', None)
-    if prepare is not None:
-        prepare(stream)
 
 
 class CapturedStep:
@@ -44,7 +37,6 @@ class CapturedStep:
         with flat.device_scope():
             self.stream = cupy.cuda.Stream(non_blocking=False)
             opt._table.refresh(opt.hyperparam, opt._versions, opt._set_globals)
-            _prepare_cudnn(self.stream)
             with self.stream, cupy.cuda.using_allocator(self.pool.malloc):
                 self.stream.synchronize()
                 self.stream.begin_capture()
