@@ -11,11 +11,15 @@ def acc_dtype(dtype):
     return numpy.float64 if dtype == numpy.float64 else numpy.float32
 
 
-def forward(x, z, gamma, beta, mean, invstd, relu):
+def forward(x, z, gamma, beta, mean, invstd, relu, centered=None):
+    """act(gamma * ((x - mean) * invstd) + beta [+ z]); ``centered``: x - mean if already
+    computed (by :func:`statistics`), in the accumulation dtype."""
     a = acc_dtype(x.dtype)
-    y = numpy.subtract(x.astype(a, copy=False), mean)     # gamma * ((x - mean) * invstd) + beta,
-    y *= invstd                                           # each step rounded as written, in
-    y *= gamma.astype(a, copy=False)                      # place
+    if centered is None:
+        centered = numpy.subtract(x.astype(a, copy=False), mean)
+    y = centered                                          # each step rounded as written, in
+    y *= invstd                                           # place
+    y *= gamma.astype(a, copy=False)
     y += beta.astype(a, copy=False)
     if z is not None:
         y += z.astype(a, copy=False)
@@ -24,23 +28,33 @@ def forward(x, z, gamma, beta, mean, invstd, relu):
     return y.astype(x.dtype, copy=False)
 
 
-def statistics(x, eps):
-    """(mean, invstd, var) of each column, in the accumulation dtype."""
+def statistics(x, eps, keep_centered=False):
+    """(mean, invstd, var) of each column, in the accumulation dtype; with ``keep_centered``,
+    also x - mean (which :func:`forward` can reuse)."""
     a = acc_dtype(x.dtype)
     xa = x.astype(a, copy=False)
     n = a(x.shape[0])
     mean = xa.sum(axis=0) / n                       # what ndarray.mean computes, bit for bit
     d = xa - mean
-    var = numpy.square(d, out=d).sum(axis=0) / n
+    sq = d * d if keep_centered else numpy.multiply(d, d, out=d)
+    var = sq.sum(axis=0) / n
     invstd = numpy.reciprocal(numpy.sqrt(var + a(eps)))
+    if keep_centered:
+        return mean, invstd, var, d
     return mean, invstd, var
 
 
 def update_running(running_mean, running_var, mean, var, rows, decay):
     a = mean.dtype.type
     d, adjust = a(decay), a(rows) / a(max(rows - 1, 1))
-    running_mean[...] = running_mean.astype(a, copy=False) * d + (a(1) - d) * mean
-    running_var[...] = running_var.astype(a, copy=False) * d + (a(1) - d) * adjust * var
+    if running_mean.dtype == a and running_var.dtype == a:    # in place: the same roundings
+        running_mean *= d
+        running_mean += (a(1) - d) * mean
+        running_var *= d
+        running_var += (a(1) - d) * adjust * var
+        return
+    running_mean[...] = running_mean.astype(a) * d + (a(1) - d) * mean
+    running_var[...] = running_var.astype(a) * d + (a(1) - d) * adjust * var
 
 
 def backward(gy, y, x, gamma, mean, invstd, relu, fixed):

@@ -35,8 +35,12 @@ def _rows(a):
     return a.reshape(-1, a.shape[-1])
 
 
+def _xp(x):
+    return numpy if type(x) is numpy.ndarray else chainer.backend.get_array_module(x)
+
+
 def _backend(x):
-    return kernels.backend(chainer.backend.get_array_module(x))
+    return kernels.backend(_xp(x))
 
 
 class BatchNormAddAct(function_node.FunctionNode):
@@ -86,7 +90,7 @@ class BatchNormAddAct(function_node.FunctionNode):
                                 self.running_mean.dtype, x.dtype, x.dtype,
                                 numpy.dtype(_bn_numpy.acc_dtype(x.dtype)).name))
         self.retain_inputs((0, 1, 2))
-        xp = chainer.backend.get_array_module(x)
+        xp = _xp(x)
         running_dtype = None if self.running_mean is None else self.running_mean.dtype
         use_cudnn, self.cudnn_reason = _bn_cudnn.eligibility(
             xp.__name__ == 'cupy', x.dtype, x.shape, gamma.dtype, running_dtype, self.relu,
@@ -113,11 +117,12 @@ class BatchNormAddAct(function_node.FunctionNode):
                           'outputs beta: is chainer.config.train meant to be True here?'
                           .format(x.shape), UserWarning, stacklevel=3)
         a = _bn_numpy.acc_dtype(x.dtype)
+        centered = None
         if self.fixed:
             self.mean = xp.asarray(self.fixed_mean, a)
             self.invstd = xp.reciprocal(xp.sqrt(xp.asarray(self.fixed_var, a) + a(self.eps)))
         elif self._path == 'numpy':
-            self.mean, self.invstd, var = _bn_numpy.statistics(x2, self.eps)
+            self.mean, self.invstd, var, centered = _bn_numpy.statistics(x2, self.eps, True)
             if self.running_mean is not None:
                 _bn_numpy.update_running(self.running_mean, self.running_var, self.mean, var,
                                          rows, self.decay)
@@ -125,7 +130,8 @@ class BatchNormAddAct(function_node.FunctionNode):
             self.mean, self.invstd = _bn_kernels.statistics(
                 x2, self.eps, self.decay, self.running_mean, self.running_var, xp)
         if self._path == 'numpy':
-            y = _bn_numpy.forward(x2, z2, gamma, beta, self.mean, self.invstd, self.relu)
+            y = _bn_numpy.forward(x2, z2, gamma, beta, self.mean, self.invstd, self.relu,
+                                  centered)
         else:
             y = _bn_kernels.forward(x2, z2, gamma, beta, self.mean, self.invstd, self.relu, xp)
         self.retain_outputs((0,))

@@ -82,8 +82,11 @@ class Convolution2DNHWC(function_node.FunctionNode):
         return y,
 
     def cpu_geometry(self):
-        return _conv_numpy.Geometry((self.sy, self.sx), (self.ph, self.pw), (self.dy, self.dx),
-                                    self.groups)
+        g = self.__dict__.get('_cpu_geometry')
+        if g is None:
+            g = self._cpu_geometry = _conv_numpy.Geometry(
+                (self.sy, self.sx), (self.ph, self.pw), (self.dy, self.dx), self.groups)
+        return g
 
     def backward(self, indexes, grad_outputs):
         x, W = self.get_retained_inputs()

@@ -316,47 +316,66 @@ class Program:
         sl.obj, sl.alias, sl.bases, sl.copy = new, False, (), True
         self._slots[id(new)] = sl
         self._known.add(new)
+        self._propagated = False
         return True
+
+    def _compile(self):
+        """The replay loop's work per op, with every slot's mode settled: (node dict, pre,
+        forward, inputs, config, [(output index, sites)] to rebind, [(output index, array)] to
+        copy into, [pin actions])."""
+        self._propagate()
+        compiled = []
+        for d, pre, forward, inputs, outs, pins, config in self._ops:
+            rebind = tuple((j, tuple(sl.sites)) for j, sl in enumerate(outs)
+                           if sl is not None and not sl.copy)
+            copy = tuple((j, sl.obj) for j, sl in enumerate(outs)
+                         if sl is not None and sl.copy and not sl.alias)
+            pin_actions = []
+            for key, sl, is_output in pins:
+                if not sl.copy:
+                    if not is_output:
+                        pin_actions.append((key, None, tuple(sl.sites), None, False))
+                else:
+                    pin_actions.append((key, sl.obj, None, sl.sub, sl.alias or is_output))
+            compiled.append((d, pre, forward, inputs, config, rebind, copy,
+                             tuple(pin_actions)))
+        self._compiled = compiled
 
     def run(self):
         """Replay the step: every op's forward over the recorded arrays, in order."""
         if not self._propagated:
-            self._propagate()
+            self._compile()
         local = configuration.config._local.__dict__
         saved = dict(local)
         copyto = numpy.copyto
         array_types = _trace.array_types()
         try:
-            for d, pre, forward, inputs, outs, pins, config in self._ops:
+            for d, pre, forward, inputs, config, rebind, copy, pins in self._compiled:
                 if config is not None:
                     local.clear()
                     local.update(config)
                 d.update(pre)
                 new = forward(tuple(inputs))
-                for sl, z in zip(outs, new):
-                    if sl is None:
-                        continue
-                    if not sl.copy:
-                        for c, k in sl.sites:
-                            c[k] = z
-                    elif not sl.alias and z is not sl.obj:
-                        copyto(sl.obj, z)
-                for key, sl, is_output in pins:
-                    if not sl.copy:
-                        if not is_output:
-                            z = d[key]
-                            for c, k in sl.sites:
-                                c[k] = z
-                        continue
-                    v = sl.obj
+                for j, sites in rebind:
+                    z = new[j]
+                    for c, k in sites:
+                        c[k] = z
+                for j, v in copy:
+                    z = new[j]
+                    if z is not v:
+                        copyto(v, z)
+                for key, v, sites, sub, keep_memory in pins:
                     z = d[key]
-                    if z is not v and not is_output:
-                        if sl.sub is None:
-                            if not sl.alias:
-                                copyto(v, z)
-                        else:                  # refresh the recorded object from the new one
+                    if sites is not None:           # rebind the references to the new value
+                        for c, k in sites:
+                            c[k] = z
+                        continue
+                    if z is not v and not keep_memory:
+                        if sub is None:
+                            copyto(v, z)
+                        else:                       # refresh the recorded object from the new
                             vd, zd = v.__dict__, z.__dict__
-                            for k, x, a in sl.sub:
+                            for k, x, a in sub:
                                 if not a:
                                     copyto(x, zd[k])
                             for k, x in zd.items():
