@@ -24,14 +24,17 @@
 //   scaler  uint32[8], the loss-scale state (SCALER_* below)
 // Gradients are wherever Chainer's backward put them: their addresses come with every launch in
 // StepParams.grad (a null address means "no gradient": zero, as Chainer reallocates it), in the
-// parameter's dtype and C-contiguous.
+// parameter's dtype and C-contiguous. Bit 0 of an address (free: every gradient is at least
+// 2-byte aligned) says whether that gradient is divided before use: set for a gradient computed
+// with a loss scale (Chainer's param._loss_scale, read by the optimizer), which is then
+// sp.grad_divisor, or the device loss scale (scaler[SCALER_SCALE]) when sp.grad_divisor is 0.
 //
 // Per element, each operation rounded once (the _rn intrinsics forbid fma contraction), in
 // float32 for float32 and float16 parameters (hyperparameters rounded to float32 first) and in
 // float64 for float64 ones. For float32 and float64 parameters this is bit for bit what NumPy
 // computes for chainer.optimizers.MomentumSGD with the WeightDecay hook; for float16 ones the
 // decay uses the float32 master (Chainer's use_fp32_update adds it in float16, before the cast):
-//   g = grad / scale                       (scaling != 0)
+//   g = grad / divisor                     (gradients marked by bit 0 of their address)
 //   g = g + weight_decay * p               (if weight_decay != 0)
 //   v = v * momentum - lr * g
 //   p = p + v                              (nesterov: p = p + (v * momentum - lr * g))
@@ -86,8 +89,8 @@ struct StepParams {
   unsigned interval;        // dynamic: clean steps before the scale doubles
   float min_scale, max_scale;
   unsigned total_blocks;    // dynamic: update blocks of this step, over all launches
-  unsigned reserved[2];
-  unsigned long long grad[OPT_GRAD_TABLE];
+  double grad_divisor;      // divides the marked gradients; 0: the device loss scale
+  unsigned long long grad[OPT_GRAD_TABLE];   // addresses; bit 0: divide this gradient
 };
 static_assert(sizeof(StepParams) == 32 + 8 * OPT_GRAD_TABLE, "StepParams layout is shared with Python");
 
@@ -143,34 +146,58 @@ __device__ __forceinline__ float load(const float* g, long long i) { return g[i]
 __device__ __forceinline__ float load(const __half* g, long long i) { return __half2float(g[i]); }
 __device__ __forceinline__ double load(const double* g, long long i) { return g[i]; }
 
+__device__ __forceinline__ float read_scale(const unsigned* scaler) {
+  return __uint_as_float(scaler[SCALER_SCALE]);
+}
+
+// One gradient of the step: its address, and whether it is divided (bit 0 of StepParams.grad).
+struct GradRef {
+  const void* ptr;
+  bool divide;
+};
+
+__device__ __forceinline__ GradRef load_grad(const StepParams& sp, const Chunk& k) {
+  const unsigned long long a = sp.grad[k.grad_index];
+  GradRef r;
+  r.ptr = reinterpret_cast<const void*>(a & ~1ULL);
+  r.divide = (a & 1ULL) != 0;
+  return r;
+}
+
+// What divides a marked gradient, in the arithmetic type T: the device loss scale, or the
+// host value of a backward pass's loss_scale.
+template <typename T>
+__device__ __forceinline__ T grad_divisor(const StepParams& sp, const unsigned* scaler) {
+  return sp.grad_divisor == 0.0 ? (T)read_scale(scaler) : (T)sp.grad_divisor;
+}
+
 // Whether any unscaled element of one chunk's gradient (storage type G) is inf or nan.
 template <typename G>
 __device__ __forceinline__ bool any_nonfinite(const Chunk& k, const StepParams& sp, const G* g,
-                                              float scale) {
+                                              bool divide, const unsigned* scaler) {
   typedef decltype(load(g, 0)) T;
+  const T d = grad_divisor<T>(sp, scaler);
   bool bad = false;
   for (long long i = threadIdx.x; i < k.count; i += OPT_BLOCK) {
     const T grad = load(g, k.inner + i);
-    bad |= !isfinite(sp.scaling == SCALE_NONE ? grad : div_rn(grad, (T)scale));
+    bad |= !isfinite(divide ? div_rn(grad, d) : grad);
   }
   return bad;
-}
-
-__device__ __forceinline__ float read_scale(const unsigned* scaler) {
-  return __uint_as_float(scaler[SCALER_SCALE]);
 }
 
 // One chunk of the update in arithmetic type T (float, or double for float64 parameters).
 // G is the gradient's storage type, P the master/parameter storage (float or double).
 template <typename T, typename G>
 __device__ __forceinline__ void update_chunk(const Chunk& k, const StepParams& sp, const Hyper& h,
-                                             const G* g, float scale, T* p, T* v, __half* p16) {
+                                             const G* g, bool divide, const unsigned* scaler,
+                                             T* p, T* v, __half* p16) {
   const T lr = (T)h.lr, momentum = (T)h.momentum, wd = (T)h.weight_decay;
+  const T d = grad_divisor<T>(sp, scaler);
   const bool half = p16 != nullptr;
   for (long long i = threadIdx.x; i < k.count; i += OPT_BLOCK) {
     const long long e = k.flat + i;
     T grad = g ? (T)load(g, k.inner + i) : (T)0;
-    if (g && sp.scaling != SCALE_NONE) grad = div_rn(grad, (T)scale);
+    if (g && divide) grad = div_rn(grad, d);
     T pe = p[e];
     if (half) {     // a float16 parameter written from outside (load_npz, copyparams): adopt it
       const __half cur = p16[e];
@@ -212,13 +239,14 @@ momentum_sgd_check(const StepParams sp, const long long* __restrict__ chunks, un
   __syncthreads();
   if (already) return;                                  // another block already found one
   const opt::Chunk k = opt::load_chunk(chunks);
-  const void* g = reinterpret_cast<const void*>(sp.grad[k.grad_index]);
-  if (!g) return;
-  const float scale = opt::read_scale(scaler);
+  const opt::GradRef g = opt::load_grad(sp, k);
+  if (!g.ptr) return;
   const bool bad =
-      k.group == GROUP_F64 ? opt::any_nonfinite(k, sp, static_cast<const double*>(g), scale)
-      : k.group == GROUP_F16 ? opt::any_nonfinite(k, sp, static_cast<const __half*>(g), scale)
-                             : opt::any_nonfinite(k, sp, static_cast<const float*>(g), scale);
+      k.group == GROUP_F64
+          ? opt::any_nonfinite(k, sp, static_cast<const double*>(g.ptr), g.divide, scaler)
+      : k.group == GROUP_F16
+          ? opt::any_nonfinite(k, sp, static_cast<const __half*>(g.ptr), g.divide, scaler)
+          : opt::any_nonfinite(k, sp, static_cast<const float*>(g.ptr), g.divide, scaler);
   if (__syncthreads_or(bad) && threadIdx.x == 0) *found = 1u;
 }
 
@@ -233,17 +261,16 @@ momentum_sgd_update(const StepParams sp, const long long* __restrict__ chunks,
     const opt::Chunk k = opt::load_chunk(chunks);
     const opt::Hyper h = opt::load_hyper(hyper, k.entry);
     if (h.enabled) {
-      const void* g = reinterpret_cast<const void*>(sp.grad[k.grad_index]);
-      const float scale = opt::read_scale(scaler);
+      const opt::GradRef g = opt::load_grad(sp, k);
       if (k.group == GROUP_F64)
-        opt::update_chunk<double>(k, sp, h, static_cast<const double*>(g), scale, p64, mom64,
-                                  (__half*)nullptr);
+        opt::update_chunk<double>(k, sp, h, static_cast<const double*>(g.ptr), g.divide, scaler,
+                                  p64, mom64, (__half*)nullptr);
       else if (k.group == GROUP_F16)
-        opt::update_chunk<float>(k, sp, h, static_cast<const __half*>(g), scale, master, mom16,
-                                 p16);
+        opt::update_chunk<float>(k, sp, h, static_cast<const __half*>(g.ptr), g.divide, scaler,
+                                 master, mom16, p16);
       else
-        opt::update_chunk<float>(k, sp, h, static_cast<const float*>(g), scale, p32, mom32,
-                                 (__half*)nullptr);
+        opt::update_chunk<float>(k, sp, h, static_cast<const float*>(g.ptr), g.divide, scaler,
+                                 p32, mom32, (__half*)nullptr);
     }
   }
   if (!dynamic) return;

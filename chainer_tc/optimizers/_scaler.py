@@ -16,6 +16,30 @@ NONE, STATIC, DYNAMIC = 0, 1, 2
 SCALE, CLEAN, FOUND_INF, SKIPPED, DONE, SCALE_F16 = range(6)
 
 
+class _ScaledOnDevice:
+    """The type of :data:`SCALED_ON_DEVICE`."""
+
+    __slots__ = ()
+
+    def __repr__(self):
+        return 'chainer_tc.optimizers._scaler.SCALED_ON_DEVICE'
+
+    def __reduce__(self):              # pickles and deep-copies as the one instance
+        return 'SCALED_ON_DEVICE'
+
+    def __float__(self):
+        raise TypeError('this gradient was scaled by chainer_tc\'s MomentumSGD loss scale, which '
+                        'lives on the device: only that optimizer can unscale it (read '
+                        'optimizer.loss_scale for its value)')
+
+
+#: ``param._loss_scale`` (Chainer's record of the loss scale a backward pass used for a
+#: parameter's gradient) of a gradient scaled by the optimizer's own loss scale, whose value is on
+#: the device: set by ``scaled_backward()`` (so by ``update(lossfun)``) and, at ``setup()``, on
+#: parameters no backward pass has marked yet (gradients set by hand). See docs/optimizer.md.
+SCALED_ON_DEVICE = _ScaledOnDevice()
+
+
 class LossScaler:
     """Configuration (host) and state (device array) of loss scaling."""
 

@@ -17,6 +17,7 @@ import numpy
 import chainer
 from chainer import optimizer as chainer_optimizer
 from chainer import variable
+import chainer.warnings
 
 from chainer_tc import kernels
 from chainer_tc.optimizers import _flat
@@ -31,7 +32,7 @@ _DEFINES = {'OPT_BLOCK': BLOCK, 'OPT_GRAD_TABLE': _flat.GRAD_TABLE}
 # kernels/optimizer.cu StepParams, passed by value
 STEP_PARAMS = numpy.dtype([
     ('nesterov', '<i4'), ('scaling', '<i4'), ('interval', '<u4'), ('min_scale', '<f4'),
-    ('max_scale', '<f4'), ('total_blocks', '<u4'), ('reserved', '<u4', (2,)),
+    ('max_scale', '<f4'), ('total_blocks', '<u4'), ('grad_divisor', '<f8'),
     ('grad', '<u8', (_flat.GRAD_TABLE,)),
 ])
 
@@ -121,6 +122,11 @@ class MomentumSGD(chainer_optimizer.GradientMethod):
         for name, param in link.namedparams():
             if not self.decay_filter(name, param):
                 param.update_rule.hyperparam.weight_decay = 0.0
+            if param._loss_scale is None:
+                # no backward pass has marked this parameter: a gradient set by hand before
+                # the first backward is taken as scaled by this optimizer's loss scale (a
+                # backward pass replaces the mark; see _unscaling)
+                param._loss_scale = _scaler.SCALED_ON_DEVICE
         self._flat = None
         self._try_build()
         return self
@@ -156,7 +162,7 @@ class MomentumSGD(chainer_optimizer.GradientMethod):
     def _warn_once(self, key, message):
         if key not in self._warned:
             self._warned.add(key)
-            warnings.warn(message, RuntimeWarning, stacklevel=4)
+            warnings.warn(message, chainer.warnings.PerformanceWarning, stacklevel=4)
 
     def use_fp32_update(self, flag=True):
         """Accepted for compatibility and does nothing: float16 parameters always have float32
@@ -185,7 +191,20 @@ class MomentumSGD(chainer_optimizer.GradientMethod):
         # the momenta and masters) at the next update; kernels and module references stay out
         state = self.__dict__.copy()
         state['_flat'] = state['_table'] = state['_temps'] = None
+        target = state.get('target')
+        if target is not None:
+            # Chainer's Parameter pickles without _loss_scale (a copy starts with None): keep
+            # how each gradient was scaled, so that the copy unscales them as the original does
+            state['_loss_scale_marks'] = [
+                p._loss_scale for _, p in _flat.unique_params(target.namedparams())]
         return state
+
+    def __setstate__(self, state):
+        marks = state.pop('_loss_scale_marks', None)
+        self.__dict__.update(state)
+        if marks is not None:
+            for (_, p), mark in zip(_flat.unique_params(self.target.namedparams()), marks):
+                p._loss_scale = mark
 
     # ---- loss scaling -----------------------------------------------------------------------------
 
@@ -204,8 +223,12 @@ class MomentumSGD(chainer_optimizer.GradientMethod):
     def scaled_backward(self, loss):
         """``loss.backward()`` seeded with the loss scale (on the device), for loops that call
         ``update()`` without a loss function. Without loss scaling it is ``loss.backward()``.
-        A plain ``loss.backward()`` with loss scaling on would leave the gradients unscaled, and
-        the update would divide them by the scale anyway."""
+
+        As with Chainer, each gradient is unscaled by what its parameter's ``_loss_scale`` says
+        the backward pass that computed it used: this method marks the optimizer's own scale;
+        ``loss.backward(loss_scale=optimizer._loss_scale)`` (Chainer's idiom, e.g. chainermn)
+        marks that number; a plain ``loss.backward()`` marks none, and its gradients are used
+        as they are (loss scaling then only skips steps with inf or nan gradients)."""
         if self._scaler.mode != _scaler.NONE:
             if loss.size != 1:
                 raise ValueError('the loss must have one element to be scaled; got shape {}'
@@ -213,12 +236,23 @@ class MomentumSGD(chainer_optimizer.GradientMethod):
             self._check_set_up()
             self._try_build(required=True)
             loss.grad = self._scaler.seed(loss)
-        loss.backward()
+            # the seed is already scaled: Chainer's backward only records loss_scale on the
+            # parameters it reaches (param._loss_scale), which is what the update reads
+            loss.backward(loss_scale=_scaler.SCALED_ON_DEVICE)
+        else:
+            loss.backward()
 
     @property
     def loss_scale(self):
         """The current loss scale, or None without loss scaling (reading it synchronises)."""
         return None if self._scaler.mode == _scaler.NONE else self._scaler.scale
+
+    @property
+    def _loss_scale(self):
+        """Chainer's attribute, read by code that runs ``loss.backward(loss_scale=
+        optimizer._loss_scale)`` itself (chainermn's multi-node optimizer, custom updaters):
+        the current loss scale, or None without loss scaling (reading it synchronises)."""
+        return self.loss_scale
 
     @property
     def skipped_steps(self):
@@ -239,13 +273,16 @@ class MomentumSGD(chainer_optimizer.GradientMethod):
             if self._has_hooks('pre'):
                 self.reallocate_cleared_grads()
                 self.call_hooks('pre')
-            self._step(self._plan(flat, flat.grads()))
+            self._step(self._plan(flat, flat.grads(),
+                                  marks=[e.param._loss_scale for e in flat.entries]))
             if self._has_hooks('post'):
                 self.call_hooks('post')
 
     def _has_hooks(self, timing):
-        hooks = getattr(self._hookable, '_{}_update_hooks'.format(timing), None)
-        return bool(hooks)
+        h = self._hookable
+        if h is None:
+            return False
+        return bool(h._pre_update_hooks if timing == 'pre' else h._post_update_hooks)
 
     def _step(self, plan):
         """Apply one prepared update: hyperparameters to the device if they changed, then the
@@ -254,16 +291,21 @@ class MomentumSGD(chainer_optimizer.GradientMethod):
         self.t += 1
         plan()
 
-    def _plan(self, flat, grads, flat_grads=None):
+    def _plan(self, flat, grads, flat_grads=None, marks=None):
         """A callable that updates every parameter from ``grads`` (one array or None per entry
         of ``flat``), reading everything else (hyperparameters, loss scale) when it runs.
         ``flat_grads``: the gradients are views of these buffers (``flat.grad_buffers()``),
-        which lets the CPU path update whole runs of parameters at once."""
+        which lets the CPU path update whole runs of parameters at once.
+        ``marks``: each entry's ``param._loss_scale`` (see :func:`_unscaling`); None: every
+        gradient comes from ``scaled_backward()``."""
+        if flat_grads is not None and marks is not None:
+            raise ValueError('a step over flat gradient buffers takes its gradients from '
+                             'scaled_backward(): marks must be None')
         if kernels.backend(flat.xp) != 'numpy':
-            return _KernelStep(self, flat, grads)
+            return _KernelStep(self, flat, grads, marks)
         if flat_grads is not None:
             return _NumpyFlatStep(self, flat, grads, flat_grads)
-        return _NumpyStep(self, flat, grads)
+        return _NumpyStep(self, flat, grads, marks)
 
     def _set_globals(self, row):
         flat = self._flat
@@ -316,20 +358,24 @@ class _KernelStep:
     gradient addresses are fixed here; the kernels read hyperparameters and the loss scale from
     device memory, so the same step can run again (or be captured) on the same gradients."""
 
-    def __init__(self, opt, flat, grads):
+    def __init__(self, opt, flat, grads, marks=None):
         xp = flat.xp
         self.flat = flat
         self.dynamic = opt._scaler.mode == _scaler.DYNAMIC
         self.update = kernels.get_function('optimizer', 'momentum_sgd_update', xp, _DEFINES)
         self.check = kernels.get_function('optimizer', 'momentum_sgd_check', xp, _DEFINES) \
             if self.dynamic else None
+        divide, divisor, self.host_divisions = _unscaling(opt, flat, grads, marks)
         base = opt._step_params(flat)
+        base['grad_divisor'] = divisor
         self.launches = []
         for c0, nc, e0, ne in flat.launches:
             if not nc:
                 continue
             sp = base.copy()
-            sp['grad'][:ne] = [0 if g is None else _address(g) for g in grads[e0:e0 + ne]]
+            # bit 0 of an address (gradients are at least 2-byte aligned): divide it
+            sp['grad'][:ne] = [0 if g is None else _address(g) | d
+                               for g, d in zip(grads[e0:e0 + ne], divide[e0:e0 + ne])]
             # a size-1 structured NumPy array: CuPy (>= 9) passes it by value, as the struct
             self.launches.append((sp, flat.chunks[c0:c0 + nc], nc))
         self.grads = grads            # keeps the gradients alive as long as their addresses
@@ -339,6 +385,8 @@ class _KernelStep:
     def __call__(self):
         flat, state = self.flat, self.scaler_state
         with flat.device_scope():
+            for g, s in self.host_divisions:
+                g /= s
             if self.dynamic:
                 for sp, chunks, nc in self.launches:
                     self.check((nc,), (BLOCK,), (sp, chunks, state))
@@ -353,11 +401,12 @@ class _NumpyStep:
     """The CPU path: the kernel's arithmetic, in the same order, as vectorised NumPy over
     cache-sized blocks of each parameter, reading the gradients where they are."""
 
-    def __init__(self, opt, flat, grads):
+    def __init__(self, opt, flat, grads, marks=None):
         self.opt, self.flat = opt, flat
         if opt._temps is None:
             opt._temps = {dt: [numpy.empty(_CPU_BLOCK, dt) for _ in range(3)]
                           for dt in (numpy.dtype(numpy.float32), numpy.dtype(numpy.float64))}
+        divide, self.divisor, self.host_divisions = _unscaling(opt, flat, grads, marks)
         self.blocks = []
         for i, (e, g) in enumerate(zip(flat.entries, grads)):
             g = None if g is None else g.reshape(-1)
@@ -367,8 +416,8 @@ class _NumpyStep:
                 b = min(a + _CPU_BLOCK, e.size)
                 lo, hi = e.offset + a, e.offset + b
                 p16 = flat.params[_flat.F16][lo:hi] if e.group == _flat.F16 else None
-                self.blocks.append((i, g, a, b, p[lo:hi], flat.momentum[e.group][lo:hi], p16,
-                                    opt._temps[adt]))
+                self.blocks.append((i, g, divide[i], a, b, p[lo:hi],
+                                    flat.momentum[e.group][lo:hi], p16, opt._temps[adt]))
         self.grads = grads
 
     def __call__(self):
@@ -376,32 +425,38 @@ class _NumpyStep:
         sc = opt._scaler
         scale = sc.state[_scaler.SCALE:_scaler.SCALE + 1].view(numpy.float32)[0]
         mode = sc.mode
+        for g, s in self.host_divisions:
+            g /= s
+        # the kernel's grad_divisor: 0 is the device loss scale (float32), else a host value
+        # rounded to the arithmetic type
+        divisor = {t: scale if self.divisor == 0.0 else t.type(self.divisor)
+                   for t in (numpy.dtype(numpy.float32), numpy.dtype(numpy.float64))}
 
-        def load_grad(g, a, b, out):          # g = grad / scale, in the arithmetic type
+        def load_grad(g, divide, a, b, out):    # g = grad / divisor, in the arithmetic type
             if g is None:
                 out[...] = 0
-            elif mode == _scaler.NONE:
+            elif not divide:
                 out[...] = g[a:b]
             else:
-                numpy.divide(g[a:b], scale, out=out, dtype=out.dtype)
+                numpy.divide(g[a:b], divisor[out.dtype], out=out, dtype=out.dtype)
             return out
 
         with numpy.errstate(invalid='ignore', over='ignore', divide='ignore'):
             if mode == _scaler.DYNAMIC and not all(
-                    numpy.isfinite(load_grad(g, a, b, temps[0][:b - a])).all()
-                    for i, g, a, b, p, v, p16, temps in self.blocks if g is not None):
+                    numpy.isfinite(load_grad(g, d, a, b, temps[0][:b - a])).all()
+                    for i, g, d, a, b, p, v, p16, temps in self.blocks if g is not None):
                 sc.finish_step_host(True)
                 return
         hyper = opt._table.values
         nesterov = opt.nesterov
-        for i, g, a, b, p, v, p16, (t1, t2, t3) in self.blocks:
+        for i, g, d, a, b, p, v, p16, (t1, t2, t3) in self.blocks:
             lr, mom, wd, enabled = hyper[i]
             if not enabled:
                 continue
             n = b - a
             dt = t1.dtype.type
             lr, mom, wd = dt(lr), dt(mom), dt(wd)
-            gb, tb, ub = load_grad(g, a, b, t1[:n]), t2[:n], t3[:n]
+            gb, tb, ub = load_grad(g, d, a, b, t1[:n]), t2[:n], t3[:n]
             if p16 is not None:     # adopt float16 values written from outside the optimizer
                 stale = p16.view(numpy.uint16) != p.astype(numpy.float16).view(numpy.uint16)
                 if stale.any():
@@ -513,6 +568,64 @@ class _NumpyFlatStep(_NumpyStep):
                 p16[...] = p
         if mode == _scaler.DYNAMIC:
             sc.finish_step_host(False)
+
+
+def _unscaling(opt, flat, grads, marks):
+    """How each gradient of a step is unscaled, from ``marks``: each parameter's
+    ``_loss_scale``, which Chainer's backward sets on every parameter it reaches (None for a
+    plain ``backward()``, the number given as ``backward(loss_scale=...)``) and which
+    ``scaled_backward()`` sets to ``SCALED_ON_DEVICE`` (the optimizer's own scale, in device
+    memory). As Chainer's update rules do, a gradient is divided by its mark; a
+    ``SCALED_ON_DEVICE`` gradient by the device scale, and only while loss scaling is on.
+    ``marks`` None: every gradient is ``SCALED_ON_DEVICE``.
+
+    Returns ``(divide, divisor, host_divisions)``: per entry whether the kernel divides its
+    gradient, by ``divisor`` (0.0: the device scale; else a host number), and the
+    ``(gradient, scale)`` pairs divided in place before the kernel, as Chainer's update rule
+    does, when one step holds gradients of several different loss scales (the device scale,
+    when present, takes the kernel's divisor; otherwise the first number found)."""
+    on_device = opt._scaler.mode != _scaler.NONE
+    if marks is None:
+        return [on_device and g is not None for g in grads], 0.0, []
+    divide = []
+    numbers = False
+    device_used = False
+    for g, m in zip(grads, marks):
+        if g is None or m is None:
+            divide.append(False)
+        elif m is _scaler.SCALED_ON_DEVICE:
+            divide.append(on_device)
+            device_used |= on_device
+        else:
+            divide.append(None)                   # a number: decided below
+            numbers = True
+    if not numbers:
+        return divide, 0.0, []
+    divisor = 0.0 if device_used else None
+    host = []
+    for i, (g, m) in enumerate(zip(grads, marks)):
+        if divide[i] is not None:
+            continue
+        s = _number_scale(flat.entries[i].name, m)
+        if divisor is None:
+            divisor = s
+        divide[i] = s == divisor
+        if not divide[i]:
+            host.append((g, s))
+    return divide, divisor, host
+
+
+def _number_scale(name, mark):
+    try:
+        s = float(mark)
+    except (TypeError, ValueError):
+        raise TypeError('parameter {}: its gradient was computed with loss_scale={!r} '
+                        '(param._loss_scale), which is not a number'.format(name, mark)) from None
+    if not 0 < s < numpy.inf:
+        raise ValueError('parameter {}: its gradient was computed with loss_scale={} '
+                         '(param._loss_scale); a loss scale must be a positive finite number'
+                         .format(name, s))
+    return s
 
 
 def _address(a):
