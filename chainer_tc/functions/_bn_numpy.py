@@ -73,13 +73,25 @@ def _backward(gy, y, x, gamma, mean, invstd, relu, fixed):
     g = gy.astype(a, copy=False)
     if relu:
         g = numpy.where(y > 0, g, a(0))
-    xhat = (x.astype(a, copy=False) - mean) * invstd
-    sum_g = g.sum(axis=0)
-    sum_gx = (g * xhat).sum(axis=0)
+    coef = gamma.astype(a, copy=False) * invstd
     if fixed:
-        gx = gamma.astype(a, copy=False) * invstd * g
+        gx = coef * g
+        sum_g = g.sum(axis=0)
+        xhat = numpy.subtract(x.astype(a, copy=False), mean)
+        xhat *= invstd
+        xhat *= g
+        sum_gx = xhat.sum(axis=0)
     else:
-        gx = gamma.astype(a, copy=False) * invstd * (
-            g - (xhat * sum_gx + sum_g) * (a(1) / a(x.shape[0])))
+        xhat = numpy.subtract(x.astype(a, copy=False), mean)
+        xhat *= invstd
+        sum_g = g.sum(axis=0)
+        gx = xhat * g
+        sum_gx = gx.sum(axis=0)
+        # gamma * invstd * (g - (xhat * sum_gx + sum_g) / rows), each step rounded as written
+        numpy.multiply(xhat, sum_gx, out=gx)
+        gx += sum_g
+        gx *= a(1) / a(x.shape[0])
+        numpy.subtract(g, gx, out=gx)
+        gx *= coef
     return (gx.astype(x.dtype, copy=False), sum_gx.astype(gamma.dtype, copy=False),
             sum_g.astype(gamma.dtype, copy=False), g.astype(x.dtype))

@@ -77,11 +77,17 @@ class _Pooling2D(function_node.FunctionNode):
                 yield i, j, (slice(None), slice(i, i + sy * (oh - 1) + 1, sy),
                              slice(j, j + sx * (ow - 1) + 1, sx), slice(None))
 
-    def _padded(self, x, s, value):
-        extra_h = max(0, (int(s['OH']) - 1) * self.sy + self.kh - (int(s['H']) + 2 * self.ph))
-        extra_w = max(0, (int(s['OW']) - 1) * self.sx + self.kw - (int(s['W']) + 2 * self.pw))
-        return numpy.pad(x, ((0, 0), (self.ph, self.ph + extra_h), (self.pw, self.pw + extra_w),
-                             (0, 0)), constant_values=value)
+    def _padded(self, x, s, value, dtype=None):
+        """``x`` inside a border of ``value`` wide enough for every window; ``x=None``: only
+        the border (the array of ``value``), in ``dtype``."""
+        n, h, w, c = (int(s[k]) for k in ('N', 'H', 'W', 'C'))
+        extra_h = max(0, (int(s['OH']) - 1) * self.sy + self.kh - (h + 2 * self.ph))
+        extra_w = max(0, (int(s['OW']) - 1) * self.sx + self.kw - (w + 2 * self.pw))
+        out = numpy.full((n, h + 2 * self.ph + extra_h, w + 2 * self.pw + extra_w, c), value,
+                         x.dtype if dtype is None else dtype)
+        if x is not None:
+            out[:, self.ph:self.ph + h, self.pw:self.pw + w] = x
+        return out
 
     def _crop(self, gp, s):
         return gp[:, self.ph:self.ph + int(s['H']), self.pw:self.pw + int(s['W']), :]
@@ -107,8 +113,8 @@ class MaxPooling2D(_Pooling2D):
                     y, argmax = v.copy(), numpy.zeros(v.shape, numpy.int32)
                 else:
                     better = v > y
-                    y[better] = v[better]
-                    argmax[better] = i * self.kw + j
+                    numpy.copyto(y, v, where=better)
+                    numpy.copyto(argmax, i * self.kw + j, where=better)
         else:
             x = xp.ascontiguousarray(x)
             y = xp.empty((int(s['N']), int(s['OH']), int(s['OW']), int(s['C'])), x.dtype)
@@ -155,7 +161,7 @@ class _PoolingGrad(function_node.FunctionNode):
         in_shape = (int(s['N']), int(s['H']), int(s['W']), int(s['C']))
         if kernels.backend(xp) == 'numpy':
             a = _acc(gy.dtype)
-            gp = f._padded(numpy.zeros(in_shape, a), s, 0)
+            gp = f._padded(None, s, 0, a)
             for i, j, sl in f._windows(s):
                 if self.is_max:
                     gp[sl] += numpy.where(f.argmax == i * f.kw + j, gy.astype(a), a(0))
