@@ -379,3 +379,25 @@ def test_info_cuda_graphs_needs_the_capture_safe_cudnn_binding(monkeypatch):
     monkeypatch.setattr(info, '_capture_cudnn', lambda: (False, 'binding missing'))
     assert info.collect()['features']['cuda_graphs'] == {'available': False,
                                                          'reason': 'binding missing'}
+
+
+def test_dropout_draws_a_new_mask_every_replayed_step():
+    class DropNet(StockNet):
+        def forward(self, x):
+            return super().forward(F.dropout(x, 0.3))
+    data = batches(8)
+    results = []
+    for use_step in (False, True):
+        numpy.random.seed(7)
+        model = DropNet()
+        opt = optimizers.MomentumSGD(lr=0.05).setup(model)
+        numpy.random.seed(11)             # the masks: the same draws in both runs
+        if use_step:
+            losses, step = run_step(model, opt, data)
+            assert step.replays == 5
+        else:
+            losses = run_eager(model, opt, data)
+        results.append((losses, state(model, opt)))
+    assert [a.tobytes() for a in results[0][0]] == [b.tobytes() for b in results[1][0]]
+    assert len({a.tobytes() for a in results[1][0][3:]}) == 5, 'a new mask each step'
+    assert_same(results[0][1], results[1][1])
