@@ -403,21 +403,9 @@ class _NumpyStep:
 
     def __init__(self, opt, flat, grads, marks=None):
         self.opt, self.flat = opt, flat
-        if opt._temps is None:
-            opt._temps = {dt: [numpy.empty(_CPU_BLOCK, dt) for _ in range(3)]
-                          for dt in (numpy.dtype(numpy.float32), numpy.dtype(numpy.float64))}
         divide, self.divisor, self.host_divisions = _unscaling(opt, flat, grads, marks)
-        self.blocks = []
-        for i, (e, g) in enumerate(zip(flat.entries, grads)):
-            g = None if g is None else g.reshape(-1)
-            adt = _flat.STATE_DTYPES[e.group]
-            p = (flat.master if e.group == _flat.F16 else flat.params[e.group])
-            for a in range(0, e.size, _CPU_BLOCK):
-                b = min(a + _CPU_BLOCK, e.size)
-                lo, hi = e.offset + a, e.offset + b
-                p16 = flat.params[_flat.F16][lo:hi] if e.group == _flat.F16 else None
-                self.blocks.append((i, g, divide[i], a, b, p[lo:hi],
-                                    flat.momentum[e.group][lo:hi], p16, opt._temps[adt]))
+        flat_grads = [None if g is None else g.reshape(-1) for g in grads]
+        self.blocks = [(i, flat_grads[i], divide[i]) + rest for i, rest in _cpu_blocks(opt, flat)]
         self.grads = grads
 
     def __call__(self):
@@ -568,6 +556,30 @@ class _NumpyFlatStep(_NumpyStep):
                 p16[...] = p
         if mode == _scaler.DYNAMIC:
             sc.finish_step_host(False)
+
+
+def _cpu_blocks(opt, flat):
+    """The CPU path's blocks of ``flat``, built once per FlatParams: [(entry index, (start, stop
+    inside the parameter, its master/parameter slice, momentum slice, float16 slice or None,
+    temporaries))]."""
+    cached = getattr(flat, '_cpu_blocks', None)
+    if cached is not None:
+        return cached
+    if opt._temps is None:
+        opt._temps = {dt: [numpy.empty(_CPU_BLOCK, dt) for _ in range(3)]
+                      for dt in (numpy.dtype(numpy.float32), numpy.dtype(numpy.float64))}
+    blocks = []
+    for i, e in enumerate(flat.entries):
+        adt = _flat.STATE_DTYPES[e.group]
+        p = flat.master if e.group == _flat.F16 else flat.params[e.group]
+        for a in range(0, e.size, _CPU_BLOCK):
+            b = min(a + _CPU_BLOCK, e.size)
+            lo, hi = e.offset + a, e.offset + b
+            p16 = flat.params[_flat.F16][lo:hi] if e.group == _flat.F16 else None
+            blocks.append((i, (a, b, p[lo:hi], flat.momentum[e.group][lo:hi], p16,
+                               opt._temps[adt])))
+    flat._cpu_blocks = blocks
+    return blocks
 
 
 def _unscaling(opt, flat, grads, marks):
