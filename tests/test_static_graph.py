@@ -401,3 +401,31 @@ def test_dropout_draws_a_new_mask_every_replayed_step():
     assert [a.tobytes() for a in results[0][0]] == [b.tobytes() for b in results[1][0]]
     assert len({a.tobytes() for a in results[1][0][3:]}) == 5, 'a new mask each step'
     assert_same(results[0][1], results[1][1])
+
+
+@pytest.mark.parametrize('warmup', [0, 1, 2])
+def test_lazy_links_and_any_warmup_replay_exactly(warmup):
+    class Lazy(chainer.Chain):
+        def __init__(self, dtype=numpy.float32):
+            super().__init__()
+            with self.init_scope():
+                self.fc1 = L.Linear(None, 7)
+                self.fc2 = L.Linear(None, 5)
+
+        def forward(self, x):
+            return self.fc2(F.relu(self.fc1(x)))
+    data = batches(9)
+    results = []
+    for use_step in (False, True):
+        numpy.random.seed(3)
+        model = Lazy()
+        opt = optimizers.MomentumSGD(lr=0.05).setup(model)
+        assert opt._flat is None                       # lazy: built at the first update
+        if use_step:
+            losses, step = run_step(model, opt, data, warmup=warmup)
+            assert step.traces == 1 and step.replays >= 9 - warmup - 4
+        else:
+            losses = run_eager(model, opt, data)
+        results.append((losses, state(model, opt)))
+    assert [a.tobytes() for a in results[0][0]] == [b.tobytes() for b in results[1][0]]
+    assert_same(results[0][1], results[1][1])

@@ -203,7 +203,7 @@ class TrainStep:
 
     def _build(self, entry, trace):
         program = _program.Program(entry.first, trace, self._externals(trace))
-        flat = self._flat
+        flat = self._flat = self.optimizer._flat      # built by the recorded steps at the latest
         # the gradients move into flat buffers laid out like the parameters: the update then
         # runs over whole runs of parameters (and one buffer is one allreduce)
         buffers, views = flat.grad_buffers()
