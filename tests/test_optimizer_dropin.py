@@ -356,3 +356,59 @@ def test_state_lives_on_the_parameters_device_whatever_the_current_device():
     assert o._table.device.device.id == 1
     for e in o._flat.entries:
         assert e.v.device.id == 1
+
+
+# ---- snapshots that would poison the state ----------------------------------------------------
+
+def _tampered(tmp_path, opt, **changes):
+    path = str(tmp_path / 'opt.npz')
+    serializers.save_npz(path, opt)
+    with numpy.load(path) as f:
+        d = dict(f)
+    for key, value in changes.items():
+        if key == 'scale':
+            d['loss_scaler'] = d['loss_scaler'].copy()
+            d['loss_scaler'][0] = numpy.float32(value).view(numpy.uint32)
+        elif value is None:
+            del d[key]
+        else:
+            d[key] = numpy.asarray(value, d[key].dtype)
+    numpy.savez(path, **d)
+    return path
+
+
+@pytest.mark.parametrize('changes, message', [
+    (dict(scale=numpy.nan), 'loss_scaler holds the loss scale nan'),
+    (dict(scale=-4.0), 'loss_scaler holds the loss scale -4.0'),
+    (dict(loss_scaling_interval=0), 'loss_scaling_interval must be >= 1; got 0'),
+    (dict(loss_scaling_interval=-5), 'loss_scaling_interval must be >= 1; got -5'),
+    (dict(loss_scaling_min=-1.0, loss_scaling_max=-2.0), 'loss_scaling_min <= loss_scaling_max'),
+    (dict(loss_scaling_mode=7), 'loss_scaling_mode must be 0'),
+    (dict(loss_scaler=None), "loss_scaler"),
+    ({'fc/W/v': None}, 'fc/W/v'),
+])
+def test_a_bad_snapshot_is_refused_naming_the_key_and_changes_nothing(tmp_path, changes,
+                                                                        message):
+    x, t = data()
+    model = Net()
+    opt = optimizers.MomentumSGD(lr=0.1).setup(model)
+    opt.loss_scaling(interval=5, initial_scale=8.0)
+    for _ in range(3):
+        opt.update(lossfun(model, x, t))
+    path = _tampered(tmp_path, opt, **changes)
+
+    model2 = Net()
+    opt2 = optimizers.MomentumSGD(lr=0.1).setup(model2)
+    opt2.loss_scaling(interval=2, initial_scale=64.0)
+    for _ in range(2):
+        opt2.update(lossfun(model2, x, t))
+    before = {n: p.update_rule.state['v'].copy() for n, p in model2.namedparams()}
+    config = (opt2.t, opt2.loss_scale, opt2._scaler.interval, opt2._scaler.mode)
+    with pytest.raises((ValueError, KeyError), match=message):
+        serializers.load_npz(path, opt2)
+    assert (opt2.t, opt2.loss_scale, opt2._scaler.interval, opt2._scaler.mode) == config
+    for n, p in model2.namedparams():
+        numpy.testing.assert_array_equal(p.update_rule.state['v'], before[n], err_msg=n)
+        assert numpy.shares_memory(p.update_rule.state['v'], opt2._flat.momentum[0])
+    opt2.update(lossfun(model2, x, t))               # and it still trains
+    assert numpy.isfinite(model2.fc.W.array).all()

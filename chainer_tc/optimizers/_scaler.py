@@ -72,6 +72,35 @@ class LossScaler:
         else:
             self.state.set(host)
 
+    def validate(self):
+        """Raise ValueError, naming the snapshot key and its value, for a configuration or state
+        the update cannot work with (e.g. from a tampered or corrupted snapshot)."""
+        if self.mode not in (NONE, STATIC, DYNAMIC):
+            raise ValueError('loss_scaling_mode must be 0 (none), 1 (static) or 2 (dynamic); '
+                             'got {}'.format(self.mode))
+        if self.mode == NONE:
+            return
+        if self.mode == DYNAMIC:
+            if self.interval < 1:
+                raise ValueError('loss_scaling_interval must be >= 1; got {}'
+                                 .format(self.interval))
+            if not 0 < self.min_scale <= self.max_scale < numpy.inf:
+                raise ValueError('need 0 < loss_scaling_min <= loss_scaling_max < inf; got {} '
+                                 'and {}'.format(self.min_scale, self.max_scale))
+        host = _host(self.state)
+        scale = float(host[SCALE:SCALE + 1].view(numpy.float32)[0])
+        if not 0 < scale < numpy.inf:
+            raise ValueError('loss_scaler holds the loss scale {}: it must be a positive finite '
+                             'number'.format(scale))
+        if self.mode == DYNAMIC and not self.min_scale <= scale <= self.max_scale:
+            raise ValueError('loss_scaler holds the loss scale {}, outside [loss_scaling_min, '
+                             'loss_scaling_max] = [{}, {}]'.format(scale, self.min_scale,
+                                                                   self.max_scale))
+        if host[FOUND_INF] or host[DONE]:
+            raise ValueError('loss_scaler holds a step in progress (overflow flag {}, block '
+                             'counter {}); a saved state has both 0'.format(host[FOUND_INF],
+                                                                        host[DONE]))
+
     def to_device(self, xp):
         """Move the state next to the parameters (numpy or cupy)."""
         if not isinstance(self.state, xp.ndarray):

@@ -332,11 +332,27 @@ class MomentumSGD(chainer_optimizer.GradientMethod):
         """Saves/loads what Chainer's MomentumSGD does (``t``, ``epoch``, and per parameter its
         rule's ``t`` and momentum ``v``), plus the float32 ``master`` of float16 parameters and the
         loss-scale configuration and state. Files move both ways between Chainer's optimizer
-        and this one (see docs/optimizer.md)."""
+        and this one (see docs/optimizer.md).
+
+        Loading is all or nothing: the loaded loss-scaling configuration and state are
+        validated (an error names the key and the value), and if anything fails, every value
+        the load had changed is put back."""
+        if not isinstance(serializer, chainer.serializer.Deserializer):
+            self._serialize(serializer)
+            return
+        backup = self._backup()
+        try:
+            self._serialize(serializer)
+            self._scaler.validate()
+        except Exception:
+            self._restore(backup)
+            raise
+
+    def _serialize(self, serializer):
         self.t = serializer('t', self.t)
         self.epoch = serializer('epoch', self.epoch)
         sc = self._scaler
-        try:
+        if _has_key(serializer, 'loss_scaling_mode'):   # none in a Chainer optimizer's file
             sc.mode = int(serializer('loss_scaling_mode', sc.mode))
             sc.interval = int(serializer('loss_scaling_interval', sc.interval))
             sc.min_scale = float(serializer('loss_scaling_min', sc.min_scale))
@@ -344,12 +360,57 @@ class MomentumSGD(chainer_optimizer.GradientMethod):
             state = serializer('loss_scaler', sc.state)
             if state is not None and state is not sc.state:   # loaded before the first build
                 sc.state[...] = state
-        except KeyError:          # a snapshot of Chainer's optimizer: no loss-scaler entries
-            pass
         self._clock.forget()
         with variable._AllowArrayAccessWithNonstandardLayout():
             for name, param in _flat.unique_params(self.target.namedparams()):
                 param.update_rule.serialize(serializer[name])
+
+    def _backup(self):
+        sc = self._scaler
+        rules = []
+        for _, param in _flat.unique_params(self.target.namedparams()):
+            rule = param.update_rule
+            state = rule._state
+            rules.append((rule, rule.t, None if state is None else
+                           {k: v.copy() for k, v in state.items()}))
+        return (self.t, self.epoch, (sc.mode, sc.interval, sc.min_scale, sc.max_scale),
+                sc.state.copy(), rules)
+
+    def _restore(self, backup):
+        t, epoch, config, state, rules = backup
+        sc = self._scaler
+        self.t, self.epoch = t, epoch
+        sc.mode, sc.interval, sc.min_scale, sc.max_scale = config
+        sc.state[...] = state
+        self._clock.forget()
+        for rule, rule_t, saved in rules:
+            if saved is None:
+                rule._state = None
+            else:
+                current = rule._state or {}
+                for k, v in saved.items():
+                    if k in current and current[k].shape == v.shape:
+                        current[k][...] = v          # in place: the flat buffers' views
+                    else:
+                        current[k] = v
+                rule._state = current
+            rule.t = rule_t
+
+
+def _has_key(serializer, key):
+    """Whether a deserializer's file holds ``key`` (Chainer's deserializers raise KeyError for
+    a missing key only when strict; ours asks first so that a load is all or nothing)."""
+    npz = getattr(serializer, 'npz', None)
+    if npz is not None:
+        return serializer.path + key in npz
+    group = getattr(serializer, 'group', None)          # HDF5
+    if group is not None:
+        return key in group
+    try:
+        serializer(key, None)
+        return True
+    except KeyError:
+        return False
 
 
 class _KernelStep:
