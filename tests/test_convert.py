@@ -62,3 +62,20 @@ def test_unconvertible():
         TL.to_nchw(TL.BatchNormAddReLU(4))
     with pytest.raises(TypeError, match='must be a chainer.Link'):
         TL.to_nhwc(object())
+
+
+def test_sequential_forward_uses_the_converted_links():
+    numpy.random.seed(0)
+    seq = chainer.Sequential(L.Convolution2D(3, 4, 3, pad=1), L.BatchNormalization(4), F.relu)
+    x = numpy.random.randn(2, 3, 5, 5).astype(numpy.float32)
+    ref = seq(x).array
+    TL.to_nhwc(seq)
+    assert all(a is b for a, b in zip(seq._layers[:2], seq.children()))
+    assert isinstance(seq._layers[0], TL.Convolution2D)
+    y = seq(x.transpose(0, 2, 3, 1).copy()).array
+    numpy.testing.assert_allclose(y.transpose(0, 3, 1, 2), ref, rtol=1e-5, atol=1e-5)
+    params = {id(p) for p in seq.params()}
+    seq.cleargrads()
+    F.sum(seq(x.transpose(0, 2, 3, 1).copy())).backward()
+    assert all(p.grad is not None for p in seq.params()), 'the optimizer trains what forward uses'
+    assert len(params) == 4

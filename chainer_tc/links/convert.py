@@ -84,11 +84,16 @@ def _convert(model, to_nhwc):
     if top is not None:
         return top
     if isinstance(model, chainer.ChainList):
+        replaced = {}
         for i, child in enumerate(list(model.children())):
             new = _convert(child, to_nhwc)
             if new is not child:
                 new.name = child.name
                 model._children[i] = new
+                replaced[id(child)] = new
+        layers = getattr(model, '_layers', None)        # chainer.Sequential calls these
+        if replaced and isinstance(layers, list):
+            model._layers = [replaced.get(id(layer), layer) for layer in layers]
     elif isinstance(model, chainer.Chain):
         for name in list(model._children):
             child = getattr(model, name)
