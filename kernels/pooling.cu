@@ -8,8 +8,9 @@
 //   (cover_all for max pooling only changes them).
 // Kernels and their launch shapes (templates on T in {__half, float, double}; any 1-D grid, block
 // POOL_THREADS, grid-stride loops; all pointers C-contiguous):
-//   max_pool_forward<T>(s, x, y, argmax)     y[n,oh,ow,c] = max over the window; argmax = the
-//                                            window offset i*kw+j of the first maximum (int32).
+//   max_pool_forward<T>(s, x, y, argmax)     y[n,oh,ow,c] = max over the window (NaN if the
+//                                            window holds one); argmax = the window offset
+//                                            i*kw+j of the first maximum (first NaN) (int32).
 //   max_pool_backward<T>(s, gy, argmax, gx)  gx[n,h,w,c] = sum of gy over the outputs whose
 //                                            argmax is (h, w) (a gather: deterministic, no atomics).
 //   avg_pool_forward<T>(s, x, y)             y = sum over the window / (kh*kw).
@@ -81,7 +82,9 @@ __device__ __forceinline__ void forward(const PoolShape& s, const T* __restrict_
         const A v = load(x, (((long long)n * s.H + h) * s.W + w) * s.C + c);
         if (!kMax) {
           acc += v;
-        } else if (v > acc) {          // strict: ties keep the first maximum, as Chainer
+        } else if (v > acc || (v != v && acc == acc)) {
+          // strict: ties keep the first maximum; the first NaN wins and stays (as Chainer's
+          // argmax over the window does: NaN propagates)
           acc = v;
           where = a * s.kw + b;
         }

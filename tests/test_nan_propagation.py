@@ -29,3 +29,45 @@ def test_nan_in_gives_nan_out_where_chainer_gives_it(monkeypatch, path, with_z, 
     numpy.testing.assert_array_equal(numpy.isnan(y), numpy.isnan(ref))
     finite = ~numpy.isnan(ref)
     numpy.testing.assert_allclose(y[finite], ref[finite], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize('path', ['numpy', 'emulator'])
+@pytest.mark.parametrize('dtype', [numpy.float16, numpy.float32, numpy.float64])
+def test_max_pooling_propagates_nan_like_chainer(monkeypatch, path, dtype):
+    monkeypatch.setenv('CHAINER_TC_EMULATE', '1' if path == 'emulator' else '0')
+    r = numpy.random.RandomState(1)
+    x = r.randn(2, 7, 6, 3).astype(dtype)
+    x[0, 1, 2, 0] = numpy.nan          # inside several windows
+    x[1, 6, 5, 2] = numpy.nan          # a corner
+    x[1, 3, 3, 1] = numpy.nan
+    x[1, 3, 4, 1] = numpy.nan          # two NaN in one window: the first one's gradient
+    xv = chainer.Variable(x)
+    y = TF.max_pooling_2d(xv, 3, stride=2, pad=1)
+    rv = chainer.Variable(x.transpose(0, 3, 1, 2).copy())
+    ref = F.max_pooling_2d(rv, 3, stride=2, pad=1)
+    numpy.testing.assert_array_equal(y.array, ref.array.transpose(0, 2, 3, 1))
+    gy = r.randn(*y.shape).astype(dtype)
+    y.grad = gy
+    y.backward()
+    ref.grad = gy.transpose(0, 3, 1, 2).copy()
+    ref.backward()
+    # where windows overlap, gradients are summed in another order (and in float32 for float16
+    # data): a rounding apart; the NaN-free positions and the routing are what is tested
+    eps = numpy.finfo(dtype).eps
+    numpy.testing.assert_allclose(xv.grad, rv.grad.transpose(0, 2, 3, 1), rtol=2 * eps,
+                                  atol=4 * eps)
+
+
+@pytest.mark.gpu
+def test_cudnn_fused_path_propagates_nan_like_chainer():
+    import cupy
+    r = numpy.random.RandomState(0)
+    x = r.randn(2, 3, 4, 8).astype(numpy.float16)         # float16 NHWC, C % 4 == 0: cuDNN's
+    z = r.randn(*x.shape).astype(numpy.float16)
+    gamma, beta = r.rand(8).astype(numpy.float32) + 0.5, r.randn(8).astype(numpy.float32)
+    x[0, 1, 1, 3] = numpy.nan
+    y = TF.batch_normalization_add_relu(*(cupy.asarray(a) for a in (x, z, gamma, beta))).array
+    ref = F.relu(F.batch_normalization(x.astype(numpy.float32).transpose(0, 3, 1, 2), gamma,
+                                       beta) + z.astype(numpy.float32).transpose(0, 3, 1, 2))
+    numpy.testing.assert_array_equal(numpy.isnan(cupy.asnumpy(y)),
+                                     numpy.isnan(ref.array.transpose(0, 2, 3, 1)))

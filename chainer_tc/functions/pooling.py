@@ -111,8 +111,8 @@ class MaxPooling2D(_Pooling2D):
                 v = xpad[sl]
                 if y is None:
                     y, argmax = v.copy(), numpy.zeros(v.shape, numpy.int32)
-                else:
-                    better = v > y
+                else:        # the first NaN wins and stays, as with Chainer's argmax
+                    better = (v > y) | (numpy.isnan(v) & ~numpy.isnan(y))
                     numpy.copyto(y, v, where=better)
                     numpy.copyto(argmax, i * self.kw + j, where=better)
         else:
