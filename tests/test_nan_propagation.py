@@ -71,3 +71,17 @@ def test_cudnn_fused_path_propagates_nan_like_chainer():
                                        beta) + z.astype(numpy.float32).transpose(0, 3, 1, 2))
     numpy.testing.assert_array_equal(numpy.isnan(cupy.asnumpy(y)),
                                      numpy.isnan(ref.array.transpose(0, 2, 3, 1)))
+
+
+def test_resnet50_fed_a_nan_pixel_gives_nan_logits_as_chainer():
+    from chainer_tc.models import ResNet50
+    r = numpy.random.RandomState(0)
+    x = r.randn(2, 3, 32, 32).astype(numpy.float32)
+    x[1, 0, 5, 7] = numpy.nan
+    outs = []
+    for layout in ('NCHW', 'NHWC'):
+        numpy.random.seed(0)
+        model = ResNet50(layout, n_classes=5, width=16)
+        outs.append(model(x if layout == 'NCHW' else x.transpose(0, 2, 3, 1).copy()).array)
+    assert numpy.isnan(outs[0]).any()
+    numpy.testing.assert_array_equal(numpy.isnan(outs[1]), numpy.isnan(outs[0]))
