@@ -10,6 +10,7 @@ from chainer_tc import optimizers
 STEPS = 8
 OVERFLOW_STEP = 5
 GLOBAL_BATCH = 8
+DALI_IMAGES = 13          # odd: the two shards differ in size
 
 
 class Net(chainer.Chain):

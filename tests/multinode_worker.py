@@ -20,8 +20,38 @@ import multinode_common as common  # noqa: E402
 from chainer_tc import multinode  # noqa: E402
 
 
+def shards(comm, outdir):
+    """Each rank reads its DALI shard of a small real image set for one epoch, and evaluates
+    the mean label over the whole set with multinode.Evaluator."""
+    import chainer.functions as F
+    import dali_data
+    from chainer_tc import dali
+    data = dali_data.make_dataset(os.path.join(outdir, 'data-{}'.format(comm.rank)),
+                                  n=common.DALI_IMAGES)
+
+    def iterator():
+        pipe = dali.imagenet_pipeline(data.root, data.ids_list, train=False, device='cpu',
+                                      crop=32, num_threads=1, shard_id=comm.rank,
+                                      num_shards=comm.size)
+        return dali.DaliIterator(pipe, 3, repeat=False)
+
+    labels = numpy.concatenate([numpy.asarray(t) for _, t in
+                                (dali.converter(b) for b in iterator())])
+
+    class MeanLabel(chainer.Link):
+        def forward(self, x, t):
+            chainer.report({'label': F.mean(F.cast(t, numpy.float64))}, self)
+
+    ev = multinode.Evaluator(iterator(), MeanLabel(), comm, converter=dali.converter)
+    result = ev()
+    numpy.savez(os.path.join(outdir, 'dali-{}.npz'.format(comm.rank)), labels=labels,
+                mean=result[[k for k in result if k.endswith('/label')][0]], keys=sorted(result))
+
+
 def main(case, outdir):
     comm = chainermn.create_communicator('naive')
+    if case == 'dali':
+        return shards(comm, outdir)
     dtype = numpy.float16 if 'fp16' in case else numpy.float32
     with chainer.using_config('dtype', dtype):
         model = common.Net(seed=comm.rank)            # different on each rank until broadcast

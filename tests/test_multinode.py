@@ -87,3 +87,12 @@ def test_our_step_on_two_ranks_equals_one_process_with_one_collective_per_step(t
 @pytest.mark.parametrize('case, tol', [('chainermn-fp32', FP32), ('chainermn-fp16', FP16)])
 def test_chainermn_wrapper_around_our_optimizer_equals_one_process(tmp_path, case, tol):
     check(case, run_ranks(case, tmp_path), **tol)
+
+
+def test_dali_shards_cover_the_data_once_and_validation_counts_every_image_once(tmp_path):
+    r0, r1 = run_ranks('dali', tmp_path)
+    labels = numpy.concatenate([r0['labels'], r1['labels']])
+    assert sorted(labels.tolist()) == list(range(common.DALI_IMAGES)), 'disjoint, complete'
+    assert abs(len(r0['labels']) - len(r1['labels'])) == 1
+    expected = (common.DALI_IMAGES - 1) / 2.0                 # mean of the labels 0..12
+    assert float(r0['mean']) == float(r1['mean']) == pytest.approx(expected, rel=1e-12)

@@ -6,4 +6,5 @@ package adds a TrainStep that averages all gradients in one collective on one bu
 docs/multinode.md.
 """
 from chainer_tc.multinode.allreduce import GradientAllreduce  # NOQA
+from chainer_tc.multinode.evaluator import Evaluator  # NOQA
 from chainer_tc.multinode.step import TrainStep  # NOQA

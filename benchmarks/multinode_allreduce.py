@@ -1,0 +1,124 @@
+"""Gradient allreduce + update per step on 2 CPU ranks, ResNet-50's parameter set: chainer_tc's
+one collective on one buffer against ChainerMN's paths, measured in one run.
+
+    .venv/bin/python benchmarks/multinode_allreduce.py [--repeat 5] [--out results.json]
+
+(it starts itself under ``mpiexec -n 2``). Per step, with the 161 gradients of
+``chainer.links.ResNet50Layers`` (25.6M float32 elements) on each rank:
+- chainermn naive: ``communicator.multi_node_mean_grad(model)`` (ChainerMN's default on CPUs: one
+  MPI Allreduce per parameter) + chainer_tc's MomentumSGD update;
+- chainer_tc: ``chainer_tc.multinode.GradientAllreduce`` on the flat gradient buffers a
+  TrainStep replay leaves (one collective, no packing) + the update over flat buffers.
+(ChainerMN's packing communicators, ``flat`` and ``pure_nccl``, keep their buffers on a GPU: not
+measurable here.) Prints a table (rank 0) and writes JSON. Not part of the tests.
+"""
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+import numpy
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _launch(argv):
+    mpiexec = os.path.join(os.path.dirname(sys.executable), 'mpiexec')
+    cmd = [mpiexec, '--allow-run-as-root', '--oversubscribe', '-n', '2', sys.executable,
+           os.path.abspath(__file__), '--rank-worker'] + argv
+    return subprocess.call(cmd)
+
+
+def _worker(args):
+    import chainer_tc  # noqa: F401  (before chainer)
+    import chainermn
+    from chainer_tc import multinode
+    from chainer_tc import optimizers
+
+    sys.path.insert(0, HERE)
+    import optimizer_update as ou
+
+    rows = []
+    comm = None
+    for variant in ('chainermn naive', 'chainer_tc'):
+        comm = chainermn.create_communicator('naive')
+        model = ou.resnet50_params(numpy.float32)
+        opt = optimizers.MomentumSGD(lr=ou.LR, momentum=ou.MOMENTUM,
+                                     weight_decay=ou.WD).setup(model)
+        ou.set_grads(model, numpy, seed=comm.rank)
+        if variant == 'chainer_tc':
+            flat = opt._flat
+            buffers, views = flat.grad_buffers()
+            for e, v in zip(flat.entries, views):
+                v[...] = e.param.grad
+            reduce = multinode.GradientAllreduce(comm)
+            plan = opt._plan(flat, views, flat_grads=buffers)
+
+            def step():
+                reduce(buffers)
+                opt._step(plan)
+            collectives = lambda: reduce.collectives      # noqa: E731
+        else:
+            count = [0]
+            real = comm.mpi_comm
+
+            class Counting:
+                """The MPI communicator, counting Allreduce calls."""
+
+                def __getattr__(self, name):
+                    return getattr(real, name)
+
+                def Allreduce(self, *a, **k):
+                    count[0] += 1
+                    return real.Allreduce(*a, **k)
+            comm.mpi_comm = Counting()
+
+            def step():
+                comm.multi_node_mean_grad(model)
+                opt.update()
+            collectives = lambda: count[0]                 # noqa: E731
+        step()                                             # warm-up
+        comm.mpi_comm.Barrier()
+        before = collectives()
+        times = []
+        for _ in range(args.repeat):
+            comm.mpi_comm.Barrier()
+            t = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t)
+        rows.append({'variant': variant, 'ms_per_step': 1e3 * float(numpy.median(times)),
+                     'collectives_per_step': (collectives() - before) / args.repeat})
+    if comm.rank != 0:
+        return 0
+    base = rows[0]['ms_per_step']
+    print('{:>16} {:>10} {:>8} {:>12}'.format('variant', 'ms/step', 'speedup', 'collectives'))
+    for r in rows:
+        r['speedup'] = base / r['ms_per_step']
+        print('{:>16} {:>10.1f} {:>7.2f}x {:>12.0f}'.format(
+            r['variant'], r['ms_per_step'], r['speedup'], r['collectives_per_step']))
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, 'w') as f:
+        json.dump({'benchmark': 'multinode_allreduce', 'ranks': comm.size,
+                   'machine': platform.platform(), 'cpus': os.cpu_count(),
+                   'parameters': 161, 'elements': 25557032, 'rows': rows}, f, indent=1)
+    print('wrote', args.out)
+    return 0
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    p.add_argument('--repeat', type=int, default=5)
+    p.add_argument('--out', default=os.path.join(HERE, 'results', 'multinode_allreduce.json'))
+    p.add_argument('--rank-worker', action='store_true', help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if not args.rank_worker:
+        return _launch([a for a in argv])
+    return _worker(args)
+
+
+if __name__ == '__main__':
+    sys.exit(main())
