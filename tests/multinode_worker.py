@@ -49,12 +49,17 @@ def shards(comm, outdir):
 
 
 def main(case, outdir):
-    comm = chainermn.create_communicator('naive')
+    nccl = case.startswith('nccl')
+    comm = chainermn.create_communicator('pure_nccl' if nccl else 'naive')
     if case == 'dali':
         return shards(comm, outdir)
     dtype = numpy.float16 if 'fp16' in case else numpy.float32
     with chainer.using_config('dtype', dtype):
         model = common.Net(seed=comm.rank)            # different on each rank until broadcast
+        if nccl:
+            import cupy
+            cupy.cuda.Device(comm.intra_rank).use()
+            model.to_device('@cupy:{}'.format(comm.intra_rank))
         opt = common.optimizer(model, dynamic='fp16' in case)
         results = {}
         if case.startswith('chainermn'):
@@ -70,13 +75,15 @@ def main(case, outdir):
                 x, t = common.shard(common.batch(s, dtype), comm.rank)
                 if case.endswith('overflow') and s == common.OVERFLOW_STEP and comm.rank == 1:
                     x = x * dtype(numpy.inf)          # only this rank's gradients overflow
+                if nccl:
+                    x, t = cupy.asarray(x), cupy.asarray(t)
                 step(x, t)
             results['collectives'] = step.allreduce.collectives
             results['replays'] = step.replays
         results['skipped'] = opt.skipped_steps
         results['scale'] = opt.loss_scale if opt.loss_scale is not None else 0.0
         for name, p in model.namedparams():
-            results['param' + name] = p.array
+            results['param' + name] = chainer.backend.CpuDevice().send(p.array)
     numpy.savez(os.path.join(outdir, '{}-{}.npz'.format(case, comm.rank)), **results)
 
 

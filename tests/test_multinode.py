@@ -96,3 +96,16 @@ def test_dali_shards_cover_the_data_once_and_validation_counts_every_image_once(
     assert abs(len(r0['labels']) - len(r1['labels'])) == 1
     expected = (common.DALI_IMAGES - 1) / 2.0                 # mean of the labels 0..12
     assert float(r0['mean']) == float(r1['mean']) == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('case', ['nccl-fp32', 'nccl-fp16'])
+def test_nccl_step_on_two_gpus_equals_one_process(tmp_path, case):
+    import cupy
+    if cupy.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip('needs two GPUs')
+    ranks = run_ranks(case, tmp_path)
+    # cuBLAS sums in another order than NumPy: float32 at 1e-4 of each array's scale
+    check(case, ranks, **(FP16 if 'fp16' in case else dict(rtol=1e-4, atol=1e-4)))
+    for r in ranks:
+        assert int(r['collectives']) == common.STEPS
