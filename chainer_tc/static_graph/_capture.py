@@ -25,9 +25,10 @@ from chainer_tc.static_graph import _trace
 
 
 class CapturedStep:
-    """One input signature's step as a CUDA graph; building it performs the current step."""
+    """One input signature's step as a CUDA graph; building it performs the current step
+    (``first_loss``). :meth:`validate` then checks that the graph may be replayed."""
 
-    def __init__(self, step, entry, externals):
+    def __init__(self, step, entry):
         import cupy
         opt = step.optimizer
         flat = opt._flat
@@ -72,17 +73,23 @@ class CapturedStep:
         trace = rec.trace
         trace.grads, trace.loss, trace.inputs = recorded_grads, loss.array, entry.buffers
         self.buffers = buffers           # referenced by the graph
-        # the same checks as the CPU replay: a value frozen into the graph must be a constant
-        self.program = _program.Program(entry.first, trace, externals + list(entry.buffers))
         self.graph = graph
         self.trace = trace               # keeps every array the graph touches referenced
         self.loss = loss.array
         self.grads = [(e.param, g) for e, g in zip(flat.entries, grads)]
         self.flat = flat
+        self.program = None
         self.graph.upload(self.stream)
-        self._launch(step, first=True)
+        # this step: the reports made while capturing hold the graph's arrays, valid once it ran
+        self.first_loss = self._launch(step, report=False)
 
-    def _launch(self, step, first=False):
+    def validate(self, first, externals):
+        """The same checks as the CPU replay, on the values this step computed (so after its
+        launch): a value frozen into the graph must be a constant. Raises NotReplayable."""
+        self.stream.synchronize()
+        self.program = _program.Program(first, self.trace, externals)
+
+    def _launch(self, step, report=True):
         """Replay: host-side writes, then the graph; with optimizer hooks, the graph holds
         forward and backward, and the update runs eagerly after it (hooks may synchronise)."""
         opt = step.optimizer
@@ -95,7 +102,8 @@ class CapturedStep:
                 opt.update()
             else:
                 opt.t += 1
-            self.program.report()
+            if report:
+                self.program.report()
             return chainer.Variable(self.loss.copy(), requires_grad=False)
 
     def run(self, step):

@@ -265,18 +265,26 @@ class TrainStep:
 
     def _capture(self, entry, inputs):
         from chainer_tc.static_graph import _capture
+        first, entry.first = entry.first, None
         try:
-            entry.replay = _capture.CapturedStep(self, entry, self._externals(entry.first))
-        except _program.NotReplayable as e:
+            captured = _capture.CapturedStep(self, entry)      # runs this step
+        except _program.NotReplayable as e:                    # nothing ran: run it eagerly
             entry.failed = str(e)
-            entry.first = None
             self._warn('failed:' + str(e), 'TrainStep: this step cannot be captured, it runs '
                                             'eagerly: {}'.format(e))
             return self._eager(inputs)
-        entry.first = None
+        try:
+            captured.validate(first, self._externals(first) + list(entry.buffers))
+        except _program.NotReplayable as e:                    # this step ran; later ones eager
+            entry.failed = str(e)
+            self._warn('failed:' + str(e), 'TrainStep: this step cannot be replayed, it runs '
+                                            'eagerly: {}'.format(e))
+            self.eager_steps += 1
+            return captured.first_loss
+        entry.replay = captured
         self.traces += 1
         self.replays += 1
-        return chainer.Variable(entry.replay.loss.copy(), requires_grad=False)
+        return captured.first_loss
 
     def _replay(self, entry, inputs):
         self.replays += 1
