@@ -14,26 +14,20 @@ array computations, counted as ops). All variants are measured in one run, inter
 the speedups are ratios against the baseline of the same run. Prints a table, writes JSON.
 """
 import argparse
-import contextlib
-import io
-import json
 import os
 import platform
 import sys
-import time
 import warnings
 
 import numpy
 
-import chainer_tc  # noqa: F401  (before chainer)
+import _common
 import chainer
-import chainer.functions as F
 
 from chainer.graph_optimizations.static_graph import static_graph
 
 from chainer_tc import optimizers
 from chainer_tc.models import ResNet50
-from chainer_tc.static_graph import TrainStep
 
 VARIANTS = ('baseline', 'chainer.static_graph', 'chainer_tc', 'TrainStep')
 
@@ -44,16 +38,6 @@ class StaticResNet50(ResNet50):
     @static_graph
     def forward(self, x):
         return super().forward(x)
-
-
-class NodeCounter(chainer.FunctionHook):
-    name = 'node_counter'
-
-    def __init__(self):
-        self.n = 0
-
-    def forward_preprocess(self, function, in_data):
-        self.n += 1
 
 
 def setup(variant):
@@ -69,64 +53,26 @@ def setup(variant):
     return model, opt
 
 
-class Runner:
-    """One variant at one batch size: ``run()`` does one training iteration."""
+def runner(variant, batch):
+    """One variant at one batch size (the images in float32, cast by the model)."""
+    model, opt = setup(variant)
+    return _common.TinyStep(variant, model, opt, batch, replay=variant == 'TrainStep')
 
-    def __init__(self, variant, batch):
-        self.variant, self.batch = variant, batch
-        self.model, self.opt = setup(variant)
-        r = numpy.random.RandomState(0)
-        x = r.randn(batch, 3, 32, 32).astype(numpy.float32)
-        self.x = x if variant in ('baseline', 'chainer.static_graph') \
-            else x.transpose(0, 2, 3, 1).copy()
-        self.t = r.randint(0, 10, batch).astype(numpy.int32)
-        model = self.model
 
-        def lossfun(x, t):
-            return F.softmax_cross_entropy(model(x), t)
-        self.lossfun = lossfun
-        self.step = TrainStep(model, self.opt, lossfun) if variant == 'TrainStep' else None
-        self.times = []
-
-    def run(self):
-        with contextlib.redirect_stdout(io.StringIO()):   # chainer.static_graph prints
-            if self.step is not None:
-                self.step(self.x, self.t)
-            else:
-                self.opt.update(self.lossfun, self.x, self.t)
-
-    def timed(self):
-        s = time.perf_counter()
-        self.run()
-        self.times.append(time.perf_counter() - s)
-
-    def nodes_per_iter(self):
-        counter = NodeCounter()
-        with counter:
-            self.run()
-        return counter.n
-
-    def result(self):
-        row = {'variant': self.variant, 'batch': self.batch,
-               'ms_per_iter': 1e3 * float(numpy.median(self.times)),
-               'function_nodes_per_iter': self.nodes_per_iter(),
-               'params': len(list(self.model.params()))}
-        if self.step is not None:
-            replay = next(iter(self.step._entries.values())).replay
-            row['replayed_ops_per_iter'] = len(replay.program._ops)
-            row['replays'] = self.step.replays
-        return row
+def result(r):
+    row = {'variant': r.name, 'batch': r.batch, 'ms_per_iter': r.ms_per_iter(),
+           'function_nodes_per_iter': sum(r.census().values()),
+           'params': len(list(r.model.params()))}
+    if r.step is not None:
+        row['replayed_ops_per_iter'] = r.replayed_ops()
+        row['replays'] = r.step.replays
+    return row
 
 
 def measure(batch, iters, warmup=5):
-    runners = [Runner(v, batch) for v in VARIANTS]
-    for r in runners:
-        for _ in range(warmup):
-            r.run()
-    for _ in range(iters):                     # interleaved: drift hits every variant alike
-        for r in runners:
-            r.timed()
-    return [r.result() for r in runners]
+    runners = [runner(v, batch) for v in VARIANTS]
+    _common.interleave(runners, iters, warmup)   # drift hits every variant alike
+    return [result(r) for r in runners]
 
 
 def main(argv=None):
@@ -151,10 +97,9 @@ def main(argv=None):
         print('{:>22} {:>5} {:>9.2f} {:>7.2f}x {:>11} {:>11}'.format(
             r['variant'], r['batch'], r['ms_per_iter'], r['speedup'],
             r['function_nodes_per_iter'], r.get('replayed_ops_per_iter', '')))
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, 'w') as f:
-        json.dump({'benchmark': 'framework_overhead', 'machine': platform.platform(),
-                   'cpus': os.cpu_count(), 'rows': rows}, f, indent=1)
+    _common.write_json(args.out, {'benchmark': 'framework_overhead',
+                                  'machine': platform.platform(), 'cpus': os.cpu_count(),
+                                  'rows': rows})
     print('wrote', args.out)
     return 0
 

@@ -29,7 +29,7 @@ import time
 
 import numpy
 
-import chainer_tc  # noqa: F401  (before chainer)
+import _common
 import chainer
 
 from chainer_tc import dali
@@ -38,9 +38,7 @@ MEAN = numpy.array(dali.IMAGENET_MEAN, numpy.float32) * 255
 STD = numpy.array(dali.IMAGENET_STD, numpy.float32) * 255
 
 
-def progress(msg, end='\n'):
-    sys.stderr.write('\r\033[K' + msg + end if sys.stderr.isatty() else msg + '\n')
-    sys.stderr.flush()
+progress = _common.progress
 
 
 def make_images(directory, n, seed=0):
@@ -71,11 +69,16 @@ def make_images(directory, n, seed=0):
 class RandomResizedCropFlip(object):
     """The training augmentation with PIL, as DALI's: random resized crop (torchvision's sampling:
     area and log-uniform aspect ratio, 10 tries, then a centre crop), bilinear resize to ``crop``,
-    horizontal flip with probability 1/2, ImageNet normalisation, HWC float16."""
+    horizontal flip with probability 1/2, ImageNet normalisation, HWC (or ``layout='CHW'``) in
+    ``dtype`` (default float16)."""
 
-    def __init__(self, crop, area=(0.08, 1.0), ratio=(3 / 4, 4 / 3)):
+    def __init__(self, crop, area=(0.08, 1.0), ratio=(3 / 4, 4 / 3), layout='HWC',
+                 dtype=numpy.float16):
+        if layout not in ('HWC', 'CHW'):
+            raise ValueError("layout must be 'HWC' or 'CHW'; got {!r}".format(layout))
         self.crop, self.area, self.log_ratio = crop, area, (math.log(ratio[0]),
                                                             math.log(ratio[1]))
+        self.layout, self.dtype = layout, numpy.dtype(dtype)
 
     def box(self, w, h, rnd):
         for _ in range(10):
@@ -97,15 +100,18 @@ class RandomResizedCropFlip(object):
         x = numpy.asarray(im, numpy.float32)
         if rnd.random() < 0.5:
             x = x[:, ::-1]
-        return ((x - MEAN) / STD).astype(numpy.float16), label
+        x = ((x - MEAN) / STD).astype(self.dtype)
+        return (x.transpose(2, 0, 1).copy() if self.layout == 'CHW' else x), label
 
 
-def chainer_iterator(list_file, root, batch, crop, processes):
+def chainer_iterator(list_file, root, batch, crop, processes, layout='HWC',
+                     dtype=numpy.float16):
     ds = chainer.datasets.LabeledImageDataset(list_file, root, dtype=numpy.uint8)
-    ds = chainer.datasets.TransformDataset(ds, RandomResizedCropFlip(crop))
+    ds = chainer.datasets.TransformDataset(ds, RandomResizedCropFlip(crop, layout=layout,
+                                                                     dtype=dtype))
     return chainer.iterators.MultiprocessIterator(
         ds, batch, n_processes=processes, n_prefetch=2,
-        shared_mem=crop * crop * 3 * 2 + 1024)
+        shared_mem=crop * crop * 3 * numpy.dtype(dtype).itemsize + 1024)
 
 
 def images_per_second(it, convert, batches, warmup, label):
@@ -147,14 +153,6 @@ def run_cpu(list_file, root, args):
             'rounds': {'dali_cpu': ours, 'chainer': theirs,
                        'ratio': [a / b for a, b in zip(ours, theirs)]},
             'threads_or_processes': args.threads, 'dali_wait_s': waits}
-
-
-def gpu_available():
-    try:
-        import cupy
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:
-        return False
 
 
 def run_gpu(list_file, root, args):
@@ -237,7 +235,8 @@ def main(argv=None):
         else:
             list_file, root = make_images(tmp, args.images), tmp
         cpu = run_cpu(list_file, root, args)
-        gpu = run_gpu(list_file, root, args) if not args.no_gpu and gpu_available() else None
+        gpu = (run_gpu(list_file, root, args) if not args.no_gpu and _common.gpu_available()
+               else None)
     result = {
         'benchmark': 'input_pipeline', 'crop': args.crop, 'batch': args.batch,
         'batches': args.batches, 'rounds': args.rounds,

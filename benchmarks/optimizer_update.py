@@ -26,7 +26,7 @@ import time
 
 import numpy
 
-import chainer_tc  # noqa: F401  (before chainer)
+import _common
 import chainer
 
 from chainer_tc import kernels
@@ -50,17 +50,21 @@ def set_grads(model, xp, seed=0):
         p.grad = xp.asarray(g)
 
 
-def chainer_optimizer(model, fp16):
-    opt = chainer.optimizers.MomentumSGD(lr=LR, momentum=MOMENTUM)
+def chainer_optimizer(model, fp16, loss_scaling=False, lr=LR):
+    """Chainer's recipe: MomentumSGD + WeightDecay (+ use_fp32_update for fp16, + its dynamic
+    loss scaling with ``loss_scaling``)."""
+    opt = chainer.optimizers.MomentumSGD(lr=lr, momentum=MOMENTUM)
     if fp16:
         opt.use_fp32_update()
     opt.setup(model)
     opt.add_hook(chainer.optimizer_hooks.WeightDecay(WD))
+    if loss_scaling:
+        opt.loss_scaling()
     return opt
 
 
-def ours_optimizer(model, fp16):
-    opt = optimizers.MomentumSGD(lr=LR, momentum=MOMENTUM, weight_decay=WD).setup(model)
+def ours_optimizer(model, fp16, lr=LR):
+    opt = optimizers.MomentumSGD(lr=lr, momentum=MOMENTUM, weight_decay=WD).setup(model)
     if fp16:
         opt.loss_scaling(initial_scale=1.0)     # scale 1: the synthetic gradients stay finite
     return opt
@@ -97,6 +101,13 @@ def copy_bandwidth(n_bytes=512 * 2 ** 20, repeat=5):
     return 2 * a.nbytes / best                  # read + write
 
 
+def gpu_peak_bandwidth():
+    """The current GPU's memory bandwidth from its attributes (bytes/s, read + write)."""
+    import cupy
+    attrs = cupy.cuda.Device().attributes
+    return 2 * attrs['MemoryClockRate'] * 1e3 * attrs['GlobalMemoryBusWidth'] / 8
+
+
 def _timed(f):
     t = time.perf_counter()
     f()
@@ -111,9 +122,32 @@ def bytes_per_update(model, fp16):
     return n * (22 + 2 if fp16 else 20)
 
 
-def chainer_launches(n_params, fp16):
+def chainer_bytes_per_update(model, fp16, loss_scaling=False):
+    """Bytes Chainer's update reads and writes, estimated from its code (per element): fp32:
+    WeightDecay (read p, g; write g) + momentum (read g, v, p; write v, p) = 32. fp16 with
+    use_fp32_update: + the gradient cast (read g16, write g32) and the parameter cast back (read
+    p32, write p16) = 44; with dynamic loss scaling + isfinite (read g16, write a bool),
+    all() (read the bools) and grad /= scale (read and write g32) = 56."""
+    n = sum(p.size for p in model.params())
+    per = 32
+    if fp16:
+        per += 6 + 6
+        if loss_scaling:
+            per += 3 + 1 + 8
+    return n * per
+
+
+def chainer_launches(n_params, fp16, loss_scaling=False):
     per = 2 + (2 if fp16 else 0)                # WeightDecay + momentum (+ 2 casts)
+    if loss_scaling:
+        per += 3                                # isfinite, all() (a host sync), grad /= scale
     return n_params * per
+
+
+def chainer_host_syncs(n_params, loss_scaling=False):
+    """Host synchronisations per update: Chainer's dynamic loss scaling reads
+    ``xp.all(xp.isfinite(grad))`` for every parameter; nothing else in its update does."""
+    return n_params if loss_scaling else 0
 
 
 def ours_launches(n_params, fp16):
@@ -123,19 +157,12 @@ def ours_launches(n_params, fp16):
         for i in range(n_params):
             setattr(model, 'p{}'.format(i),
                     chainer.Parameter(numpy.zeros(3, numpy.float16 if fp16 else numpy.float32)))
-    opt = ours_optimizer(model, fp16)
-    set_grads(model, numpy)
-    old = os.environ.get(kernels.ENV_EMULATE)
-    os.environ[kernels.ENV_EMULATE] = '1'
-    try:
+    with _common.emulated():
+        opt = ours_optimizer(model, fp16)
+        set_grads(model, numpy)
         opt.update()
         with kernels.count_launches() as c:
             opt.update()
-    finally:
-        if old is None:
-            del os.environ[kernels.ENV_EMULATE]
-        else:
-            os.environ[kernels.ENV_EMULATE] = old
     return c.total
 
 
@@ -174,14 +201,6 @@ def run_device(device, repeat, progress):
     return rows
 
 
-def gpu_available():
-    try:
-        import cupy
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:
-        return False
-
-
 def table(rows, peak):
     head = ('device', 'precision', 'optimizer', 'ms/update', 'speedup', 'launches', 'GB/s',
             '% of peak')
@@ -211,11 +230,8 @@ def main(argv=None):
 
     peak = {'cpu': copy_bandwidth()}
     rows = run_device('cpu', args.repeat, progress)
-    if not args.cpu_only and gpu_available():
-        import cupy
-        dev = cupy.cuda.Device()
-        attrs = dev.attributes
-        peak['gpu'] = 2 * attrs['MemoryClockRate'] * 1e3 * attrs['GlobalMemoryBusWidth'] / 8
+    if not args.cpu_only and _common.gpu_available():
+        peak['gpu'] = gpu_peak_bandwidth()
         rows += run_device('gpu', args.repeat, progress)
     sys.stderr.write('\r' + ' ' * 60 + '\r')
     print(table(rows, peak))
