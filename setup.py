@@ -50,6 +50,7 @@ extras_require = {
         'pytest>=7',
         'pillow',           # DALI tests: reference decoding, test images; dali-check's decode
         'scikit-learn',     # DALI tests: the sample photographs the test data set is cut from
+        'matplotlib',       # benchmarks/ablation.py's chart (tests/test_ablation_benchmark.py)
     ] + MPI,                # the 2-rank tests run under mpiexec
 }
 
