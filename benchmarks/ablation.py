@@ -531,7 +531,8 @@ def optimizer_table(opt):
             'launches', 'host syncs', 'GB/s', '% of copy bw')
     body = [(r['config'], r['device'], r['optimizer'] + ' ' + r['precision'],
              _f(r['ms_per_update'], '{:.1f}'), _f(r['speedup_vs_fp32'], '{:.2f}x'),
-             _f(r['speedup_vs_previous'], '{:.2f}x'), r['launches_per_update'], r['host_syncs_per_update'], _f(r['GB_per_s'], '{:.1f}'),
+             _f(r['speedup_vs_previous'], '{:.2f}x'), r['launches_per_update'],
+             r['host_syncs_per_update'], _f(r['GB_per_s'], '{:.1f}'),
              '{:.0f}%'.format(100 * r['fraction_of_copy_bandwidth'])) for r in opt['rows']]
     return '\n'.join([
         'Optimizer update, {} ({} elements; median of {} interleaved updates)'.format(
@@ -556,15 +557,19 @@ def pipeline_table(p):
 
 
 def gpu_table(gpu):
-    head = ('configuration', 'input', 'batch', 'images/s', 'vs fp32')
+    head = ('configuration', 'input', 'batch', 'images/s', 'vs fp32', 'TrainStep')
     body = []
     for r in gpu['rows']:
         if 'images_per_s' in r:
             ips = '{:.0f}'.format(r['images_per_s']) + (' (= fp16)' if 'same_as' in r else '')
         else:
             ips = r.get('error', '-')[:60]
+        note = ''
+        if 'replays' in r:      # a step TrainStep could not capture runs eagerly: say so
+            note = 'replayed' if r['eager_steps'] <= 3 else '{} eager steps'.format(
+                r['eager_steps'])
         body.append((r['config'], r['input'], r['batch'], ips,
-                     _f(r.get('speedup_vs_fp32'), '{:.2f}x')))
+                     _f(r.get('speedup_vs_fp32'), '{:.2f}x'), note))
     return '\n'.join(['GPU: {} ({}; median of {} repeats of {} iterations)'.format(
         gpu['device'], gpu['model'], gpu['repeats'], gpu['iters']),
         _common.format_table(head, body)])
