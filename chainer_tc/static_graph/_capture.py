@@ -42,7 +42,9 @@ class CapturedStep:
             buffers, views = flat.grad_buffers() if reduce is not None else (None, None)
             self.stream = cupy.cuda.Stream(non_blocking=False)
             opt._table.refresh(opt.hyperparam, opt._versions, opt._set_globals)
+            caller = cupy.cuda.get_current_stream()
             with self.stream, cupy.cuda.using_allocator(self.pool.malloc):
+                self.stream.wait_event(caller.record())     # the batch was loaded there
                 self.stream.synchronize()
                 self.stream.begin_capture()
                 graph = None
@@ -91,9 +93,19 @@ class CapturedStep:
 
     def _launch(self, step, report=True):
         """Replay: host-side writes, then the graph; with optimizer hooks, the graph holds
-        forward and backward, and the update runs eagerly after it (hooks may synchronise)."""
+        forward and backward, and the update runs eagerly after it (hooks may synchronise).
+        The caller's stream (where the batch was loaded) and the graph's stream wait for each
+        other, whatever stream the caller uses."""
+        with self.flat.device_scope():
+            caller = self.cupy.cuda.get_current_stream()
+            result = self._launch_on_stream(step, report, caller)
+            caller.wait_event(self.stream.record())         # what follows sees this step
+            return result
+
+    def _launch_on_stream(self, step, report, caller):
         opt = step.optimizer
-        with self.flat.device_scope(), self.stream:
+        with self.stream:
+            self.stream.wait_event(caller.record())         # the batch was loaded there
             opt._table.refresh(opt.hyperparam, opt._versions, opt._set_globals)
             self.graph.launch(self.stream)
             if self.hooks:
