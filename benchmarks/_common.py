@@ -170,13 +170,7 @@ class TinyStep:
 
     def replayed_ops(self):
         """Array computations one CPU replay runs, or None when the step is not replayed."""
-        if self.step is None:
-            return None
-        for entry in self.step._entries.values():
-            program = getattr(entry.replay, 'program', None)
-            if program is not None:
-                return len(program._ops)
-        return None
+        return None if self.step is None else self.step.replayed_ops
 
 
 def interleave(steps, iters, warmup):

@@ -126,6 +126,7 @@ def test_twenty_replayed_steps_equal_twenty_eager_steps(path, scaling):
     l1 = run_eager(m1, o1, data)
     l2, step = run_step(m2, o2, data)
     assert step.traces == 1 and step.replays == 20 - 3, 'warm-up, two recorded steps, replays'
+    assert step.replayed_ops > 20, 'forward and backward functions of the network'
     for a, b in zip(l1, l2):
         assert a.tobytes() == b.tobytes()
     assert_same(state(m1, o1), state(m2, o2))

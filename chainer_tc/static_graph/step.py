@@ -99,6 +99,16 @@ class TrainStep:
         self._flat = None
         self._warned = set()
 
+    @property
+    def replayed_ops(self):
+        """FunctionNode computations one replay of the most recently used signature runs (the
+        forward and backward functions the step applied), or None before it has a replay."""
+        for entry in reversed(list(self._entries.values())):
+            program = getattr(entry.replay, 'program', None)
+            if program is not None:
+                return len(program.trace.ops)
+        return None
+
     # ---- the step ---------------------------------------------------------------------------------
 
     def __call__(self, *args, **kwargs):
