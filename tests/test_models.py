@@ -118,6 +118,28 @@ def test_nhwc_model_has_no_transposes_and_fewer_nodes():
     assert sum(c_nhwc.values()) < sum(c_nchw.values())
 
 
+def test_unfused_nhwc_model_computes_the_same_with_separate_ops():
+    """fused=False (the example's --nhwc without --fused-bn): the same parameters and names, BN,
+    Add and ReLU as separate nodes, the same loss and gradients as the fused model."""
+    with chainer.using_config('dtype', numpy.float64):
+        fused, unfused = make('NHWC'), make('NHWC', fused=False)
+    assert fused.fused is True and unfused.fused is False
+    assert sorted(n for n, _ in fused.namedparams()) == sorted(n for n, _ in unfused.namedparams())
+    with chainer.using_config('dtype', numpy.float64):
+        l1, c1 = step(fused, 'NHWC')
+        l2, c2 = step(unfused, 'NHWC')
+    assert 'ReLU' not in c1 and c2['ReLU'] == 1 + 16 * 3      # the stem and 3 per block
+    assert l1 == pytest.approx(l2, rel=1e-12)
+    grads = dict(unfused.namedparams())
+    for name, p in fused.namedparams():
+        numpy.testing.assert_allclose(grads[name].grad, p.grad, rtol=1e-9, atol=1e-12,
+                                      err_msg=name)
+    with pytest.raises(ValueError, match="fused=True needs layout='NHWC'"):
+        ResNet50('NCHW', width=16, fused=True)
+    with pytest.raises(TypeError, match='fused must be True, False or None'):
+        ResNet50(width=16, fused=1)
+
+
 @pytest.mark.parametrize('version', ['1', '1.5'])
 def test_weights_move_between_layouts(tmp_path, version):
     nchw = make('NCHW', seed=1, version=version)

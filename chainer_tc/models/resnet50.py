@@ -26,11 +26,12 @@ VERSIONS = ('1', '1.5')
 class _Ops:
     """The links and functions of one layout and version."""
 
-    def __init__(self, layout, version):
+    def __init__(self, layout, version, fused):
         if layout not in ('NCHW', 'NHWC'):
             raise ValueError("layout must be 'NCHW' or 'NHWC'; got {!r}".format(layout))
         self.nhwc = layout == 'NHWC'
         self.version = version
+        self.fused = fused
 
     def conv(self, in_ch, out_ch, ksize, stride=1, pad=0):
         cls = TL.Convolution2D if self.nhwc else L.Convolution2D
@@ -40,13 +41,13 @@ class _Ops:
     def bn(self, ch, relu, zero_gamma=False):
         gamma = 0 if zero_gamma else None
         if self.nhwc:
-            cls = TL.BatchNormAddReLU if relu else TL.BatchNormalization
+            cls = TL.BatchNormAddReLU if relu and self.fused else TL.BatchNormalization
             return cls(ch, initial_gamma=gamma)
         return L.BatchNormalization(ch, initial_gamma=gamma)
 
     def bn_act(self, bn, x, z=None):
-        """relu(bn(x) + z): one fused op in NHWC, three in NCHW."""
-        if self.nhwc:
+        """relu(bn(x) + z): one fused op in NHWC (fused), up to three otherwise."""
+        if self.fused:
             return bn(x, z)
         h = bn(x)
         return F.relu(h if z is None else h + z)
@@ -108,6 +109,10 @@ class ResNet50(chainer.Chain):
             '1': the stride sits on the block's first 1x1 convolution and the max pooling is
             3x3/2 without padding, rounding up (``cover_all``): the architecture of Chainer's
             ImageNet example, whose checkpoints :func:`load_chainer_example` loads.
+        fused (bool): NHWC only: relu(BN(x) + z) as one fused op (``TL.BatchNormAddReLU``).
+            Default (None): True for NHWC. False: NHWC ``TL.BatchNormalization`` followed by
+            Chainer's add and ReLU (the unfused NHWC model, for ablations); the parameters and
+            their names are the same either way.
         zero_init_residual (bool): initialise the last BN's gamma of every block to 0, so each
             residual block starts as the identity (Goyal et al. 2017). Default (None): True for
             version '1.5' (NVIDIA's recipe), False for '1' (Chainer's example).
@@ -145,7 +150,7 @@ class ResNet50(chainer.Chain):
     insize = 224
 
     def __init__(self, layout='NHWC', n_classes=1000, width=1, version='1.5',
-                 zero_init_residual=None):
+                 zero_init_residual=None, fused=None):
         super().__init__()
         if version not in VERSIONS:
             raise ValueError("version must be '1.5' or '1' (a str); got {!r}".format(version))
@@ -161,12 +166,21 @@ class ResNet50(chainer.Chain):
         if not isinstance(zero_init_residual, bool):
             raise TypeError('zero_init_residual must be True, False or None (the default of the '
                             'version); got {!r}'.format(zero_init_residual))
+        if fused is None:
+            fused = layout == 'NHWC'
+        if not isinstance(fused, bool):
+            raise TypeError('fused must be True, False or None (True for NHWC); got {!r}'
+                            .format(fused))
+        if fused and layout != 'NHWC':
+            raise ValueError("fused=True needs layout='NHWC': the fused BN+Add+ReLU links are "
+                             "channels-last; got layout={!r}".format(layout))
         self.layout, self.version, self.width = layout, version, int(width)
+        self.fused = fused
         self.n_classes, self.zero_init_residual = int(n_classes), zero_init_residual
         self.dtype = chainer.get_dtype()
         self.head_dtype = numpy.dtype(numpy.float32) if self.dtype == numpy.float16 \
             else self.dtype
-        ops = self.ops = _Ops(layout, version)
+        ops = self.ops = _Ops(layout, version, fused)
         c = 64 // width
         with self.init_scope():
             self.conv1 = ops.conv(3, c, 7, stride=2, pad=3)
