@@ -84,6 +84,12 @@ def _open(file):
         npz = numpy.load(file, allow_pickle=False)
     except zipfile.BadZipFile as e:
         raise ValueError('{} is not a valid .npz file: {}'.format(name, e)) from None
+    except ValueError as e:
+        if 'pickled' not in str(e):
+            raise
+        # neither a zip archive nor a .npy array: numpy would take it for a pickle
+        raise ValueError('{} is not a valid .npz file (not a zip archive of .npy arrays; numpy '
+                         'would read it as a pickle, which is refused)'.format(name)) from None
     if not isinstance(npz, numpy.lib.npyio.NpzFile):
         raise ValueError('{} is a single .npy array, not an .npz file of named arrays; '
                          'chainer_tc.serializers.load_npz reads what save_npz writes'

@@ -104,8 +104,12 @@ def test_not_an_npz(tmp_path):
         serializers.load_npz(str(tmp_path / 'one.npy'), L.Linear(3, 2))
     with open(str(tmp_path / 'pickle.npz'), 'wb') as f:
         f.write(b'\x80\x03cbuiltins\nprint\n.')
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match='not a valid .npz file .*read it as a pickle, which is '
+                                         'refused'):
         serializers.load_npz(str(tmp_path / 'pickle.npz'), L.Linear(3, 2))
+    (tmp_path / 'text').write_text('not an archive')
+    with pytest.raises(ValueError, match="'.*text' is not a valid .npz file"):
+        serializers.read_npz(str(tmp_path / 'text'))
 
 
 def _trainer(out, stop):
