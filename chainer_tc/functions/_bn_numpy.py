@@ -35,7 +35,12 @@ def _wide(a, m):
 
 
 def _tile(v, m):
-    return numpy.tile(v, m) if m > 1 else v
+    """``v`` repeated ``m`` times (numpy.tile's result, without its Python overhead)."""
+    if m == 1:
+        return v
+    out = numpy.empty((m, v.shape[0]), v.dtype)
+    out[...] = v
+    return out.reshape(-1)
 
 
 _ONES = {}
