@@ -1,0 +1,664 @@
+#!/usr/bin/env python
+"""ResNet-50 on ImageNet with chainer_tc: the command line of Chainer's
+examples/imagenet/train_imagenet.py (7.8.1), plus one flag per technique.
+
+    python examples/imagenet/train_imagenet.py train.txt val.txt -R /data/imagenet -a resnet50 \\
+        -B 256 -d 0 --dtype float16 --dali --nhwc --fused-bn --batched-update --static-graph \\
+        --loss-scale dynamic
+
+A command line of Chainer's example (`-a resnet50`, `-d 0`, `--dali`, `--initmodel`, `-r`, ...)
+works unchanged here: only the script's path changes. Every flag, the recipes and the errors are
+in examples/imagenet/README.md.
+"""
+import argparse
+import math
+import os
+import sys
+
+import numpy
+
+import chainer_tc  # noqa: F401  (first: makes the pip-installed CUDA libraries visible)
+import chainer
+import chainer.functions as F
+import chainer.links as L
+from chainer import training
+from chainer.training import extensions
+
+from chainer_tc import dali
+from chainer_tc import optimizers
+from chainer_tc import serializers
+from chainer_tc.dali import normalisation
+from chainer_tc.models import load_chainer_example
+from chainer_tc.models import ResNet50
+from chainer_tc.static_graph import TrainStepUpdater
+
+import dataset_util
+
+PROG = os.path.basename(__file__)
+
+# name -> (ResNet-50 version, layout implied)
+ARCHS = {
+    'resnet50': ('1', None),            # Chainer's example's ResNet50: its checkpoints load
+    'resnet50_v1.5': ('1.5', None),     # NVIDIA's / torchvision's ResNet-50 v1.5
+    'resnet50_nhwc': ('1', 'NHWC'),     # Chainer's example's ResNet50_Nhwc: v1, channels last
+}
+DTYPES = ('float16', 'float32', 'float64')
+SCHEDULES = ('constant', 'step', 'cosine')
+STEP_MILESTONES = (30 / 90, 60 / 90, 80 / 90)   # x0.1 at epochs 30, 60, 80 of 90
+LOG_EVERY = 1000                                # iterations, at most (Chainer's example)
+
+
+class UsageError(Exception):
+    """A flag, a combination of flags or an input file that cannot work: reported on stderr
+    without a traceback, exit status 2."""
+
+
+# ---- the command line ---------------------------------------------------------------------------
+
+def _positive_int(text):
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError('expected a positive integer; got {!r}'.format(text))
+    return value
+
+
+def _non_negative_int(text):
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError('expected an integer >= 0; got {!r}'.format(text))
+    return value
+
+
+def _number(low, high=math.inf, low_open=False):
+    def parse(text):
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not (value > low if low_open else value >= low) or not value < high \
+                or not math.isfinite(value):
+            raise argparse.ArgumentTypeError('expected a number in {}{}, {}); got {!r}'.format(
+                '(' if low_open else '[', low, high, text))
+        return value
+    return parse
+
+
+def _loss_scale(text):
+    if text == 'dynamic':
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(
+            "expected 'dynamic' or a positive number (a static scale); got {!r}".format(text))
+    return value
+
+
+def make_parser():
+    p = argparse.ArgumentParser(
+        prog=PROG, description='Train ResNet-50 on ImageNet with chainer_tc (the command line of '
+        "Chainer's examples/imagenet/train_imagenet.py, one flag per technique). See "
+        'examples/imagenet/README.md.')
+    p.add_argument('train', help='training list file: "relative/path label" per line')
+    p.add_argument('val', help='validation list file, same format')
+    p.add_argument('--arch', '-a', choices=sorted(ARCHS), default='resnet50_v1.5',
+                   help="resnet50: ResNet-50 v1, Chainer's example's architecture (its "
+                   'checkpoints load with --initmodel); resnet50_v1.5 (default): stride on the '
+                   "3x3 convolutions, NVIDIA's; resnet50_nhwc: v1 with --nhwc. Chainer's other "
+                   'architectures (nin, alex, ...) are not provided')
+    p.add_argument('--batchsize', '-B', type=_positive_int, default=32,
+                   help='training minibatch size (default 32)')
+    p.add_argument('--val_batchsize', '-b', type=_positive_int, default=250,
+                   help='validation minibatch size (default 250)')
+    p.add_argument('--epoch', '-E', type=_positive_int, default=10,
+                   help='epochs to train (default 10)')
+    p.add_argument('--iterations', type=_positive_int,
+                   help='stop after this many iterations instead of --epoch epochs')
+    p.add_argument('--device', '-d', type=str, default='-1',
+                   help="Chainer's device specifier: -1 or @numpy (CPU, default), 0 or @cupy:0 "
+                   '(GPU 0)')
+    p.add_argument('--dtype', choices=DTYPES,
+                   help='float16, float32 or float64 (default: chainer.config.dtype, which '
+                   'CHAINER_DTYPE sets; float32 otherwise). The model follows it')
+    p.add_argument('--initmodel', help="start from this model file: one saved by this script "
+                   "(model_iter_N, snapshot_iter_N) or by Chainer's example")
+    p.add_argument('--loaderjob', '-j', type=_non_negative_int,
+                   help='data loading processes (DALI: threads; default: the CPUs). 0: load in '
+                   'the training process (reproducible crops, exact resume)')
+    p.add_argument('--mean', '-m', help='mean file (.npy, e.g. compute_mean.py\'s mean.npy): its '
+                   'channel means are subtracted and the pixels divided by 255, as in Chainer\'s '
+                   "example. Default: ImageNet's mean and standard deviation")
+    p.add_argument('--resume', '-r', default='', help='resume the training from this snapshot')
+    p.add_argument('--out', '-o', default='result', help='output directory (default result)')
+    p.add_argument('--root', '-R', default='.', help='directory the list files\' paths are '
+                   'relative to (default .)')
+    p.add_argument('--test', action='store_true',
+                   help='evaluate, snapshot and log every iteration (as Chainer\'s example)')
+    p.add_argument('--dali', action='store_true',
+                   help='decode and augment with DALI (chainer_tc.dali): on the GPU with a GPU '
+                   'device, on the CPU with -d -1')
+    p.add_argument('--gpu', '-g', dest='device', type=int, nargs='?', const=0,
+                   help='deprecated (as in Chainer\'s example): use --device')
+
+    t = p.add_argument_group('chainer_tc techniques')
+    t.add_argument('--nhwc', action='store_true',
+                   help='channels-last model and data (chainer_tc.links); no transposes')
+    t.add_argument('--fused-bn', action='store_true',
+                   help='fused relu(BN(x) + shortcut) links (needs --nhwc)')
+    t.add_argument('--batched-update', action='store_true',
+                   help='chainer_tc.optimizers.MomentumSGD: every parameter in one kernel, fp32 '
+                   'master weights, loss scaling on the device')
+    t.add_argument('--static-graph', action='store_true',
+                   help='trace the training step once, then replay it (a CUDA graph on a GPU; '
+                   'needs --batched-update)')
+    t.add_argument('--loss-scale', type=_loss_scale, metavar='{dynamic,N}',
+                   help='loss scaling: dynamic, or a static scale N. With --batched-update '
+                   "chainer_tc's (dynamic: from 2^15, halved on overflow), otherwise Chainer's "
+                   '(dynamic: from 1, doubled every 1000 steps)')
+
+    o = p.add_argument_group('optimisation')
+    o.add_argument('--lr', type=_number(0, low_open=True), default=0.01,
+                   help="base learning rate (default 0.01, Chainer's example's)")
+    o.add_argument('--momentum', type=_number(0, 1), default=0.9, help='default 0.9')
+    o.add_argument('--weight-decay', type=_number(0), default=0.0,
+                   help='L2 weight decay of the convolution and classifier weights (not of BN '
+                   'parameters or biases); default 0, as in Chainer\'s example')
+    o.add_argument('--warmup-epochs', type=_number(0), default=0.0,
+                   help='linear learning-rate warm-up from 0 over this many epochs (default 0)')
+    o.add_argument('--schedule', choices=SCHEDULES, default='constant',
+                   help='after the warm-up: constant (default), step (x0.1 at 1/3, 2/3 and 8/9 '
+                   'of the run: epochs 30, 60, 80 of 90) or cosine (to 0 at the end)')
+    o.add_argument('--label-smoothing', type=_number(0, 1), default=0.0,
+                   help='label smoothing epsilon (default 0; 0.1 is usual)')
+    o.add_argument('--seed', type=_non_negative_int,
+                   help='seed of the initial weights, the order and the augmentation (default: '
+                   'drawn, and printed)')
+
+    m = p.add_argument_group('model and data size')
+    m.add_argument('--width', type=_positive_int, default=1,
+                   help='divide every channel count by this (1, 2, 4, ..., 64): small models for '
+                   'small machines (default 1)')
+    m.add_argument('--insize', type=_positive_int, default=224,
+                   help='input height and width (default 224; at least 32)')
+    m.add_argument('--n-classes', type=_positive_int, default=1000,
+                   help='classes; labels must lie in [0, N) (default 1000)')
+
+    r = p.add_argument_group('reporting')
+    r.add_argument('--val-interval', type=_positive_int,
+                   help='evaluate and snapshot every N iterations (default: every epoch, and at '
+                   'the end)')
+    r.add_argument('--log-interval', type=_positive_int,
+                   help='log, print and plot every N iterations (default: every epoch or every '
+                   '{} iterations, whichever is shorter)'.format(LOG_EVERY))
+    return p
+
+
+def check_args(args):
+    """The combinations of flags that cannot work, each refused naming what it needs."""
+    if args.fused_bn and not args.nhwc:
+        raise UsageError('--fused-bn needs --nhwc: the fused BatchNorm+Add+ReLU links work on '
+                         'channels-last (NHWC) data')
+    if args.static_graph and not args.batched_update:
+        raise UsageError('--static-graph needs --batched-update: the replayed step keeps the '
+                         "learning rate and the loss scale in device memory, which only "
+                         "chainer_tc.optimizers.MomentumSGD does")
+    if args.dali and args.dtype == 'float64':
+        raise UsageError('--dali needs --dtype float16 or float32: DALI outputs no float64 images')
+    if 64 % args.width:
+        raise UsageError('--width must divide 64 (1, 2, 4, 8, 16, 32 or 64); got {}'
+                         .format(args.width))
+    if args.insize < 32:
+        raise UsageError('--insize must be at least 32 (ResNet-50 reduces its input 32 times); '
+                         'got {}'.format(args.insize))
+    if args.seed is not None and args.seed >= 2 ** 31:
+        raise UsageError('--seed must be below 2**31; got {}'.format(args.seed))
+    if not os.path.isdir(args.root):
+        raise UsageError('--root/-R {!r} does not exist or is not a directory'.format(args.root))
+    for flag, path in (('--initmodel', args.initmodel), ('--resume/-r', args.resume),
+                       ('--mean/-m', args.mean)):
+        if path and not os.path.isfile(path):
+            raise UsageError('{} {!r} does not exist or is not a file'.format(flag, path))
+
+
+def get_device(spec):
+    """Chainer's device for ``spec``, checked: NumPy or a CuPy GPU that exists."""
+    spec = str(spec)
+    try:
+        device = chainer.get_device(spec)
+    except Exception as e:      # ValueError, RuntimeError (ChainerX, iDeep unavailable), ...
+        raise UsageError('--device/-d {!r} is not a device here: {} (expected -1 or @numpy for '
+                         'the CPU, or a GPU: 0 or @cupy:0)'.format(spec, e)) from None
+    if device.xp is numpy:
+        return device
+    if device.xp is not chainer.backends.cuda.cupy:
+        raise UsageError('--device/-d {!r}: chainer_tc runs on NumPy (-1, @numpy) or CuPy '
+                         '(0, @cupy:0) devices; {} is not supported'.format(spec, device))
+    try:
+        count = chainer.backends.cuda.cupy.cuda.runtime.getDeviceCount()
+        why = '{} GPU(s) found'.format(count)
+    except Exception as e:      # no driver, ...
+        count, why = 0, 'CUDA: {}'.format(e)
+    if device.device.id >= count:
+        raise UsageError('--device/-d {!r}: there is no CUDA GPU {} on this machine ({}); use '
+                         '-d -1 for the CPU'.format(spec, device.device.id, why))
+    return device
+
+
+def resolve_dtype(args):
+    if args.dtype is not None:
+        chainer.config.dtype = numpy.dtype(args.dtype)
+    dtype = chainer.get_dtype()         # mixed16 (CHAINER_DTYPE) counts as float16
+    if dtype not in (numpy.float16, numpy.float32, numpy.float64):
+        raise UsageError('the model dtype is {}; use --dtype float16, float32 or float64'
+                         .format(dtype))
+    if args.dali and dtype == numpy.float64:
+        raise UsageError('--dali needs float16 or float32 (CHAINER_DTYPE is float64): DALI '
+                         'outputs no float64 images; pass --dtype')
+    return numpy.dtype(dtype)
+
+
+# ---- model and optimizer ------------------------------------------------------------------------
+
+def smoothed_cross_entropy(eps):
+    """Softmax cross entropy against labels smoothed by ``eps``: (1 - eps) of the weight on the
+    label, eps spread evenly over all classes. Built from Chainer functions of the logits and the
+    labels only, so the static-graph replay recomputes it."""
+    def lossfun(y, t):
+        loss = F.softmax_cross_entropy(y, t)
+        return (1 - eps) * loss - eps * F.mean(F.log_softmax(y))
+    return lossfun
+
+
+def make_model(args, layout):
+    version = ARCHS[args.arch][0]
+    predictor = ResNet50(layout, n_classes=args.n_classes, width=args.width, version=version,
+                         fused=args.fused_bn if layout == 'NHWC' else None)
+    predictor.insize = args.insize
+    lossfun = smoothed_cross_entropy(args.label_smoothing) if args.label_smoothing \
+        else F.softmax_cross_entropy
+    return L.Classifier(predictor, lossfun=lossfun)
+
+
+def load_initmodel(path, model, args):
+    """Loads ``path`` into ``model.predictor``: a file of Chainer's example's ResNet50 (its
+    names, ``res2/0/conv1/W``...) through ``load_chainer_example``, ours through
+    ``chainer_tc.serializers.load_npz``; either a model file or a Trainer snapshot."""
+    try:
+        keys = set(serializers.read_npz(path))
+    except ValueError as e:
+        raise UsageError('--initmodel {!r}: {}'.format(path, e)) from None
+    prefixes = ('', 'predictor/', 'updater/model:main/', 'updater/model:main/predictor/')
+    try:
+        for prefix in prefixes:
+            if prefix + 'res2/0/conv1/W' in keys:
+                if ARCHS[args.arch][0] != '1':
+                    raise UsageError(
+                        "--initmodel {!r} is a checkpoint of Chainer's example's ResNet50 "
+                        '(v1): train it with -a resnet50 (or resnet50_nhwc), not -a {}'
+                        .format(path, args.arch))
+                load_chainer_example(path, model.predictor, path=prefix)
+                return "Chainer's example's ResNet50"
+            if prefix + 'blocks/0/conv1/W' in keys:
+                serializers.load_npz(path, model.predictor, path=prefix)
+                return 'chainer_tc ResNet50'
+    except (ValueError, KeyError) as e:
+        raise UsageError('--initmodel {!r} does not fit this model ({}, --width {}, '
+                         '--n-classes {}): {}'.format(path, args.arch, args.width,
+                                                      args.n_classes, _message(e))) from None
+    raise UsageError("--initmodel {!r} holds no ResNet-50 (neither this script's nor Chainer's "
+                     "example's parameter names, e.g. blocks/0/conv1/W or res2/0/conv1/W)"
+                     .format(path))
+
+
+def make_optimizer(args, model, dtype):
+    if args.batched_update:
+        opt = optimizers.MomentumSGD(lr=args.lr, momentum=args.momentum,
+                                     weight_decay=args.weight_decay,
+                                     decay_filter=optimizers.skip_bn_and_bias)
+        opt.setup(model)
+        if args.loss_scale == 'dynamic':
+            opt.loss_scaling()
+        elif args.loss_scale is not None:
+            opt.loss_scaling(scale=args.loss_scale)
+        return opt
+    opt = chainer.optimizers.MomentumSGD(lr=args.lr, momentum=args.momentum)
+    opt.setup(model)
+    if args.weight_decay:
+        # the same parameters as the batched update's skip_bn_and_bias: weights, not BN or biases
+        for _, param in model.namedparams():
+            if param.ndim > 1:
+                param.update_rule.add_hook(chainer.optimizer_hooks.WeightDecay(args.weight_decay))
+    if dtype == numpy.float16:
+        opt.use_fp32_update()
+    if args.loss_scale == 'dynamic':
+        opt.loss_scaling()
+    elif args.loss_scale is not None:
+        opt.set_loss_scale(args.loss_scale)
+    return opt
+
+
+# ---- input --------------------------------------------------------------------------------------
+
+def make_iterators(args, device, layout, dtype, mean, std, seed):
+    """(train_iter, val_iter, converter, what) for DALI or PIL + Chainer's iterators."""
+    lists = (('train', args.train, True, args.batchsize), ('val', args.val, False,
+                                                           args.val_batchsize))
+    if args.dali:
+        gpu = device.xp is not numpy
+        common = dict(crop=args.insize, device='gpu' if gpu else 'cpu',
+                      device_id=device.device.id if gpu else None, dtype=dtype, layout=layout,
+                      num_classes=args.n_classes, seed=seed, num_threads=args.loaderjob or None,
+                      mean=mean, std=std)
+        its = []
+        for name, path, train, batch in lists:
+            with _naming(name, path):
+                pipe = dali.imagenet_pipeline(args.root, path, train=train, **common)
+            its.append(dali.DaliIterator(pipe, batch, repeat=train))
+        what = 'DALI, {} pipeline'.format('GPU' if gpu else 'CPU')
+        return its[0], its[1], dali.converter, what
+    rng = numpy.random.RandomState(seed)
+    datasets = []
+    for name, path, train, _ in lists:
+        with _naming(name, path):
+            datasets.append(dataset_util.ImageListDataset(
+                args.root, path, args.insize, train, rng=rng if train else None, mean=mean,
+                std=std, layout=layout, dtype=dtype, num_classes=args.n_classes))
+    train, val = datasets
+    if args.loaderjob == 0:
+        train_iter = dataset_util.ReproducibleSerialIterator(train, args.batchsize, rng)
+        val_iter = chainer.iterators.SerialIterator(val, args.val_batchsize, repeat=False,
+                                                    shuffle=False)
+        what = 'PIL in this process'
+    else:
+        train_iter = chainer.iterators.MultiprocessIterator(
+            train, args.batchsize, n_processes=args.loaderjob,
+            order_sampler=chainer.iterators.ShuffleOrderSampler(rng))
+        val_iter = chainer.iterators.MultiprocessIterator(
+            val, args.val_batchsize, repeat=False, shuffle=False, n_processes=args.loaderjob)
+        what = 'PIL in {} worker processes'.format(args.loaderjob or os.cpu_count())
+    return train_iter, val_iter, chainer.dataset.concat_examples, what
+
+
+class _naming:
+    """Turns the data set errors of one list file into a UsageError naming the argument."""
+
+    def __init__(self, name, path):
+        self.name, self.path = name, path
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, e, tb):
+        if isinstance(e, (FileNotFoundError, dali.DatasetError)):
+            raise UsageError('{} list {!r}: {}'.format(self.name, self.path, _message(e))) \
+                from None
+
+
+def normalisation_of(args):
+    """(mean, std) per channel on the 0-255 scale: ImageNet's, or --mean's channel means and
+    255 (Chainer's example subtracts its mean image and divides by 255)."""
+    if not args.mean:
+        return normalisation.channel_mean(None), normalisation.channel_std(None)
+    try:
+        return normalisation.channel_mean(args.mean), normalisation.channel_std(255)
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        raise UsageError('--mean/-m: {}'.format(e)) from None
+
+
+# ---- the trainer --------------------------------------------------------------------------------
+
+class LearningRate(training.Extension):
+    """Sets the optimizer's lr before every iteration from the position in the run: a linear
+    warm-up over ``warmup`` epochs, then constant, step or cosine. A function of
+    ``updater.epoch_detail`` only, so a resumed run follows the same curve."""
+
+    trigger = (1, 'iteration')
+    priority = training.PRIORITY_READER       # after observe_lr recorded the lr just used
+
+    def __init__(self, base, schedule, warmup, total, epochs_per_iteration):
+        self.base, self.schedule, self.warmup = base, schedule, warmup
+        self.total, self.step = total, epochs_per_iteration
+
+    def lr_at(self, epoch):
+        """The lr of the iteration that starts at ``epoch`` (epochs done, a fraction)."""
+        if epoch < self.warmup:
+            return self.base * min(1.0, (epoch + self.step) / self.warmup)
+        if self.schedule == 'step':
+            return self.base * 0.1 ** sum(epoch >= m * self.total for m in STEP_MILESTONES)
+        if self.schedule == 'cosine':
+            done = (epoch - self.warmup) / max(self.total - self.warmup, 1e-12)
+            return self.base * 0.5 * (1 + math.cos(math.pi * min(done, 1.0)))
+        return self.base
+
+    def initialize(self, trainer):
+        self(trainer)
+
+    def __call__(self, trainer):
+        trainer.updater.get_optimizer('main').lr = self.lr_at(trainer.updater.epoch_detail)
+
+
+class AnyOf:
+    """A trigger that fires when any of ``triggers`` fires (all are asked, every time)."""
+
+    def __init__(self, *triggers):
+        self.triggers = [training.trigger.get_trigger(t) for t in triggers]
+
+    def __call__(self, trainer):
+        return any([t(trainer) for t in self.triggers])
+
+    def serialize(self, serializer):
+        for i, t in enumerate(self.triggers):
+            if hasattr(t, 'serialize'):
+                t.serialize(serializer[str(i)])
+
+
+def make_trainer(args, model, optimizer, train_iter, val_iter, converter, device, epoch_size,
+                 plots):
+    updater_class = TrainStepUpdater if args.static_graph else training.updaters.StandardUpdater
+    updater = updater_class(train_iter, optimizer, converter=converter, device=device)
+    iters_per_epoch = epoch_size / args.batchsize
+    if args.iterations:
+        stop, total_epochs = (args.iterations, 'iteration'), args.iterations / iters_per_epoch
+    else:
+        stop, total_epochs = (args.epoch, 'epoch'), float(args.epoch)
+    if args.warmup_epochs and args.warmup_epochs >= total_epochs:
+        raise UsageError('--warmup-epochs {} is not shorter than the run ({:g} epochs): the '
+                         'learning rate would never reach --lr'.format(args.warmup_epochs,
+                                                                        total_epochs))
+    trainer = training.Trainer(updater, stop, out=args.out)
+
+    def val_interval():
+        """A new trigger per extension (Chainer's interval triggers keep state): every
+        --val-interval iterations, or every epoch and at the end."""
+        if args.test:
+            return (1, 'iteration')
+        if args.val_interval:
+            return (args.val_interval, 'iteration')
+        return AnyOf((1, 'epoch'), stop)
+
+    def log_interval():
+        """Every --log-interval iterations, or every epoch (at most LOG_EVERY iterations) and
+        at the end."""
+        if args.test:
+            return (1, 'iteration')
+        if args.log_interval:
+            return (args.log_interval, 'iteration')
+        return AnyOf((1, 'epoch') if iters_per_epoch <= LOG_EVERY else (LOG_EVERY, 'iteration'),
+                     stop)
+
+    trainer.extend(LearningRate(args.lr, args.schedule, args.warmup_epochs, total_epochs,
+                                1 / iters_per_epoch))
+    # dali.Evaluator: the mean over images (Chainer's weighs every batch the same)
+    trainer.extend(dali.Evaluator(val_iter, model, converter=converter, device=device),
+                   trigger=val_interval())
+    trainer.extend(extensions.snapshot(), trigger=val_interval())
+    trainer.extend(extensions.snapshot_object(model.predictor, 'model_iter_{.updater.iteration}'),
+                   trigger=val_interval())
+    trainer.extend(extensions.LogReport(trigger=log_interval()))
+    trainer.extend(extensions.observe_lr(), trigger=log_interval())
+    columns = ['epoch', 'iteration', 'main/loss', 'validation/main/loss', 'main/accuracy',
+               'validation/main/accuracy', 'lr']
+    if args.loss_scale is not None:
+        trainer.extend(extensions.observe_value(
+            'loss_scale', lambda trainer: float(optimizer._loss_scale)), trigger=log_interval())
+        columns.append('loss_scale')
+    trainer.extend(extensions.PrintReport(columns + ['elapsed_time']), trigger=log_interval())
+    trainer.extend(extensions.ProgressBar(update_interval=10, out=sys.stdout))
+    if plots:
+        trainer.extend(extensions.PlotReport(['main/loss', 'validation/main/loss'], 'iteration',
+                                             trigger=log_interval(), file_name='loss.png'))
+        trainer.extend(extensions.PlotReport(['main/accuracy', 'validation/main/accuracy'],
+                                             'iteration', trigger=log_interval(),
+                                             file_name='accuracy.png'))
+    return trainer
+
+
+def _matplotlib():
+    try:
+        import matplotlib
+    except ImportError:
+        return False
+    matplotlib.use('Agg')           # files only: no display needed
+    return True
+
+
+def resume(trainer, path):
+    """``chainer_tc.serializers.load_npz``: Chainer's loader without unpickling anything."""
+    hint = 'resume with the flags the snapshot was made with'
+    try:
+        serializers.load_npz(path, trainer)
+    except KeyError as e:
+        raise UsageError('--resume/-r {!r} does not match this run: {} is missing ({})'
+                         .format(path, _message(e), hint)) from None
+    except (ValueError, TypeError) as e:
+        mismatch = _shape_mismatch(path, trainer)
+        if mismatch:
+            raise UsageError('--resume/-r {!r} does not match this run: {} has shape {} in the '
+                             'snapshot, {} here ({})'.format(path, *mismatch, hint)) from None
+        raise UsageError('--resume/-r {!r}: {}'.format(path, _message(e))) from None
+
+
+def _shape_mismatch(path, trainer):
+    """(key, shape in the file, shape here) of the first array whose shapes differ, or None."""
+    try:
+        arrays = serializers.read_npz(path)
+    except ValueError:
+        return None
+    here = chainer.serializers.DictionarySerializer(path='updater/')
+    here.save(trainer.updater)         # the model, the optimizer, the iterator
+    for key in sorted(here.target):
+        theirs, ours = arrays.get(key), here.target[key]
+        if theirs is not None and ours is not None and numpy.shape(theirs) != numpy.shape(ours):
+            return key, numpy.shape(theirs), numpy.shape(ours)
+    return None
+
+
+def _message(e):
+    return e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+
+
+# ---- main ---------------------------------------------------------------------------------------
+
+def describe(args, device, dtype, layout, seed, loader):
+    version = ARCHS[args.arch][0]
+    techniques = [name for name, on in (
+        ('--nhwc', layout == 'NHWC'), ('--fused-bn', args.fused_bn),
+        ('--batched-update', args.batched_update), ('--static-graph', args.static_graph),
+        ('--loss-scale {}'.format(args.loss_scale), args.loss_scale is not None),
+        ('--dali', args.dali)) if on]
+    print('Device: {}'.format(device))
+    print('Dtype: {}'.format(dtype.name))
+    print('# Minibatch-size: {}'.format(args.batchsize))
+    print('# {}: {}'.format(*(('iterations', args.iterations) if args.iterations
+                              else ('epoch', args.epoch))))
+    print('Model: ResNet-50 v{} ({}), {}, width/{}, {}x{} input, {} classes'.format(
+        version, 'Chainer\'s example\'s architecture' if version == '1' else 'NVIDIA\'s',
+        layout + (' (-a {})'.format(args.arch) if ARCHS[args.arch][1] else ''),
+        args.width, args.insize, args.insize, args.n_classes))
+    print('Techniques: {}'.format(' '.join(techniques) or 'none (vanilla Chainer)'))
+    print('Input: {}'.format(loader))
+    print('Optimiser: lr {:g} ({}{}), momentum {:g}, weight decay {:g}, label smoothing {:g}, '
+          'seed {}'.format(args.lr, args.schedule, ', {:g} warm-up epochs'.format(
+              args.warmup_epochs) if args.warmup_epochs else '', args.momentum,
+              args.weight_decay, args.label_smoothing, seed))
+    print('')
+    sys.stdout.flush()
+
+
+def set_up(args):
+    """Everything before ``trainer.run()``; raises UsageError for anything that cannot work."""
+    if ARCHS[args.arch][1] == 'NHWC':
+        args.nhwc = True                    # -a resnet50_nhwc: Chainer's example's NHWC model
+    check_args(args)
+    device = get_device(args.device)
+    dtype = resolve_dtype(args)
+    layout = 'NHWC' if args.nhwc else 'NCHW'
+    seed = args.seed if args.seed is not None else int(numpy.random.randint(2 ** 31))
+    mean, std = normalisation_of(args)
+    numpy.random.seed(seed)                 # the initial weights
+    # the data first: a bad list file is reported before minutes of model building
+    train_iter, val_iter, converter, loader = make_iterators(args, device, layout, dtype, mean,
+                                                             std, seed)
+    try:
+        model = make_model(args, layout)
+        loaded = load_initmodel(args.initmodel, model, args) if args.initmodel else None
+        model.to_device(device)
+        device.use()
+        epoch_size = getattr(train_iter, 'epoch_size', None) or len(train_iter.dataset)
+        optimizer = make_optimizer(args, model, dtype)
+        plots = _matplotlib()
+        trainer = make_trainer(args, model, optimizer, train_iter, val_iter, converter, device,
+                               epoch_size, plots)
+        describe(args, device, dtype, layout, seed, loader)
+        if not plots:
+            print('matplotlib is not installed: no loss.png or accuracy.png (pip install '
+                  'matplotlib)')
+        if loaded:
+            print('Loaded the model from {} ({})'.format(args.initmodel, loaded))
+        if args.resume:
+            resume(trainer, args.resume)
+            print('Resumed from {} at iteration {}'.format(args.resume,
+                                                          trainer.updater.iteration))
+    except BaseException:
+        train_iter.finalize()
+        val_iter.finalize()
+        raise
+    return trainer, (train_iter, val_iter)
+
+
+def fail(message):
+    sys.stdout.flush()
+    sys.stderr.write('{}: error: {}\n'.format(PROG, message))
+    return 2
+
+
+def main(argv=None):
+    args = make_parser().parse_args(argv)
+    try:
+        trainer, iterators = set_up(args)
+    except UsageError as e:
+        return fail(e)
+    try:
+        trainer.run(show_loop_exception_msg=False)     # what fails is reported once, below
+    except (dataset_util.ImageError, dali.DatasetError) as e:
+        return fail(e)          # an image that cannot be decoded: named, no traceback
+    finally:
+        for it in iterators:
+            it.finalize()
+    step = getattr(trainer.updater, 'step', None)
+    if step is not None:
+        print('Static graph: {} of {} steps replayed ({} eager: warm-up and tracing)'.format(
+            step.replays, step.replays + step.eager_steps, step.eager_steps))
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
