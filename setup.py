@@ -50,8 +50,12 @@ extras_require = {
         'pytest>=7',
         'pillow',           # DALI tests: reference decoding, test images; dali-check's decode
         'scikit-learn',     # DALI tests: the sample photographs the test data set is cut from
-        'matplotlib',       # benchmarks/ablation.py's chart (tests/test_ablation_benchmark.py)
+        'matplotlib',       # benchmarks/ablation.py's chart (tests/test_ablation_benchmark.py);
+                            # the ImageNet example's plots (tests/test_imagenet_example.py)
     ] + MPI,                # the 2-rank tests run under mpiexec
+    # make demo (examples/imagenet/demo.py): the photographs its images are cut from, the
+    # example's loss and accuracy plots, its PIL input without --dali
+    'demo': ['pillow', 'scikit-learn', 'matplotlib'],
 }
 
 setup(

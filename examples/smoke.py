@@ -1,8 +1,8 @@
-"""The `make demo` smoke job, until the ImageNet example lands: what chainer_tc can do here, one
-kernel run through the CPU CUDA emulator against NumPy, and a few training steps of an NHWC
-ResNet-50 (fused BatchNorm+Add+ReLU links, batched optimizer) on the CPU.
+"""The `make smoke` job (`make demo` runs examples/imagenet/demo.py): what chainer_tc can do
+here, one kernel run through the CPU CUDA emulator against NumPy, and a few training steps of an
+NHWC ResNet-50 (fused BatchNorm+Add+ReLU links, batched optimizer) on the CPU.
 
-    make demo                       # or: .venv/bin/python examples/smoke.py
+    make smoke                      # or: .venv/bin/python examples/smoke.py
 """
 import os
 import sys
