@@ -533,6 +533,20 @@ def test_pil_training_images(tiny):
     assert not numpy.array_equal(ds[3][0], x)               # the next draw, another crop
 
 
+@pytest.mark.gpu
+def test_every_technique_on_the_gpu(tiny, tmp_path):
+    """The fast path: DALI's mixed pipeline, the captured step, float16 with loss scaling."""
+    flags = ['--iterations', 6, '-d', '@cupy:0', '--dali', '--nhwc', '--fused-bn',
+             '--batched-update', '--static-graph', '--dtype', 'float16', '--loss-scale', 'dynamic']
+    status, out, err, caught = run(tiny_args(tiny, tmp_path, *flags), plots=False)
+    assert status == 0, err
+    assert 'Device: @cupy:0' in out and 'Input: DALI, GPU pipeline' in out
+    assert 'Static graph: 4 of 6 steps replayed' in out        # warm-up, record, then the graph
+    assert not [w for w in caught if 'cannot be replayed' in w or 'cannot be captured' in w]
+    entry = log_of(tmp_path)[-1]
+    assert numpy.isfinite(entry['main/loss']) and entry['loss_scale'] > 0
+
+
 # ---- it learns ----------------------------------------------------------------------------------
 
 @pytest.fixture(scope='module')
