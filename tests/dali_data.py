@@ -76,3 +76,45 @@ def corrupt(src, dst):
     data[dht + 5:dht + 25] = b'\xff' * 20
     with open(dst, 'wb') as f:
         f.write(bytes(data))
+
+
+def _scan_data(data):
+    """[start, end) of the entropy-coded data of a baseline JPEG's (first) scan."""
+    sos = data.index(b'\xff\xda')
+    start = sos + 2 + int.from_bytes(data[sos + 2:sos + 4], 'big')
+    return start, data.rindex(b'\xff\xd9')
+
+
+def zero_block(src, dst, size=2000):
+    """Copy of the JPEG ``src`` with ``size`` bytes in the middle of its entropy-coded data set to
+    zero: header, tables and end marker intact. libjpeg decodes it with only a warning
+    ("Corrupt JPEG data: ... extraneous bytes before marker"), Pillow without a word."""
+    with open(src, 'rb') as f:
+        data = bytearray(f.read())
+    start, end = _scan_data(data)
+    mid = (start + end) // 2
+    assert end - start > 2 * size, 'image too small to zero a block of {} bytes'.format(size)
+    data[mid:mid + size] = bytes(size)
+    with open(dst, 'wb') as f:
+        f.write(bytes(data))
+
+
+def cut_and_reterminate(src, dst, keep=0.5):
+    """Copy of the JPEG ``src`` cut in the middle of its entropy-coded data and ended with an
+    end-of-image marker (FF D9): it starts and ends like a good JPEG; libjpeg warns "premature
+    end of data segment" and fills the rest with grey."""
+    with open(src, 'rb') as f:
+        data = f.read()
+    start, end = _scan_data(data)
+    cut = start + int((end - start) * keep)
+    if data[cut - 1] == 0xff:           # do not leave half a marker or stuffed byte
+        cut -= 1
+    with open(dst, 'wb') as f:
+        f.write(data[:cut] + b'\xff\xd9')
+
+
+def photo_jpeg(path, which=0, quality=90):
+    """One of the sample photographs (640x427) saved whole as a baseline JPEG at ``path``."""
+    from PIL import Image
+    Image.fromarray(sample_photos()[which]).save(str(path), quality=quality)
+    return str(path)

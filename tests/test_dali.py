@@ -336,7 +336,7 @@ def bad_file(data, kind):
     ('truncated', True, r'bad_truncated.jpg: truncated JPEG: no end-of-image marker'),
     ('text', True, r"bad_text.jpg: not a JPEG or PNG image \(it starts with b'<html><b'\)"),
     ('missing', False, 'bad_missing.jpg: image file does not exist'),
-    ('corrupt', True, 'bad_corrupt.jpg: cannot be decoded: broken data stream'),
+    ('corrupt', True, 'bad_corrupt.jpg: cannot be decoded: .*Could not determine subsampling'),
 ])
 def test_bad_image_fails_fast_naming_the_file_and_stops_the_threads(data, tmp_path, kind,
                                                                      check_files, message):
@@ -431,7 +431,7 @@ def test_dali_check_decodes_to_find_corrupt_data(data, tmp_path, capsys):
     lst = bad_list(data, tmp_path, ['{} 0'.format(bad)])
     assert check.main([data.root, lst, '--no-decode']) == 0
     assert check.main([data.root, lst]) == 1
-    assert 'bad_corrupt.jpg: cannot be decoded: broken data stream' in capsys.readouterr().out
+    assert 'bad_corrupt.jpg: cannot be decoded: ' in capsys.readouterr().out
     os.remove(bad)
 
 

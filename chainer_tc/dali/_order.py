@@ -94,6 +94,16 @@ class EpochOrder(object):
         self._cached = (None, None)
         self.position = START
 
+    def settings(self):
+        """What decides which image comes when, besides the seed (which a resume adopts): a
+        resumed iterator must have the same, or it repeats or skips images. ``batch_size`` enters
+        only through ``epoch_size`` (with 'drop'); otherwise a resume may change it, as with
+        Chainer's iterators."""
+        return collections.OrderedDict([
+            ('dataset_size', self.size), ('num_shards', self.num_shards),
+            ('shard_id', self.shard_id), ('shuffle', self.shuffle), ('repeat', self.repeat),
+            ('last_batch', self.last_batch), ('epoch_size', self.epoch_size)])
+
     def order(self, epoch):
         """Dataset indices of this shard's epoch ``epoch``, in delivery order (int64)."""
         if self._cached[0] != epoch:
@@ -141,6 +151,12 @@ class EpochOrder(object):
             raise ValueError('current_position must be an integer in [0, {}) for this shard; '
                              'got {!r}'.format(self.epoch_size, current))
         self.position = Position(int(epoch), int(current), bool(new), float(previous))
+
+
+def mismatches(saved, here):
+    """``[(key, saved value, value here)]`` of the settings (``EpochOrder.settings()``) that
+    differ."""
+    return [(k, saved[k], v) for k, v in here.items() if saved[k] != v]
 
 
 def _check_int(name, value, low):

@@ -1,6 +1,7 @@
 """``python -m chainer_tc dali-check ROOT LIST`` (or ``dali-check ROOT`` for a class-per-directory
 tree): scans a data set and lists every bad line of the list and every bad image (missing, empty,
-not a JPEG or PNG, truncated, not decodable), with a progress bar on stderr. Exit status 0 when all
+not a JPEG or PNG, truncated, not decodable, or decodable only with a decoder warning: libjpeg's
+"Corrupt JPEG data" warnings are errors here), with a progress bar on stderr. Exit status 0 when all
 is well, 1 when anything is bad, 2 for bad arguments (a missing LIST or ROOT). ROOT comes first,
 as in ``imagenet_pipeline(root, list_file)``; the old order LIST ROOT (a file, then a directory)
 still works, with a deprecation notice.
@@ -34,8 +35,9 @@ def main(argv=None):
     p.add_argument('--no-decode', action='store_true',
                    help='check headers and ends of files only, without decoding them')
     args = p.parse_args(argv)
-    if args.num_classes is not None and args.num_classes < 1:
-        p.error('--num-classes must be a positive integer; got {}'.format(args.num_classes))
+    if args.num_classes is not None and not 1 <= args.num_classes <= dataset.MAX_LABEL + 1:
+        p.error('--num-classes must be a positive integer, at most 2**31 (labels are {}); got {}'
+                .format(dataset.LABEL_DTYPE, args.num_classes))
     if len(args.paths) > 2:
         p.error('expected ROOT LIST or ROOT; got {} paths'.format(len(args.paths)))
     root, list_file = args.paths if len(args.paths) == 2 else (args.paths[0], None)
@@ -57,9 +59,9 @@ def main(argv=None):
         return 2 if isinstance(e, FileNotFoundError) else 1
     for where, what in problems:
         print('{}: {}'.format(where, what))
-    if not args.no_decode and not dataset.have_pil():
-        print('dali-check: Pillow is not installed: checking headers and ends of files only, '
-              'no decoding (pip install pillow)', file=sys.stderr)
+    if not args.no_decode:
+        for line in dataset.missing_decoders():
+            print('dali-check: {}'.format(line), file=sys.stderr)
     check = dataset.content_problem if args.no_decode else dataset.decode_problem
     bad = _scan(paths, check, max(1, args.jobs))
     print('{} line(s) of the list and {} of {} image(s) are bad'.format(
@@ -76,8 +78,12 @@ def _parse_all(list_file, root, num_classes):
         return [], ds.paths
     paths = []
     with open(list_file, 'rb') as f:
-        for raw in f:
-            fields = raw.decode('utf-8', 'replace').strip().rsplit(None, 1)
+        for number, raw in enumerate(f, 1):
+            try:
+                line = dataset.list_line(raw, number)
+            except UnicodeDecodeError:
+                line = raw.decode('utf-8', 'replace').strip()
+            fields = line.rsplit(None, 1)
             if len(fields) == 2:
                 paths.append(os.path.join(root, fields[0]))
     return problems, paths

@@ -186,26 +186,71 @@ class DaliIterator(chainer.dataset.Iterator):
         self._schedule()
 
     def serialize(self, serializer):
-        """Saves or loads the position of the last batch delivered (and the shuffling seed); a
-        load rebuilds the pipeline there: the next batch is the one that came next."""
+        """Saves or loads the position of the last batch delivered, the shuffling seed, what
+        decides the order (data-set size, shards, ``shuffle``, ``repeat``, ``last_batch``, the
+        epoch size) and a fingerprint of the list (paths relative to the root, and labels). A
+        load adopts the seed, refuses a snapshot whose order settings or list differ from this
+        iterator's (``ValueError`` naming each: resuming would repeat or skip images), and
+        rebuilds the pipeline at the position: the next batch is the one that came next."""
         p = self._position
         epoch = serializer('epoch', p.epoch)
         current = serializer('current_position', p.current_position)
         is_new = serializer('is_new_epoch', p.is_new_epoch)
         previous = serializer('previous_epoch_detail', p.previous_epoch_detail)
         seed = serializer('seed', self._order.seed)
-        size = serializer('dataset_size', len(self.dataset))
-        shards = serializer('num_shards', self.pipeline.num_shards)
+        here = self._order.settings()
+        here['dataset_fingerprint'] = self.dataset.fingerprint()
+        saved = collections.OrderedDict()
+        for key, value in here.items():
+            try:
+                saved[key] = serializer(key, value)
+            except KeyError:
+                if key in ('dataset_size', 'num_shards'):
+                    raise
+                raise KeyError('{!r} is not in the snapshot: it was saved by a chainer_tc that '
+                               'did not record the order settings and the list of a DaliIterator, '
+                               'so resuming from it cannot be checked (load with strict=False to '
+                               'take this iterator\'s own settings unchecked)'.format(key)) \
+                    from None
         if not isinstance(serializer, chainer.serializer.Deserializer):
             return
-        if (int(size), int(shards)) != (len(self.dataset), self.pipeline.num_shards):
-            raise ValueError('the snapshot is of an iterator over {} images in {} shard(s); this '
-                             'one has {} images in {} shard(s)'.format(
-                                 int(size), int(shards), len(self.dataset),
-                                 self.pipeline.num_shards))
+        saved = collections.OrderedDict(
+            (k, type(here[k])(v)) for k, v in saved.items())
+        self._check_resume(saved, here)
         self._order = self._make_order(int(seed))
         self._position = _order.Position(int(epoch), int(current), bool(is_new), float(previous))
         self._restart()
+
+    def _check_resume(self, saved, here):
+        wrong = _order.mismatches(saved, here)
+        if not wrong:
+            return
+        keys = [k for k, _, _ in wrong]
+        lines = []
+        if 'dataset_size' in keys or 'num_shards' in keys:
+            lines.append('the snapshot is of an iterator over {} images in {} shard(s); this one '
+                         'has {} images in {} shard(s)'.format(
+                             saved['dataset_size'], saved['num_shards'], here['dataset_size'],
+                             here['num_shards']))
+        for key, theirs, ours in wrong:
+            if key in ('dataset_size', 'num_shards'):
+                continue
+            if key == 'dataset_fingerprint':
+                if 'dataset_size' not in keys:
+                    lines.append('the list of images differs (paths relative to the root, or '
+                                 'labels, or their order: fingerprint {}... in the snapshot, {}... '
+                                 'for {})'.format(theirs[:12], ours[:12], self.dataset.source))
+            elif key == 'epoch_size' and not {'num_shards', 'shard_id', 'last_batch'} & set(keys):
+                lines.append('epoch_size is {} in the snapshot, {} here (last_batch=\'drop\' '
+                             'with another batch_size leaves out other images)'
+                             .format(theirs, ours))
+            elif key != 'epoch_size':
+                lines.append('{} is {!r} in the snapshot, {!r} here'.format(key, theirs, ours))
+        if 'shard_id' in keys:
+            lines.append('each shard resumes from its own snapshot')
+        raise ValueError('cannot resume this DaliIterator from the snapshot: it would repeat or '
+                         'skip images: {}. Build the iterator with the settings and the list the '
+                         'snapshot was made with'.format('; '.join(lines)))
 
     def finalize(self):
         """Stops the DALI pipeline and its threads; ``reset()`` starts a new one."""
