@@ -39,6 +39,10 @@ def kernel_dir():
     """
     env = os.environ.get(ENV_KERNEL_DIR)
     if env:
+        if not os.path.isdir(env):
+            raise FileNotFoundError('{}={!r} is not a directory (it must hold the kernels\' .cu '
+                                    'files; unset it to use the ones shipped with chainer_tc)'
+                                    .format(ENV_KERNEL_DIR, env))
         return env
     here = os.path.dirname(os.path.abspath(__file__))
     for d in (os.path.join(os.path.dirname(here), 'kernels'), os.path.join(here, '_kernels')):
@@ -47,6 +51,15 @@ def kernel_dir():
     raise FileNotFoundError('chainer_tc: no kernels/ directory found next to the package or inside '
                             'it; set {} to the directory holding the .cu files'
                             .format(ENV_KERNEL_DIR))
+
+
+def _shown(name):
+    """How messages and ``#line`` directives name the file ``name`` of the kernel directory:
+    ``kernels/<name>`` for the directories chainer_tc ships (the same text, so the same cache
+    keys, in every checkout), the full path under ``$CHAINER_TC_KERNEL_DIR``."""
+    if os.environ.get(ENV_KERNEL_DIR):
+        return os.path.join(os.path.abspath(kernel_dir()), name)
+    return 'kernels/' + name
 
 
 def families():
@@ -76,7 +89,8 @@ def source(family):
 
 
 def _inline(text, name, seen):
-    out, pos = ['#line 1 "kernels/{}"\n'.format(name)], 0
+    shown = _shown(name).replace('\\', '/').replace('"', '').replace('\n', ' ')
+    out, pos = ['#line 1 "{}"\n'.format(shown)], 0
     for m in _INCLUDE_RE.finditer(text):
         header = m.group(1)
         out.append(text[pos:m.start()])
@@ -84,12 +98,12 @@ def _inline(text, name, seen):
             seen.add(header)
             path = os.path.join(kernel_dir(), header)
             if not os.path.isfile(path):
-                raise FileNotFoundError('kernels/{} includes "{}", which is not in {}'
-                                        .format(name, header, kernel_dir()))
+                raise FileNotFoundError('{} includes "{}", which is not in {}'
+                                        .format(_shown(name), header, kernel_dir()))
             with open(path) as f:
                 out.append(_inline(f.read(), header, seen))
         line = text.count('\n', 0, m.end()) + 2
-        out.append('\n#line {} "kernels/{}"'.format(line, name))
+        out.append('\n#line {} "{}"'.format(line, shown))
         pos = m.end()
     out.append(text[pos:])
     return ''.join(out)

@@ -15,6 +15,7 @@ kernels/batchnorm.cu (3 launches forward in training, 3 backward). After ``apply
 ``cudnn_reason`` says why cuDNN was not used (None when it was). Double backpropagation is not
 supported. See docs/functions.md.
 """
+import math
 import warnings
 
 import numpy
@@ -43,6 +44,46 @@ def _backend(x):
     return kernels.backend(_xp(x))
 
 
+def check_eps(eps):
+    """``eps`` as a float if it is a positive, finite number; else a ValueError (NaN compares
+    False with everything, so ``eps <= 0`` alone lets it through and every output is NaN)."""
+    try:
+        value = float(eps)
+    except (TypeError, ValueError):
+        raise TypeError('eps must be a number; got {!r}'.format(eps)) from None
+    if isinstance(eps, bool) or not (math.isfinite(value) and value > 0):
+        raise ValueError('eps must be positive and finite; got {!r}'.format(eps))
+    return value
+
+
+def _check_decay(decay):
+    try:
+        value = float(decay)
+    except (TypeError, ValueError):
+        raise TypeError('decay must be a number; got {!r}'.format(decay)) from None
+    if isinstance(decay, bool) or not 0 <= value <= 1:       # NaN fails too
+        raise ValueError('decay must be a number in [0, 1] (the weight of the old running '
+                         'statistics); got {!r}'.format(decay))
+    return value
+
+
+def _check_running(mean, var, channels):
+    """The running statistics are updated in place: floating arrays of shape (C,), one dtype."""
+    for name, a in (('running_mean', mean), ('running_var', var)):
+        dtype = getattr(a, 'dtype', None)
+        if dtype is None or numpy.dtype(dtype).kind != 'f':
+            raise TypeError('{} must be a floating-point array (it is updated in place: integers '
+                            'would truncate the statistics); got {}'.format(
+                                name, 'dtype {}'.format(dtype) if dtype is not None
+                                else type(a).__name__))
+        if tuple(a.shape) != (channels,):
+            raise ValueError('{} must have shape ({},), one value per channel of x; got {}'
+                             .format(name, channels, tuple(a.shape)))
+    if mean.dtype != var.dtype:
+        raise TypeError('running_mean is {} and running_var {}: they must have one dtype'
+                        .format(mean.dtype, var.dtype))
+
+
 class BatchNormAddAct(function_node.FunctionNode):
     """y = act(gamma * (x - mean) * invstd + beta [+ z]) over the last axis of x.
 
@@ -52,8 +93,9 @@ class BatchNormAddAct(function_node.FunctionNode):
 
     def __init__(self, eps, relu, has_z, decay=0.9, running_mean=None, running_var=None,
                  mean=None, var=None):
-        if eps <= 0:
-            raise ValueError('eps must be positive; got {}'.format(eps))
+        eps = check_eps(eps)
+        if running_mean is not None:        # decay weighs the running statistics
+            decay = _check_decay(decay)
         self.eps, self.relu, self.has_z, self.decay = eps, bool(relu), bool(has_z), decay
         self.running_mean, self.running_var = running_mean, running_var
         self.fixed = mean is not None
@@ -82,6 +124,13 @@ class BatchNormAddAct(function_node.FunctionNode):
             raise TypeError('x is {} and gamma {}; supported (x, gamma) dtypes: {}'.format(
                 x.dtype, gamma.dtype, ', '.join(sorted('({}, {})'.format(t, p) for t, p in
                                                        _PAIRS))))
+        if (self.running_mean is None) != (self.running_var is None):
+            raise ValueError('running_mean and running_var go together; got {} without {}'
+                             .format(*(('running_mean', 'running_var')
+                                       if self.running_var is None else
+                                       ('running_var', 'running_mean'))))
+        if self.running_mean is not None:
+            _check_running(self.running_mean, self.running_var, x.shape[-1])
         if self.running_mean is not None and (_bn_numpy.acc_dtype(self.running_mean.dtype) !=
                                               _bn_numpy.acc_dtype(x.dtype)):
             raise TypeError('running_mean is {} but x is {}: statistics of {} data accumulate in '

@@ -28,6 +28,7 @@ _NAMES = ['{}<{}>'.format(k, t) for k in ('max_pool_forward', 'max_pool_backward
           for t in ('__half', 'float', 'double')]
 SHAPE = numpy.dtype([(f, '<i4') for f in ('N', 'H', 'W', 'C', 'OH', 'OW', 'kh', 'kw', 'sy', 'sx',
                                           'ph', 'pw')])
+INT_MAX = 2 ** 31 - 1       # the kernels' geometry is 32-bit int (PoolShape, window offsets)
 
 
 def _acc(dtype):
@@ -44,6 +45,14 @@ class _Pooling2D(function_node.FunctionNode):
             raise ValueError('ksize and stride must be >= 1 and pad >= 0; got ksize {}, stride {}, '
                              'pad {}'.format((self.kh, self.kw), (self.sy, self.sx),
                                              (self.ph, self.pw)))
+        for name, pair in (('ksize', (self.kh, self.kw)), ('stride', (self.sy, self.sx)),
+                           ('pad', (self.ph, self.pw))):
+            if max(pair) > INT_MAX:
+                raise ValueError('{} must be at most 2**31 - 1 = {} (the pooling kernels\' '
+                                 'geometry is 32-bit); got {}'.format(name, INT_MAX, pair))
+        if self.kh * self.kw > INT_MAX:
+            raise ValueError('ksize {} has {} elements per window; at most 2**31 - 1 (window '
+                             'offsets are int32)'.format((self.kh, self.kw), self.kh * self.kw))
         self.cover_all = cover_all
 
     def check_type_forward(self, in_types):
@@ -59,6 +68,18 @@ class _Pooling2D(function_node.FunctionNode):
                              'input of shape {} (N, H, W, C)'.format(
                                  (self.kh, self.kw), (self.sy, self.sx), (self.ph, self.pw),
                                  x.shape))
+        for axis, size, out, k, st, p in (('height', h, oh, self.kh, self.sy, self.ph),
+                                          ('width', w, ow, self.kw, self.sx, self.pw)):
+            # the kernels form padded coordinates up to (out - 1) * stride + ksize and size + pad
+            span = max((out - 1) * st + k, size + 2 * p)
+            if span > INT_MAX:
+                raise ValueError('pooling input {} {} with ksize {}, stride {} and pad {} spans {} '
+                                 'padded positions; the pooling kernels\' geometry is 32-bit (at '
+                                 'most 2**31 - 1)'.format(axis, size, k, st, p, span))
+        for name, v in (('N', n), ('C', c)):
+            if v > INT_MAX:
+                raise ValueError('pooling input {} = {} is more than 2**31 - 1 (the pooling '
+                                 'kernels\' geometry is 32-bit)'.format(name, v))
         s = numpy.zeros((), SHAPE)
         for f, v in zip(SHAPE.names, (n, h, w, c, oh, ow, self.kh, self.kw, self.sy, self.sx,
                                       self.ph, self.pw)):

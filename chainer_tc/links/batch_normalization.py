@@ -21,6 +21,7 @@ import chainer
 import chainer.links as L
 
 from chainer_tc import functions as bn_functions
+from chainer_tc.functions.batch_normalization import check_eps
 from chainer_tc.links import _messages
 
 
@@ -39,10 +40,15 @@ class BatchNormalization(L.BatchNormalization):
             raise ValueError('{} normalises NHWC input over every axis but the last (the '
                              'channels); axis={} is not supported'
                              .format(type(self).__name__, axis))
+        eps = check_eps(eps)
         if dtype is None:       # float16 data: float32 parameters and statistics
             dtype = chainer.get_dtype(None, map_mixed16=numpy.float32)
             if dtype == numpy.float16:
                 dtype = numpy.dtype(numpy.float32)
+        elif numpy.dtype(dtype).kind != 'f':
+            raise TypeError('{}: dtype must be a floating-point type (gamma, beta and the running '
+                            'statistics, updated in place); got {}'.format(
+                                type(self).__name__, numpy.dtype(dtype)))
         # Chainer needs an axis to defer the size; ours comes from x.shape[-1] at the first call
         super().__init__(size, decay, eps, dtype, use_gamma, use_beta, initial_gamma,
                          initial_beta, axis=(0,) if size is None else None,
@@ -50,6 +56,7 @@ class BatchNormalization(L.BatchNormalization):
 
     def forward(self, x, z=None, finetune=False):
         if self.avg_mean is None:
+            _messages.warn_if_lazy_nchw(self, x.shape)
             self._initialize_params((x.shape[-1],))
         channels = self.avg_mean.shape[0]
         if x.ndim < 2 or x.shape[-1] != channels:

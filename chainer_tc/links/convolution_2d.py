@@ -47,6 +47,7 @@ class Convolution2D(L.Convolution2D):
 
     def forward(self, x):
         if self.W.raw_array is None:
+            _messages.warn_if_lazy_nchw(self, x.shape)
             self._initialize_params(x.shape[-1])
         in_channels = self.W.shape[3] * self.groups
         if x.ndim != 4 or x.shape[3] != in_channels:
