@@ -69,6 +69,12 @@ def _check_decay(decay):
 
 def _check_running(mean, var, channels):
     """The running statistics are updated in place: floating arrays of shape (C,), one dtype."""
+    try:        # the common case in one expression (this runs at every eager training call)
+        if mean.dtype.kind == 'f' and mean.dtype == var.dtype and \
+                mean.shape == var.shape == (channels,):
+            return
+    except AttributeError:
+        pass
     for name, a in (('running_mean', mean), ('running_var', var)):
         dtype = getattr(a, 'dtype', None)
         if dtype is None or numpy.dtype(dtype).kind != 'f':
