@@ -8,3 +8,4 @@ docs/multinode.md.
 from chainer_tc.multinode.allreduce import GradientAllreduce  # NOQA
 from chainer_tc.multinode.evaluator import Evaluator  # NOQA
 from chainer_tc.multinode.step import TrainStep  # NOQA
+from chainer_tc.multinode.updater import TrainStepUpdater  # NOQA

@@ -34,9 +34,7 @@ class TrainStepUpdater(updaters.StandardUpdater):
         in_arrays = convert._call_converter(self.converter, batch, self.input_device)
         optimizer = self._optimizers['main']
         if self.step is None:
-            self.step = step_module.TrainStep(optimizer.target, optimizer,
-                                              self.loss_func or optimizer.target,
-                                              **self.step_options)
+            self.step = self._make_step(optimizer)
         if isinstance(in_arrays, tuple):
             self.step(*in_arrays)
         elif isinstance(in_arrays, dict):
@@ -45,3 +43,7 @@ class TrainStepUpdater(updaters.StandardUpdater):
             self.step(in_arrays)
         if self.auto_new_epoch and iterator.is_new_epoch:
             optimizer.new_epoch(auto=True)
+
+    def _make_step(self, optimizer):
+        return step_module.TrainStep(optimizer.target, optimizer,
+                                     self.loss_func or optimizer.target, **self.step_options)

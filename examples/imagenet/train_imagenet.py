@@ -30,6 +30,7 @@ from chainer_tc import serializers
 from chainer_tc.dali import normalisation
 from chainer_tc.models import load_chainer_example
 from chainer_tc.models import ResNet50
+from chainer_tc import multinode
 from chainer_tc.static_graph import TrainStepUpdater
 
 import dataset_util
@@ -148,6 +149,11 @@ def make_parser():
     p.add_argument('--gpu', '-g', dest='device', type=int, nargs='?', const=0,
                    help='deprecated (as in Chainer\'s example): use --device')
 
+    p.add_argument('--communicator', metavar='NAME',
+                   help="data-parallel training under mpiexec with this ChainerMN communicator "
+                        "('naive' on CPUs, 'pure_nccl' on GPUs: one GPU per process, "
+                        'chosen by its rank on the node); each rank trains on its shard of the '
+                        'data; only rank 0 reports and writes the log, plots and snapshots')
     t = p.add_argument_group('chainer_tc techniques')
     t.add_argument('--nhwc', action='store_true',
                    help='channels-last model and data (chainer_tc.links); no transposes')
@@ -226,6 +232,25 @@ def check_args(args):
                        ('--mean/-m', args.mean)):
         if path and not os.path.isfile(path):
             raise UsageError('{} {!r} does not exist or is not a file'.format(flag, path))
+
+
+def make_communicator(name):
+    """A ChainerMN communicator (``--communicator``), or None for one process."""
+    if not name:
+        return None
+    try:
+        import chainermn
+        return chainermn.create_communicator(name)
+    except ImportError as e:
+        raise UsageError('--communicator needs mpi4py and MPI (pip install -e .[mpi]): {}'
+                         .format(e)) from None
+    except ValueError as e:
+        raise UsageError('--communicator {!r}: {}'.format(name, e)) from None
+
+
+def is_reporter(args):
+    """Whether this process reports and writes files: the only one, or rank 0."""
+    return args.comm is None or args.comm.rank == 0
 
 
 def get_device(spec):
@@ -319,6 +344,14 @@ def load_initmodel(path, model, args):
 
 
 def make_optimizer(args, model, dtype):
+    opt = make_single_optimizer(args, model, dtype)
+    if args.comm is not None and not args.static_graph:
+        import chainermn            # ChainerMN's own wrapper: it averages the gradients itself
+        opt = chainermn.create_multi_node_optimizer(opt, args.comm)
+    return opt
+
+
+def make_single_optimizer(args, model, dtype):
     if args.batched_update:
         opt = optimizers.MomentumSGD(lr=args.lr, momentum=args.momentum,
                                      weight_decay=args.weight_decay,
@@ -357,6 +390,8 @@ def make_iterators(args, device, layout, dtype, mean, std, seed):
                       device_id=device.device.id if gpu else None, dtype=dtype, layout=layout,
                       num_classes=args.n_classes, seed=seed, num_threads=args.loaderjob or None,
                       mean=mean, std=std)
+        if args.comm is not None:           # each rank reads its shard (disjoint, complete)
+            common.update(shard_id=args.comm.rank, num_shards=args.comm.size)
         its = []
         for name, path, train, batch in lists:
             with _naming(name, path):
@@ -372,6 +407,9 @@ def make_iterators(args, device, layout, dtype, mean, std, seed):
                 args.root, path, args.insize, train, rng=rng if train else None, mean=mean,
                 std=std, layout=layout, dtype=dtype, num_classes=args.n_classes))
     train, val = datasets
+    if args.comm is not None:               # each rank builds its own shard, here: its
+        train = shard(train, args.comm, seed)   # random state is this rank's (snapshots keep
+        val = shard(val, args.comm)             # it), unlike chainermn.scatter_dataset's copies
     if args.loaderjob == 0:
         train_iter = dataset_util.ReproducibleSerialIterator(train, args.batchsize, rng)
         val_iter = chainer.iterators.SerialIterator(val, args.val_batchsize, repeat=False,
@@ -385,6 +423,32 @@ def make_iterators(args, device, layout, dtype, mean, std, seed):
             val, args.val_batchsize, repeat=False, shuffle=False, n_processes=args.loaderjob)
         what = 'PIL in {} worker processes'.format(args.loaderjob or os.cpu_count())
     return train_iter, val_iter, chainer.dataset.concat_examples, what
+
+
+class Shard(chainer.dataset.DatasetMixin):
+    """The examples of ``dataset`` at ``indices``."""
+
+    def __init__(self, dataset, indices):
+        self.dataset, self.indices = dataset, indices
+
+    def __len__(self):
+        return len(self.indices)
+
+    def get_example(self, i):
+        return self.dataset[int(self.indices[i])]
+
+
+def shard(dataset, comm, seed=None):
+    """This rank's part of ``dataset``. With ``seed`` (training): a seeded permutation cut in
+    equal parts, the last ones completed from its start, so every rank takes as many steps per
+    epoch. Without (validation): contiguous parts that together hold every example once."""
+    n, size, rank = len(dataset), comm.size, comm.rank
+    if seed is None:
+        return Shard(dataset, numpy.arange(n * rank // size, n * (rank + 1) // size))
+    order = numpy.random.RandomState(seed).permutation(n)
+    per = -(-n // size)
+    order = numpy.concatenate([order, order[:per * size - n]])
+    return Shard(dataset, order[rank * per:(rank + 1) * per])
 
 
 class _naming:
@@ -462,8 +526,14 @@ class AnyOf:
 
 def make_trainer(args, model, optimizer, train_iter, val_iter, converter, device, epoch_size,
                  plots):
-    updater_class = TrainStepUpdater if args.static_graph else training.updaters.StandardUpdater
-    updater = updater_class(train_iter, optimizer, converter=converter, device=device)
+    if args.static_graph and args.comm is not None:
+        updater = multinode.TrainStepUpdater(train_iter, optimizer, args.comm,
+                                             converter=converter, device=device)
+    elif args.static_graph:
+        updater = TrainStepUpdater(train_iter, optimizer, converter=converter, device=device)
+    else:
+        updater = training.updaters.StandardUpdater(train_iter, optimizer, converter=converter,
+                                                    device=device)
     iters_per_epoch = epoch_size / args.batchsize
     if args.iterations:
         stop, total_epochs = (args.iterations, 'iteration'), args.iterations / iters_per_epoch
@@ -496,9 +566,22 @@ def make_trainer(args, model, optimizer, train_iter, val_iter, converter, device
 
     trainer.extend(LearningRate(args.lr, args.schedule, args.warmup_epochs, total_epochs,
                                 1 / iters_per_epoch))
-    # dali.Evaluator: the mean over images (Chainer's weighs every batch the same)
-    trainer.extend(dali.Evaluator(val_iter, model, converter=converter, device=device),
-                   trigger=val_interval())
+    # dali.Evaluator: the mean over images (Chainer's weighs every batch the same); over every
+    # rank's shard with a communicator (each image once)
+    if args.comm is not None:
+        evaluator = multinode.Evaluator(val_iter, model, args.comm, converter=converter,
+                                        device=device)
+    else:
+        evaluator = dali.Evaluator(val_iter, model, converter=converter, device=device)
+    trainer.extend(evaluator, trigger=val_interval())
+    if not is_reporter(args):
+        # the other ranks keep what is their own next to rank 0's snapshot: their shard's
+        # position and the BatchNorm statistics of their batches
+        trainer.extend(extensions.snapshot_object(
+            RankState(train_iter, model),
+            'snapshot_iter_{{.updater.iteration}}.rank{}'.format(args.comm.rank)),
+            trigger=val_interval())
+        return trainer
     trainer.extend(extensions.snapshot(), trigger=val_interval())
     trainer.extend(extensions.snapshot_object(model.predictor, 'model_iter_{.updater.iteration}'),
                    trigger=val_interval())
@@ -521,6 +604,21 @@ def make_trainer(args, model, optimizer, train_iter, val_iter, converter, device
     return trainer
 
 
+class RankState:
+    """What differs between the ranks of a multi-node run: the position of the rank's training
+    iterator over its shard, and the running statistics BatchNorm took from its own batches."""
+
+    def __init__(self, iterator, model):
+        self.iterator, self.model = iterator, model
+
+    def serialize(self, serializer):
+        self.iterator.serialize(serializer['iterator'])
+        for path, link in self.model.namedlinks():
+            d = link.__dict__
+            for name in sorted(link._persistent):
+                d[name] = serializer['persistent' + path](name, d[name])
+
+
 def _matplotlib():
     try:
         import matplotlib
@@ -530,11 +628,23 @@ def _matplotlib():
     return True
 
 
-def resume(trainer, path):
-    """``chainer_tc.serializers.load_npz``: Chainer's loader without unpickling anything."""
+def resume(trainer, path, comm=None):
+    """``chainer_tc.serializers.load_npz``: Chainer's loader without unpickling anything. With a
+    communicator, every rank loads rank 0's snapshot (the model, the optimizer, the trainer)
+    and its own iterator's position (``<snapshot>.rank<k>``, written next to it)."""
     hint = 'resume with the flags the snapshot was made with'
     try:
-        serializers.load_npz(path, trainer)
+        if comm is None or comm.rank == 0:
+            serializers.load_npz(path, trainer)
+        else:
+            iterator = 'updater/iterator:main/'
+            serializers.load_npz(path, trainer, ignore_names=lambda k: k.startswith(iterator))
+            own = '{}.rank{}'.format(path, comm.rank)
+            if not os.path.isfile(own):
+                raise UsageError('--resume/-r: rank {} needs its own snapshot {!r} (written by '
+                                 'that rank next to rank 0\'s)'.format(comm.rank, own))
+            model = trainer.updater.get_optimizer('main').target
+            serializers.load_npz(own, RankState(trainer.updater.get_iterator('main'), model))
     except KeyError as e:
         raise UsageError('--resume/-r {!r} does not match this run: {} is missing ({})'
                          .format(path, _message(e), hint)) from None
@@ -598,7 +708,10 @@ def set_up(args):
     if ARCHS[args.arch][1] == 'NHWC':
         args.nhwc = True                    # -a resnet50_nhwc: Chainer's example's NHWC model
     check_args(args)
+    args.comm = make_communicator(args.communicator)
     device = get_device(args.device)
+    if args.comm is not None and device.xp is not numpy:
+        device = get_device('@cupy:{}'.format(args.comm.intra_rank))
     dtype = resolve_dtype(args)
     layout = 'NHWC' if args.nhwc else 'NCHW'
     seed = args.seed if args.seed is not None else int(numpy.random.randint(2 ** 31))
@@ -617,14 +730,15 @@ def set_up(args):
         plots = _matplotlib()
         trainer = make_trainer(args, model, optimizer, train_iter, val_iter, converter, device,
                                epoch_size, plots)
-        describe(args, device, dtype, layout, seed, loader)
-        if not plots:
+        if is_reporter(args):
+            describe(args, device, dtype, layout, seed, loader)
+        if not plots and is_reporter(args):
             print('matplotlib is not installed: no loss.png or accuracy.png (pip install '
                   'matplotlib)')
         if loaded:
             print('Loaded the model from {} ({})'.format(args.initmodel, loaded))
         if args.resume:
-            resume(trainer, args.resume)
+            resume(trainer, args.resume, args.comm)
             print('Resumed from {} at iteration {}'.format(args.resume,
                                                           trainer.updater.iteration))
     except BaseException:
@@ -654,7 +768,7 @@ def main(argv=None):
         for it in iterators:
             it.finalize()
     step = getattr(trainer.updater, 'step', None)
-    if step is not None:
+    if step is not None and is_reporter(args):
         print('Static graph: {} of {} steps replayed ({} eager: warm-up and tracing)'.format(
             step.replays, step.replays + step.eager_steps, step.eager_steps))
     return 0

@@ -1,0 +1,66 @@
+"""examples/imagenet/train_imagenet.py --communicator under ``mpiexec -n 2`` (real MPI, ChainerMN's
+naive communicator on the CPU): only rank 0 reports and writes the log, plots and snapshots
+(the other rank writes its own position and BatchNorm statistics next to them), and a run
+resumed from a snapshot ends with the bits of the uninterrupted run."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy
+import pytest
+
+import dali_data
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, 'examples', 'imagenet', 'train_imagenet.py')
+MPIEXEC = os.path.join(os.path.dirname(sys.executable), 'mpiexec')
+
+
+@pytest.fixture(scope='module')
+def tiny(tmp_path_factory):
+    data = dali_data.make_dataset(tmp_path_factory.mktemp('tiny'), n=12)
+    val = dali_data.write_list(os.path.join(data.root, 'val.txt'), data.files[:5],
+                               data.classes[:5])            # 5: the ranks' shards differ
+    return data, val
+
+
+def run(tiny, out, *flags):
+    data, val = tiny
+    argv = [MPIEXEC, '--allow-run-as-root', '--oversubscribe', '-n', '2', sys.executable, SCRIPT,
+            data.classes_list, val, '-R', data.root, '-o', str(out), '--width', '64',
+            '--insize', '32', '-B', '4', '-b', '4', '--n-classes', '2', '--seed', '0', '-j', '0',
+            '--iterations', '6', '--val-interval', '3', '--communicator', 'naive'] + list(flags)
+    p = subprocess.run([str(a) for a in argv], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return p.stdout
+
+
+STATIC = ['--nhwc', '--fused-bn', '--batched-update', '--static-graph']
+
+
+def test_rank_0_reports_and_a_resumed_run_ends_with_the_same_bits(tiny, tmp_path):
+    out = run(tiny, tmp_path / 'a', *STATIC)
+    assert out.count('Techniques:') == 1, 'one rank describes the run'
+    assert 'Static graph: 3 of 6 steps replayed' in out
+    files = set(os.listdir(str(tmp_path / 'a')))
+    assert {'log', 'snapshot_iter_3', 'snapshot_iter_6', 'model_iter_6',
+            'snapshot_iter_3.rank1'} <= files
+    assert not any(f.endswith('.rank0') for f in files)
+    run(tiny, tmp_path / 'b', *STATIC, '-r', tmp_path / 'a' / 'snapshot_iter_3')
+    a = numpy.load(str(tmp_path / 'a' / 'model_iter_6'))
+    b = numpy.load(str(tmp_path / 'b' / 'model_iter_6'))
+    assert sorted(a.files) == sorted(b.files)
+    for k in a.files:
+        numpy.testing.assert_array_equal(a[k], b[k], err_msg=k)
+    with open(str(tmp_path / 'a' / 'log')) as f:
+        log_a = json.load(f)
+    with open(str(tmp_path / 'b' / 'log')) as f:
+        log_b = json.load(f)
+    assert log_a[-1]['validation/main/loss'] == log_b[-1]['validation/main/loss']
+
+
+def test_chainermn_wrapper_path(tiny, tmp_path):
+    out = run(tiny, tmp_path, '--batched-update', '--loss-scale', 'dynamic')
+    assert 'validation/main/accuracy' in out
+    assert 'log' in os.listdir(str(tmp_path))
