@@ -21,11 +21,17 @@ def channel_mean(mean):
         source = 'the mean file {!r}'.format(os.fspath(mean))
         if not os.path.isfile(mean):
             raise FileNotFoundError('mean: {} does not exist or is not a file'.format(source))
-        try:
+        try:        # never a pickle: an object array in a crafted file would run code
             mean = numpy.load(mean, allow_pickle=False)
         except ValueError as e:
             raise ValueError('mean: {} is not a .npy array of numbers ({})'.format(source, e)) \
                 from None
+        if isinstance(mean, numpy.lib.npyio.NpzFile):
+            names = mean.files
+            mean.close()
+            raise ValueError('mean: {} is an .npz archive (of {}), not a .npy array: save the '
+                             'mean with numpy.save, or pass the array itself'
+                             .format(source, ', '.join(names) or 'nothing'))
     a = _numbers(mean, 'mean', source)
     if a.ndim == 3 and a.shape[0] == 3:
         a = a.mean(axis=(1, 2))        # a mean image: per-channel means (see the docstring)
