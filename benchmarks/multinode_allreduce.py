@@ -41,56 +41,30 @@ def _worker(args):
     sys.path.insert(0, HERE)
     import optimizer_update as ou
 
-    rows = []
-    comm = None
+    comm = chainermn.create_communicator('naive')
+    variants = []
     for variant in ('chainermn naive', 'chainer_tc'):
-        comm = chainermn.create_communicator('naive')
         model = ou.resnet50_params(numpy.float32)
         opt = optimizers.MomentumSGD(lr=ou.LR, momentum=ou.MOMENTUM,
                                      weight_decay=ou.WD).setup(model)
         ou.set_grads(model, numpy, seed=comm.rank)
         if variant == 'chainer_tc':
-            flat = opt._flat
-            buffers, views = flat.grad_buffers()
-            for e, v in zip(flat.entries, views):
-                v[...] = e.param.grad
-            reduce = multinode.GradientAllreduce(comm)
-            plan = opt._plan(flat, views, flat_grads=buffers)
-
-            def step():
-                reduce(buffers)
-                opt._step(plan)
-            collectives = lambda: reduce.collectives      # noqa: E731
+            variants.append((variant,) + _ours(comm, opt, multinode))
         else:
-            count = [0]
-            real = comm.mpi_comm
-
-            class Counting:
-                """The MPI communicator, counting Allreduce calls."""
-
-                def __getattr__(self, name):
-                    return getattr(real, name)
-
-                def Allreduce(self, *a, **k):
-                    count[0] += 1
-                    return real.Allreduce(*a, **k)
-            comm.mpi_comm = Counting()
-
-            def step():
-                comm.multi_node_mean_grad(model)
-                opt.update()
-            collectives = lambda: count[0]                 # noqa: E731
+            variants.append((variant,) + _chainermn(comm, model, opt, chainermn))
+    for _, step, _ in variants:
         step()                                             # warm-up
-        comm.mpi_comm.Barrier()
-        before = collectives()
-        times = []
-        for _ in range(args.repeat):
+    times = {name: [] for name, _, _ in variants}
+    before = {name: collectives() for name, _, collectives in variants}
+    for _ in range(args.repeat):                           # interleaved: load hits both alike
+        for name, step, _ in variants:
             comm.mpi_comm.Barrier()
             t = time.perf_counter()
             step()
-            times.append(time.perf_counter() - t)
-        rows.append({'variant': variant, 'ms_per_step': 1e3 * float(numpy.median(times)),
-                     'collectives_per_step': (collectives() - before) / args.repeat})
+            times[name].append(time.perf_counter() - t)
+    rows = [{'variant': name, 'ms_per_step': 1e3 * float(numpy.median(times[name])),
+             'collectives_per_step': (collectives() - before[name]) / args.repeat}
+            for name, _, collectives in variants]
     if comm.rank != 0:
         return 0
     base = rows[0]['ms_per_step']
@@ -106,6 +80,47 @@ def _worker(args):
                    'parameters': 161, 'elements': 25557032, 'rows': rows}, f, indent=1)
     print('wrote', args.out)
     return 0
+
+
+def _ours(comm, opt, multinode):
+    """One collective on the flat gradient buffers a TrainStep replay leaves, then the update."""
+    flat = opt._flat
+    buffers, views = flat.grad_buffers()
+    for e, v in zip(flat.entries, views):
+        v[...] = e.param.grad
+    reduce = multinode.GradientAllreduce(comm)
+    plan = opt._plan(flat, views, flat_grads=buffers)
+
+    def step():
+        reduce(buffers)
+        opt._step(plan)
+    return step, lambda: reduce.collectives
+
+
+def _chainermn(comm, model, opt, chainermn):
+    """ChainerMN's default CPU path (one Allreduce per parameter, counted), then the update."""
+    count = [0]
+    real = comm.mpi_comm
+
+    class Counting:
+        """The MPI communicator, counting Allreduce calls."""
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def Allreduce(self, *a, **k):
+            count[0] += 1
+            return real.Allreduce(*a, **k)
+    counting = Counting()
+
+    def step():
+        comm.mpi_comm = counting
+        try:
+            comm.multi_node_mean_grad(model)
+        finally:
+            comm.mpi_comm = real
+        opt.update()
+    return step, lambda: count[0]
 
 
 def main(argv=None):
