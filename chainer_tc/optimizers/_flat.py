@@ -148,7 +148,7 @@ class FlatParams:
         """The first entry whose parameter no longer holds its view (replaced, retyped, moved),
         or None. Cheap: one identity test per parameter."""
         for e in self.entries:
-            if e.param.array is not e.view:
+            if e.param.raw_array is not e.view:
                 return e
         return None
 
