@@ -69,7 +69,7 @@ setup(
     long_description_content_type='text/markdown',
     python_requires='>=3.9',
     packages=find_packages(include=['chainer_tc', 'chainer_tc.*']),
-    package_data={'chainer_tc': ['testing/include/*.h']},
+    package_data={'chainer_tc': ['testing/include/*.h', 'testing/runtime/*.cpp']},
     cmdclass={'build_py': BuildPyWithKernels},
     install_requires=install_requires,
     extras_require=extras_require,

@@ -256,18 +256,19 @@ def test_out_of_bounds_past_the_end_is_caught(buggy):
         buggy.get_function('copy_no_bounds_check')((blocks(n),), (BLOCK,), (a, b, numpy.int32(n)))
     msg = str(e.value)
     assert "kernel 'copy_no_bounds_check'" in msg
-    assert 'out-of-bounds access to argument 0 (const float*, float32 array of shape (1000,))' in msg
+    assert 'out-of-bounds read of argument 0 (const float*, float32 array of shape (1000,))' in msg
     assert 'element 1000 of 1000' in msg
     assert 'thread (232,0,0) of block (3,0,0)' in msg     # the first thread with i == n
     assert not b.any(), 'a failed launch must not write back'
 
 
-def test_out_of_bounds_before_the_start_is_caught(buggy, monkeypatch):
+def test_out_of_bounds_before_the_start_is_caught(buggy):
     a = numpy.arange(64, dtype=numpy.float32)
     b = numpy.zeros(64, numpy.float32)
-    monkeypatch.setenv('CHAINER_TC_EMULATOR_GUARD', 'start')
-    with pytest.raises(KernelLaunchError, match=r'argument 0 \(const float\*, float32 array of shape \(64,\)\) at byte offset -4 '
-                            r'\(element -1 of 64\) in thread \(0,0,0\)'):
+    with pytest.raises(KernelLaunchError, match=r'read of argument 0 \(const float\*, float32 array '
+                                                r'of shape \(64,\)\) at byte offset -4 \(element -1 of '
+                                                r'64\) in thread \(0,0,0\) of block \(0,0,0\) \(at '
+                                                r'.*buggy.cu:12\)'):
         buggy.get_function('read_before_start')((1,), (64,), (a, b, numpy.int32(64)))
 
 
@@ -373,17 +374,15 @@ def test_signature_reports_const_and_half_types(mod):
         'half2_fma(const __half2*, const __half2*, const __half2*, __half2*, float*, int)')
 
 
-def test_write_before_the_start_is_caught_by_the_canary(monkeypatch):
+def test_write_before_the_start_is_caught_at_once():
     code = '''extern "C" __global__ void k(float* x) { x[(int)threadIdx.x - 2] = 1.0f; }'''
     m = emulator.RawModule(code=code)
     x = numpy.zeros(8, numpy.float32)
-    with pytest.raises(KernelLaunchError, match=r'out-of-bounds write to argument 0: 8 bytes changed '
-                                                r'before the start of its 32 bytes'):
+    with pytest.raises(KernelLaunchError, match=r'out-of-bounds write to argument 0 \(float\*, float32 '
+                                                r'array of shape \(8,\)\) at byte offset -8 \(element -2 '
+                                                r'of 8\) in thread \(0,0,0\)'):
         m.get_function('k')((1,), (8,), (x,))
     assert not x.any()
-    monkeypatch.setenv('CHAINER_TC_EMULATOR_GUARD', 'start')
-    with pytest.raises(KernelLaunchError, match=r'\(element -2 of 8\) in thread \(0,0,0\)'):
-        m.get_function('k')((1,), (8,), (x,))
 
 
 # ---- barriers and warp collectives with exited threads and partial warps -------------------------
@@ -782,21 +781,31 @@ def test_blocks_and_barriers_are_fast(mod):
 
 
 def test_modules_do_not_share_static_storage():
-    # The same templated kernel built with different sizes: g++ would make its __shared__ array
-    # (and the emulator's runtime) one process-wide object, so the larger module would overflow the
-    # smaller one's array.
+    # The same templated kernel built with different sizes: with default visibility g++ would make
+    # the slot of its __shared__ array (and the emulator's runtime) one process-wide object, so one
+    # module would use the other's size for the array.
     code = '''
     template <typename T> __device__ T* scratch() { __shared__ T buf[SIZE]; return buf; }
-    extern "C" __global__ void where(unsigned long long* out) {
-      out[0] = (unsigned long long)scratch<float>();
-      out[1] = (unsigned long long)&::ctemu::rt;
+    extern "C" __global__ void fill(float* out, unsigned long long* where) {
+      float* b = scratch<float>();
+      for (int i = threadIdx.x; i < SIZE; i += blockDim.x) b[i] = (float)i;
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        float s = 0.0f;
+        for (int i = 0; i < SIZE; ++i) s += b[i];
+        out[0] = s;
+        where[0] = (unsigned long long)&::ctemu::grid_dim;
+      }
     }'''
     small = emulator.RawModule(code=code, options=('-DSIZE=4',))
     large = emulator.RawModule(code=code, options=('-DSIZE=4096',))
-    a, b = numpy.zeros(2, numpy.uint64), numpy.zeros(2, numpy.uint64)
-    small.get_function('where')((1,), (1,), (a,))
-    large.get_function('where')((1,), (1,), (b,))
-    assert a[0] != b[0] and a[1] != b[1]
+    out, a, b = numpy.zeros(1, numpy.float32), numpy.zeros(1, numpy.uint64), numpy.zeros(1, numpy.uint64)
+    for _ in range(2):
+        large.get_function('fill')((1,), (64,), (out, a))
+        assert out[0] == 4095 * 4096 / 2
+        small.get_function('fill')((1,), (64,), (out, b))
+        assert out[0] == 6
+    assert a[0] != b[0]
 
 
 @pytest.mark.parametrize('n', [4, 10, 13, 1001])

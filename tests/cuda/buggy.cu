@@ -61,3 +61,116 @@ extern "C" __global__ void mismatched_collectives(int* out) {
   if (threadIdx.x < 16) out[threadIdx.x] = __ballot_sync(0xffffffffu, 1);
   else out[threadIdx.x] = __shfl_sync(0xffffffffu, 1, 0);
 }
+
+// ---- memcheck: accesses the emulator must refuse (tests/test_emulator_checks.py) ----------------
+
+// Reads `far` elements past each thread's own one: past the end by more than a page.
+extern "C" __global__ void read_far(const float* a, float* b, int n, int far) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) b[i] = a[i + far];
+}
+
+// Sums each gradient of a table of addresses, one element too many (i <= count).
+extern "C" __global__ void table_sum_off_by_one(const unsigned long long* table, const int* count,
+                                                float* out, int n) {
+  int j = blockIdx.x * blockDim.x + threadIdx.x;
+  if (j >= n) return;
+  const float* g = reinterpret_cast<const float*>(table[j]);
+  float s = 0.0f;
+  for (int i = 0; i <= count[j]; ++i) s += g[i];
+  out[j] = s;
+}
+
+// A static __shared__ array of 32 floats indexed by threadIdx.x: overflows with more threads.
+extern "C" __global__ void shared_overflow(float* out) {
+  __shared__ float s[32];
+  s[threadIdx.x] = (float)threadIdx.x;
+  __syncthreads();
+  out[threadIdx.x] = s[threadIdx.x];
+}
+
+// The same through a pointer: no array type for the bounds check, the region catches it.
+extern "C" __global__ void shared_overflow_by_pointer(float* out) {
+  __shared__ float s[32];
+  float* p = s;
+  p[threadIdx.x] = (float)threadIdx.x;
+  __syncthreads();
+  out[threadIdx.x] = p[threadIdx.x];
+}
+
+// A local array indexed out of range.
+extern "C" __global__ void local_overflow(const int* idx, float* out) {
+  float local[4] = {1.0f, 2.0f, 3.0f, 4.0f};
+  out[threadIdx.x] = local[idx[threadIdx.x]];
+}
+
+// Bounded to 256 threads per block.
+extern "C" __global__ void __launch_bounds__(256) bounded(float* out) {
+  out[blockIdx.x * blockDim.x + threadIdx.x] = 1.0f;
+}
+
+// Integer division: by zero, and INT_MIN / -1.
+extern "C" __global__ void divide(const int* a, const int* d, int* out) {
+  out[threadIdx.x] = a[threadIdx.x] / d[threadIdx.x];
+}
+
+// A float4 load from x + 1: misaligned (a GPU faults).
+extern "C" __global__ void misaligned_float4(const float* x, float* out) {
+  const float4 v = reinterpret_cast<const float4*>(x + 1)[0];
+  out[0] = v.x + v.y + v.z + v.w;
+}
+
+// The low bits of each array argument's address.
+extern "C" __global__ void addresses(const float* a, const __half* b, const double* c,
+                                     unsigned long long* out) {
+  out[0] = (unsigned long long)a;
+  out[1] = (unsigned long long)b;
+  out[2] = (unsigned long long)c;
+}
+
+// Kernels named after C library functions: valid CUDA, which declares none of these names.
+extern "C" __global__ void signal(float* x) { x[threadIdx.x] = 1.0f; }
+extern "C" __global__ void gamma(float* x) { x[threadIdx.x] = 2.0f; }
+extern "C" __global__ void fadd(float* x) { x[threadIdx.x] = 3.0f; }
+
+// ---- racecheck: order-dependent kernels ---------------------------------------------------------
+
+// A tree reduction whose barrier inside the loop is missing.
+extern "C" __global__ void tree_sum_no_barrier(const float* x, float* out) {
+  __shared__ float s[256];
+  s[threadIdx.x] = x[blockIdx.x * blockDim.x + threadIdx.x];
+  __syncthreads();
+  for (unsigned k = blockDim.x / 2; k > 0; k >>= 1) {
+    if (threadIdx.x < k) s[threadIdx.x] += s[threadIdx.x + k];
+  }
+  if (threadIdx.x == 0) out[blockIdx.x] = s[0];
+}
+
+// last_block_sum (selftest.cu) without its fences: the last block may read stale partial sums.
+extern "C" __global__ void last_block_sum_no_fence(const float* x, float* partial, unsigned* count,
+                                                   float* out, int n) {
+  __shared__ bool last;
+  if (threadIdx.x == 0) {
+    float v = 0.0f;
+    for (int i = blockIdx.x; i < n; i += gridDim.x) v += x[i];
+    partial[blockIdx.x] = v;
+    last = atomicInc(count, gridDim.x - 1) == gridDim.x - 1;
+  }
+  __syncthreads();
+  if (last && threadIdx.x == 0) {
+    float total = 0.0f;
+    for (unsigned b = 0; b < gridDim.x; ++b) total += partial[b];
+    out[0] = total;
+  }
+}
+
+// A counter incremented with a plain ++ by one thread of every block.
+extern "C" __global__ void plain_counter(unsigned* count) {
+  if (threadIdx.x == 0) *count += 1;
+}
+
+// Each thread takes a ticket with atomicAdd and writes its index there: no data race, but the
+// result depends on the order in which threads run.
+extern "C" __global__ void tickets(unsigned* counter, int* out) {
+  out[atomicAdd(counter, 1u)] = blockIdx.x * blockDim.x + threadIdx.x;
+}

@@ -77,10 +77,14 @@ extern "C" __global__ void atomics(const int* x, unsigned* hist, int* max_out, u
 }
 
 // A spin lock with atomicCAS/atomicExch guarding a non-atomic update; one thread per block takes it.
+// The fences make the lock order the update across blocks (acquire: the atomic, then a fence;
+// release: a fence, then the atomic), as the CUDA programming guide's lock does.
 extern "C" __global__ void cas_lock(int* lock, int* counter) {
   if (threadIdx.x == 0) {
     while (atomicCAS(lock, 0, 1) != 0) {}
+    __threadfence();
     *counter += 1;
+    __threadfence();
     atomicExch(lock, 0);
   }
 }
@@ -300,4 +304,54 @@ extern "C" __global__ void sum_float4(const float4* __restrict__ x, float* out, 
   }
   for (int i = n / 4 * 4; i < n; ++i) s += reinterpret_cast<const float*>(x)[i];
   out[0] = s;
+}
+
+// The last-block reduction of the CUDA programming guide's __threadfence() example, with fences on
+// both sides: every block writes its partial sum, fences, and takes a ticket; the block that takes
+// the last ticket fences and sums the partial sums. out[0] = the sum of x; count is reset to 0.
+extern "C" __global__ void last_block_sum(const float* x, float* partial, unsigned* count,
+                                          float* out, int n) {
+  __shared__ float s[256];
+  __shared__ bool last;
+  float v = 0.0f;
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += blockDim.x * gridDim.x) v += x[i];
+  s[threadIdx.x] = v;
+  __syncthreads();
+  for (unsigned k = blockDim.x / 2; k > 0; k >>= 1) {
+    if (threadIdx.x < k) s[threadIdx.x] += s[threadIdx.x + k];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    partial[blockIdx.x] = s[0];
+    __threadfence();                                         // release the partial sum
+    last = atomicInc(count, gridDim.x - 1) == gridDim.x - 1;
+  }
+  __syncthreads();
+  if (last && threadIdx.x == 0) {
+    __threadfence();                                         // acquire every block's
+    float total = 0.0f;
+    for (unsigned b = 0; b < gridDim.x; ++b) total += partial[b];
+    out[0] = total;
+  }
+}
+
+// The same as the programming guide writes it: the partial sums are volatile (so the last block
+// reads them from memory), thread 0 of each block fences before its ticket.
+extern "C" __global__ void guide_sum(const float* x, volatile float* partial, unsigned* count,
+                                     float* out, int n) {
+  __shared__ bool last;
+  if (threadIdx.x == 0) {
+    float v = 0.0f;
+    for (int i = blockIdx.x; i < n; i += gridDim.x) v += x[i];
+    partial[blockIdx.x] = v;
+    __threadfence();
+    last = atomicInc(count, gridDim.x) == gridDim.x - 1;
+  }
+  __syncthreads();
+  if (last && threadIdx.x == 0) {
+    float total = 0.0f;
+    for (unsigned b = 0; b < gridDim.x; ++b) total += partial[b];
+    out[0] = total;
+    *count = 0;
+  }
 }

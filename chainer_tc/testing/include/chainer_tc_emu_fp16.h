@@ -265,10 +265,20 @@ static inline __half2 operator/(const __half2& a, const __half2& b) { return __h
 static inline __half2 operator-(const __half2& a) { return __hneg2(a); }
 
 // atomicAdd on halves (sm_70+): a plain read-modify-write, like the other atomics.
-static inline __half atomicAdd(__half* a, __half v) { __half o = *a; *a = __hadd(o, v); return o; }
-static inline __half2 atomicAdd(__half2* a, __half2 v) { __half2 o = *a; *a = __hadd2(o, v); return o; }
+CTEMU_ATOMIC_FN static inline __half atomicAdd(__half* a, __half v) {
+  ::ctemu::atomic_access(a, sizeof *a);
+  __half o = *a;
+  *a = __hadd(o, v);
+  return o;
+}
+CTEMU_ATOMIC_FN static inline __half2 atomicAdd(__half2* a, __half2 v) {
+  ::ctemu::atomic_access(a, sizeof *a);
+  __half2 o = *a;
+  *a = __hadd2(o, v);
+  return o;
+}
 
 namespace ctemu {
-template <> struct Code<__half> { static std::string get() { return "f2"; } };
-template <> struct Code<__half2> { static std::string get() { return "f2x2"; } };
+template <> struct Code<__half> { static const char* get() { return "f2"; } };
+template <> struct Code<__half2> { static const char* get() { return "f2x2"; } };
 }  // namespace ctemu

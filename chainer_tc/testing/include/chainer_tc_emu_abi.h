@@ -1,0 +1,82 @@
+// chainer_tc emulator: what the kernel's translation unit and the runtime (runtime/emu_runtime.cpp)
+// share. Both are linked into one shared object per module with hidden visibility, so every
+// module has its own runtime state.
+//
+// This header includes no C library header: the kernel's translation unit must see only the
+// names CUDA defines (a kernel may be called `signal`, `gamma` or `fadd`, which glibc declares).
+#pragma once
+
+// ---------------------------------------------------------------------------------------------
+// Built-in vector types (trivial, so `__shared__ float4 tile[..]` needs no initialisation guard)
+struct uint3 { unsigned int x, y, z; };
+struct dim3 {
+  unsigned int x, y, z;
+  dim3(unsigned int x_ = 1, unsigned int y_ = 1, unsigned int z_ = 1) : x(x_), y(y_), z(z_) {}
+};
+
+namespace ctemu {
+
+typedef unsigned long long u64;
+typedef unsigned long usize;
+
+// The part of an emulated CUDA thread that kernel code reads (threadIdx, blockIdx, lanes); the
+// runtime's Fiber begins with it.
+struct Thread {
+  uint3 tid;
+  uint3 bid;
+  unsigned lane, warp;
+};
+
+extern Thread* cur;              // the running CUDA thread (null outside a fiber)
+extern dim3 grid_dim, block_dim;
+
+enum Op : unsigned char { kSync, kShfl, kVote };      // the kinds of warp collective
+
+// What Python passes for one launch (chainer_tc/testing/emulator.py, _LaunchArgs).
+struct LaunchArgs {
+  unsigned grid[3], block[3];
+  u64 shared_mem;              // dynamic shared memory of the launch
+  u64 max_dyn_shared;          // the kernel's max_dynamic_shared_size_bytes (48 KiB unless raised)
+  int nargs;
+  void** args;                 // per parameter: the address of its value (an array's host address)
+  const u64* nbytes;           // per parameter: bytes of the array, or ~0 for a value
+  const u64* itemsize;         // per parameter: element size of the array
+  const int* writeback;        // per parameter: copy the array back after the launch
+  const int* alias;            // per parameter: an earlier parameter with the same array, or -1
+  // Pointer tables: words inside arguments that hold addresses of arrays (a struct of gradient
+  // addresses, a uint64 array of pointers). Each target is a whole allocation; each slot is a
+  // word that points into one, rewritten for the launch to point into the target's copy.
+  int ntargets;
+  const u64* target_host;      // first byte of the allocation
+  const u64* target_nbytes;
+  const int* target_arg;       // the array argument that is this allocation, or -1
+  int nslots;
+  const int* slot_arg;         // the argument holding the word
+  const u64* slot_offset;      // its byte offset in the argument's value or array
+  const int* slot_target;
+  // checks
+  int race;                    // run the race detector
+  const char* schedules;       // comma-separated: forward, reverse, random:<seed>
+  char* err;                   // kErrLen bytes for the error message
+};
+
+enum { kErrLen = 2048, kMaxParams = 1024 };
+
+// ---- runtime entry points used by the inline code of chainer_tc_emu.h ----------------------
+int run_launch(const char* name, const LaunchArgs* la, int nparams, const usize* aligns,
+               void** vals, void (*body)(void*), void* ctx);
+[[noreturn]] void fail_here(const char* what);
+void yield_now();                 // fences and __nanosleep: let other threads run
+void fence(int device_scope);     // __threadfence (1) or __threadfence_block (0)
+int block_barrier(int pred);      // __syncthreads*: how many threads that took part passed pred
+int barrier_total();              // threads that took part in the last barrier
+u64 warp_collective(unsigned char op, unsigned mask, u64 value, int src);
+unsigned active_mask();
+void* dyn_smem();
+// A static __shared__ variable of the running block: `signature` is the __PRETTY_FUNCTION__ of
+// shared_ref, which names the variable's type.
+void* shared_var(int* slot, usize size, usize itemsize, const char* name, const char* signature);
+void atomic_access(void* p, usize size);   // before an atomic read-modify-write of p
+void check_width(int width);
+
+}  // namespace ctemu

@@ -1,0 +1,447 @@
+"""Launches of every kernel of ``kernels/``, with arguments built the same way on any backend.
+
+A :class:`Case` is one family's launch sequence on one shape (the arguments a caller in
+``chainer_tc`` would pass, built here from each file's header contract), runnable on the emulator
+(NumPy arrays) and on a GPU (CuPy arrays) alike; :func:`cases` lists them on awkward shapes and on
+ResNet-50-sized ones. The GPU parity kit (:mod:`chainer_tc.testing.gpu_parity`) compares the two
+backends and times them; the emulator's own tests run the awkward ones under the race detector.
+
+Only NumPy (and CuPy for a GPU) is needed: nothing here imports Chainer or a chainer_tc module that
+does, so this runs where the project's full stack cannot be installed.
+"""
+import numpy
+
+from chainer_tc import kernels
+
+# The launch constants the callers use (chainer_tc/layout.py, functions/_bn_kernels.py,
+# functions/pooling.py, optimizers/momentum_sgd.py), restated: those modules import Chainer.
+LAYOUT = {'LAYOUT_TILE': 32, 'LAYOUT_BLOCK_ROWS': 8}
+BN = {'BN_TILE_C': 32, 'BN_ROWS': 8, 'BN_THREADS': 256}
+POOL = {'POOL_THREADS': 256}
+OPT = {'OPT_BLOCK': 256, 'OPT_GRAD_TABLE': 480}
+OPT_CHUNK = 2048
+
+_CTYPE = {numpy.dtype(numpy.float16): '__half', numpy.dtype(numpy.float32): 'float',
+          numpy.dtype(numpy.float64): 'double'}
+_SHORT = {numpy.dtype(numpy.float16): 'f16', numpy.dtype(numpy.float32): 'f32',
+          numpy.dtype(numpy.float64): 'f64'}
+
+
+class Struct:
+    """A by-value struct argument whose fields may hold addresses of the case's arrays:
+    ``build(address)`` returns the size-1 structured NumPy array, ``address(name)`` giving the
+    device address of array ``name`` on the backend (CuPy and the emulator both take size-1
+    NumPy arrays for structs)."""
+
+    def __init__(self, build):
+        self.build = build
+
+
+class Launch:
+    """One kernel launch: ``args`` holds array names (str), NumPy scalars and :class:`Struct`s."""
+
+    def __init__(self, kernel, grid, block, args, shared_mem=0):
+        self.kernel, self.grid, self.block = kernel, grid, block
+        self.args, self.shared_mem = tuple(args), shared_mem
+
+
+class Case:
+    """A family's launches on one shape.
+
+    ``arrays``: name -> initial NumPy array (every backend starts from a copy);
+    ``outputs``: the names compared between backends; ``bytes``: bytes the launches must move
+    (read plus written), for the bandwidth column; ``big``: a ResNet-50-sized case.
+    """
+
+    def __init__(self, family, name, defines, names, arrays, launches, outputs, big=False,
+                 extra_bytes=0, reference=None):
+        self.family, self.name, self.defines = family, name, dict(defines)
+        #: reference(arrays) -> {output: (expected, rtol, atol)}, the NumPy result of some outputs
+        self.reference = reference
+        self.name_expressions = tuple(names)
+        self.arrays, self.launches, self.outputs = arrays, launches, list(outputs)
+        self.big = big
+        self.bytes = int(sum(arrays[k].nbytes for k in arrays)) + extra_bytes
+
+    def options(self):
+        return tuple('-D{}={}'.format(k, v) for k, v in sorted(self.defines.items()))
+
+    def kernel_names(self):
+        return sorted({launch.kernel for launch in self.launches})
+
+
+def _rng(seed):
+    return numpy.random.RandomState(seed)
+
+
+# ---- layout ------------------------------------------------------------------------------------
+
+def _layout(n, c, h, w, tin, tout, big=False, grid_cap=None, seed=0):
+    src = _rng(seed).randn(n, c, h * w).astype(tin)
+    dst = numpy.full((n, h * w, c), numpy.nan, tout)
+    rows, cols, tile = c, h * w, LAYOUT['LAYOUT_TILE']
+    grid = [-(-cols // tile), min(-(-rows // tile), 65535), min(n, 65535)]
+    if grid_cap:                 # fewer blocks than tiles: the kernel's strided loops run
+        grid = [grid[0], min(grid[1], grid_cap), min(grid[2], grid_cap)]
+    name = 'batched_transpose_{}_{}'.format(_SHORT[numpy.dtype(tin)], _SHORT[numpy.dtype(tout)])
+    launch = Launch(name, tuple(grid), (tile, LAYOUT['LAYOUT_BLOCK_ROWS']),
+                    ('src', 'dst', numpy.int32(rows), numpy.int32(cols), numpy.int64(n)))
+    label = '{} N{}C{}H{}W{}{}'.format(name, n, c, h, w, ' grid<=' + str(grid_cap) if grid_cap else '')
+
+    def reference(arrays):
+        return {'dst': (arrays['src'].transpose(0, 2, 1).astype(tout), 0, 0)}
+
+    return Case('layout', label, LAYOUT, (), {'src': src, 'dst': dst}, [launch], ['dst'], big,
+                reference=reference)
+
+
+# ---- pooling -----------------------------------------------------------------------------------
+
+POOL_SHAPE = numpy.dtype([(f, '<i4') for f in ('N', 'H', 'W', 'C', 'OH', 'OW', 'kh', 'kw', 'sy',
+                                               'sx', 'ph', 'pw')])
+_POOL_NAMES = ['{}<{}>'.format(k, t) for k in ('max_pool_forward', 'max_pool_backward',
+                                               'avg_pool_forward', 'avg_pool_backward')
+               for t in ('__half', 'float', 'double')]
+
+
+def _out(size, k, s, p):
+    return (size + 2 * p - k) // s + 1
+
+
+def _pooling(n, h, w, c, k, s, p, dtype, big=False, grid_cap=None, seed=0):
+    oh, ow = _out(h, k, s, p), _out(w, k, s, p)
+    shape = numpy.zeros(1, POOL_SHAPE)
+    for f, v in zip(POOL_SHAPE.names, (n, h, w, c, oh, ow, k, k, s, s, p, p)):
+        shape[f] = v
+    r = _rng(seed)
+    x = r.randn(n, h, w, c).astype(dtype)
+    gy = r.randn(n, oh, ow, c).astype(dtype)
+    t = _CTYPE[numpy.dtype(dtype)]
+
+    def grid(total):
+        g = max(1, min(-(-total // POOL['POOL_THREADS']), 8192))
+        return (min(g, grid_cap) if grid_cap else g,)
+
+    block = (POOL['POOL_THREADS'],)
+    arrays = {'x': x, 'gy': gy, 'y': numpy.full(gy.shape, numpy.nan, dtype),
+              'argmax': numpy.full(gy.shape, -1, numpy.int32),
+              'gx': numpy.full(x.shape, numpy.nan, dtype),
+              'ya': numpy.full(gy.shape, numpy.nan, dtype),
+              'gxa': numpy.full(x.shape, numpy.nan, dtype)}
+    launches = [
+        Launch('max_pool_forward<{}>'.format(t), grid(gy.size), block, (shape, 'x', 'y', 'argmax')),
+        Launch('max_pool_backward<{}>'.format(t), grid(x.size), block, (shape, 'gy', 'argmax', 'gx')),
+        Launch('avg_pool_forward<{}>'.format(t), grid(gy.size), block, (shape, 'x', 'ya')),
+        Launch('avg_pool_backward<{}>'.format(t), grid(x.size), block, (shape, 'gy', 'gxa')),
+    ]
+    label = 'pool {} N{}H{}W{}C{} k{}s{}p{}{}'.format(
+        _SHORT[numpy.dtype(dtype)], n, h, w, c, k, s, p, ' grid<=' + str(grid_cap) if grid_cap else '')
+
+    def reference(arrays):
+        xp = numpy.full((n, h + 2 * p + k, w + 2 * p + k, c), -numpy.inf)
+        xp[:, p:p + h, p:p + w] = arrays['x']
+        zp = numpy.zeros_like(xp)
+        zp[:, p:p + h, p:p + w] = arrays['x']
+        win = [(i, j) for i in range(k) for j in range(k)]
+        views = numpy.stack([xp[:, i:i + s * (oh - 1) + 1:s, j:j + s * (ow - 1) + 1:s]
+                             for i, j in win])
+        sums = sum(zp[:, i:i + s * (oh - 1) + 1:s, j:j + s * (ow - 1) + 1:s] for i, j in win)
+        tol = 1e-3 if dtype == numpy.float16 else 1e-6
+        return {'y': (views.max(0).astype(dtype), 0, 0), 'argmax': (views.argmax(0), 0, 0),
+                'ya': ((sums / (k * k)).astype(dtype), tol, tol)}
+
+    return Case('pooling', label, POOL, _POOL_NAMES, arrays, launches,
+                ['y', 'argmax', 'gx', 'ya', 'gxa'], big, reference=reference)
+
+
+# ---- batchnorm ---------------------------------------------------------------------------------
+
+_BN_PAIRS = [(numpy.float16, numpy.float16), (numpy.float16, numpy.float32),
+             (numpy.float32, numpy.float32), (numpy.float64, numpy.float64)]
+_BN_NAMES = (['bn_stats_partial<{}>'.format(t) for t in ('__half', 'float', 'double')]
+             + ['bn_backward_partial<{}>'.format(t) for t in ('__half', 'float', 'double')]
+             + ['bn_stats_finalize<{}>'.format(t) for t in ('__half', 'float', 'double')]
+             + ['bn_backward_finalize<{}>'.format(t) for t in ('__half', 'float', 'double')]
+             + ['{}<{}, {}>'.format(k, _CTYPE[numpy.dtype(t)], _CTYPE[numpy.dtype(p)])
+                for k in ('bn_apply', 'bn_backward_apply') for t, p in _BN_PAIRS])
+
+
+def _batchnorm(rows, c, dtype, pdtype, relu=1, with_z=True, big=False, grid_cap=None, seed=0):
+    tile, nrows, threads = BN['BN_TILE_C'], BN['BN_ROWS'], BN['BN_THREADS']
+    a = numpy.float64 if dtype == numpy.float64 else numpy.float32
+    tiles = -(-c // tile)
+    blocks = max(1, min(-(-rows // (4 * nrows)), max(1, 1024 // tiles)))
+    per = -(-rows // blocks)
+    blocks = -(-rows // per)
+    r = _rng(seed)
+    t, p = _CTYPE[numpy.dtype(dtype)], _CTYPE[numpy.dtype(pdtype)]
+    arrays = {
+        'x': (r.randn(rows, c) * 2 + 0.5).astype(dtype),
+        'z': r.randn(rows, c).astype(dtype),
+        'gy': r.randn(rows, c).astype(dtype),
+        'gamma': (r.rand(c) + 0.5).astype(pdtype), 'beta': r.randn(c).astype(pdtype),
+        'running_mean': r.randn(c).astype(pdtype), 'running_var': (r.rand(c) + 1).astype(pdtype),
+        'partial': numpy.full((blocks, c, 3), numpy.nan, a),
+        'mean': numpy.full(c, numpy.nan, a), 'invstd': numpy.full(c, numpy.nan, a),
+        'y': numpy.full((rows, c), numpy.nan, dtype),
+        'bpartial': numpy.full((blocks, c, 2), numpy.nan, a),
+        'sums': numpy.full(2 * c, numpy.nan, a),
+        'ggamma': numpy.full(c, numpy.nan, pdtype), 'gbeta': numpy.full(c, numpy.nan, pdtype),
+        'gx': numpy.full((rows, c), numpy.nan, dtype), 'gz': numpy.full((rows, c), numpy.nan, dtype),
+    }
+    g1 = max(1, min(-(-(rows * c) // threads), 8192))
+    g1 = (min(g1, grid_cap) if grid_cap else g1,)
+    gc = (-(-c // threads),)
+    z = 'z' if with_z else None
+    gz = 'gz' if with_z else None
+    launches = [
+        Launch('bn_stats_partial<{}>'.format(t), (tiles, blocks), (tile, nrows),
+               ('x', numpy.int64(rows), numpy.int32(c), numpy.int64(per), 'partial')),
+        Launch('bn_stats_finalize<{}>'.format(p), gc, (threads,),
+               ('partial', numpy.int32(blocks), numpy.int32(c), numpy.int64(rows),
+                numpy.float64(2e-5), numpy.float64(0.9), numpy.int32(1), 'running_mean',
+                'running_var', 'mean', 'invstd')),
+        Launch('bn_apply<{}, {}>'.format(t, p), g1, (threads,),
+               ('x', z, 'gamma', 'beta', 'mean', 'invstd', 'y', numpy.int64(rows), numpy.int32(c),
+                numpy.int32(relu))),
+        Launch('bn_backward_partial<{}>'.format(t), (tiles, blocks), (tile, nrows),
+               ('gy', 'y', 'x', 'mean', 'invstd', numpy.int64(rows), numpy.int32(c),
+                numpy.int64(per), numpy.int32(relu), 'bpartial')),
+        Launch('bn_backward_finalize<{}>'.format(p), gc, (threads,),
+               ('bpartial', numpy.int32(blocks), numpy.int32(c), 'sums', 'ggamma', 'gbeta')),
+        Launch('bn_backward_apply<{}, {}>'.format(t, p), g1, (threads,),
+               ('gy', 'y', 'x', 'gamma', 'mean', 'invstd', 'sums', numpy.int64(rows),
+                numpy.int32(c), numpy.int32(relu), 'gx', gz)),
+    ]
+    if not with_z:
+        del arrays['z'], arrays['gz']
+    label = 'bn {}/{} rows{} C{}{}'.format(_SHORT[numpy.dtype(dtype)], _SHORT[numpy.dtype(pdtype)],
+                                           rows, c, ' grid<=' + str(grid_cap) if grid_cap else '')
+    outputs = ['partial', 'mean', 'invstd', 'running_mean', 'running_var', 'y', 'bpartial', 'sums',
+               'ggamma', 'gbeta', 'gx'] + (['gz'] if with_z else [])
+
+    def reference(arrays):
+        x = arrays['x'].astype(numpy.float64)
+        mean, var = x.mean(0), x.var(0)
+        invstd = 1 / numpy.sqrt(var + 2e-5)
+        v = arrays['gamma'] * (x - mean) * invstd + arrays['beta']
+        if with_z:
+            v = v + arrays['z']
+        if relu:
+            v = numpy.maximum(v, 0)
+        tol = {numpy.dtype(numpy.float16): 2e-3, numpy.dtype(numpy.float32): 2e-5}.get(
+            numpy.dtype(dtype), 1e-10)
+        return {'mean': (mean, tol, tol), 'invstd': (invstd, tol, tol),
+                'y': (v.astype(dtype), tol, 2 * tol)}
+
+    return Case('batchnorm', label, BN, _BN_NAMES, arrays, launches, outputs, big,
+                reference=reference)
+
+
+# ---- optimizer ---------------------------------------------------------------------------------
+
+STEP_PARAMS = numpy.dtype([
+    ('nesterov', '<i4'), ('scaling', '<i4'), ('interval', '<u4'), ('min_scale', '<f4'),
+    ('max_scale', '<f4'), ('total_blocks', '<u4'), ('grad_divisor', '<f8'),
+    ('grad', '<u8', (OPT['OPT_GRAD_TABLE'],)),
+])
+GLOBALS = numpy.dtype([('lr', '<f8'), ('momentum', '<f8'), ('weight_decay', '<f8')])
+_GROUP = {numpy.dtype(numpy.float32): 0, numpy.dtype(numpy.float16): 1,
+          numpy.dtype(numpy.float64): 2}
+RESNET50_SHAPES = (
+    [(64, 3, 7, 7)] + [(64,)] * 2 +
+    sum([[(w, cin, 1, 1), (w,), (w,), (w, w, 3, 3), (w,), (w,), (4 * w, w, 1, 1), (4 * w,), (4 * w,)]
+         + ([(4 * w, cin, 1, 1), (4 * w,), (4 * w,)] if b == 0 else [])
+         for w, n in ((64, 3), (128, 4), (256, 6), (512, 3))
+         for b, cin in enumerate([64 if w == 64 else 2 * w] + [4 * w] * (n - 1))], [])
+    + [(1000, 2048), (1000,)])
+
+
+def _optimizer(sizes, dtypes, inject_inf=False, big=False, seed=0, scale=1024.0):
+    """Dynamic loss scaling over parameters of ``sizes`` (elements) and ``dtypes``: the finite
+    check, the update, and the hyperparameter write, as optimizers/momentum_sgd.py launches them."""
+    r = _rng(seed)
+    flat = {numpy.dtype(d): 0 for d in (numpy.float32, numpy.float16, numpy.float64)}
+    entries = []
+    for i, (n, d) in enumerate(zip(sizes, dtypes)):
+        d = numpy.dtype(d)
+        entries.append((i, n, d, flat[d]))
+        flat[d] += n
+    arrays = {}
+    f32, f16, f64 = (numpy.dtype(numpy.float32), numpy.dtype(numpy.float16),
+                     numpy.dtype(numpy.float64))
+    arrays['p32'] = r.randn(max(flat[f32], 1)).astype(numpy.float32)
+    arrays['p16'] = r.randn(max(flat[f16], 1)).astype(numpy.float16)
+    arrays['master'] = arrays['p16'].astype(numpy.float32)
+    arrays['mom32'] = (r.randn(max(flat[f32], 1)) * 0.1).astype(numpy.float32)
+    arrays['mom16'] = (r.randn(max(flat[f16], 1)) * 0.1).astype(numpy.float32)
+    arrays['p64'] = r.randn(max(flat[f64], 1))
+    arrays['mom64'] = r.randn(max(flat[f64], 1)) * 0.1
+    grads = []
+    for i, n, d, off in entries:
+        g = (r.randn(n) * scale * 0.01).astype(d)
+        if inject_inf and i == len(entries) // 2:
+            g[(n // 2 + 1) % n] = numpy.inf        # not thread 0's element
+        arrays['grad{}'.format(i)] = g
+        grads.append('grad{}'.format(i))
+    hyper = numpy.zeros((1 + len(entries), 4))
+    hyper[0, :3] = (0.1, 0.9, 1e-4)
+    for i, n, d, off in entries:
+        flags = 1 | (2 if i % 3 == 1 else 0)        # enabled; every third its own lr
+        hyper[1 + i] = (0.05, 0.8, 5e-4, flags)
+    arrays['hyper'] = hyper.reshape(-1)
+    scaler = numpy.zeros(8, numpy.uint32)
+    scaler[0] = numpy.float32(scale).view(numpy.uint32)
+    scaler[1] = 3
+    scaler[5] = numpy.float16(scale).view(numpy.uint16)
+    arrays['scaler'] = scaler
+    table = OPT['OPT_GRAD_TABLE']
+    launches, chunk_rows, sets = [], [], []
+    for first in range(0, len(entries), table):
+        batch = entries[first:first + table]
+        start = len(chunk_rows)
+        for k, (i, n, d, off) in enumerate(batch):
+            bits = k | (_GROUP[d] << 16) | (i << 32)
+            for inner in range(0, n, OPT_CHUNK):
+                chunk_rows.append((off + inner, inner, min(OPT_CHUNK, n - inner), bits))
+        sets.append((first, batch, start, len(chunk_rows) - start))
+    chunks = numpy.array(chunk_rows, numpy.int64).reshape(-1, 4)
+    total = chunks.shape[0]
+    for first, batch, start, count in sets:
+        name = 'chunks{}'.format(first)
+        arrays[name] = chunks[start:start + count].copy()
+
+        def build(address, batch=batch):
+            sp = numpy.zeros(1, STEP_PARAMS)
+            sp['scaling'], sp['interval'] = 2, 5
+            sp['min_scale'], sp['max_scale'] = 1.0, 2.0 ** 24
+            sp['total_blocks'] = total
+            for k, (i, n, d, off) in enumerate(batch):
+                sp['grad'][0, k] = address('grad{}'.format(i)) | 1      # bit 0: divide it
+            return sp
+
+        sp = Struct(build)
+        launches.append((Launch('momentum_sgd_check', (count,), (OPT['OPT_BLOCK'],),
+                                (sp, name, 'scaler')),
+                         Launch('momentum_sgd_update', (count,), (OPT['OPT_BLOCK'],),
+                                (sp, name, 'p32', 'p16', 'master', 'mom32', 'mom16', 'p64', 'mom64',
+                                 'hyper', 'scaler'))))
+    glob = numpy.zeros(1, GLOBALS)
+    glob['lr'], glob['momentum'], glob['weight_decay'] = 0.1, 0.9, 1e-4
+    ordered = [c for c, u in launches] + [u for c, u in launches]
+    ordered.append(Launch('momentum_sgd_set_globals', (1,), (1,), (Struct(lambda _: glob), 'hyper')))
+    label = 'optimizer {} params, {} elements{}'.format(len(sizes), sum(sizes),
+                                                        ' with an inf' if inject_inf else '')
+    outputs = ['p32', 'p16', 'master', 'mom32', 'mom16', 'p64', 'mom64', 'hyper', 'scaler']
+    # the update reads every gradient, parameter and momentum and writes parameters and momenta
+    moved = sum(arrays[k].nbytes for k in ('p32', 'p16', 'master', 'mom32', 'mom16', 'p64', 'mom64'))
+    return Case('optimizer', label, OPT, (), arrays, ordered, outputs, big, extra_bytes=moved)
+
+
+# ---- the list ------------------------------------------------------------------------------------
+
+def cases(big=True, awkward=True):
+    """Every family on awkward shapes (``awkward``) and on ResNet-50-sized ones (``big``)."""
+    out = []
+    if awkward:
+        for tin in (numpy.float32, numpy.float16):
+            for tout in (numpy.float32, numpy.float16):
+                out.append(_layout(2, 3, 5, 7, tin, tout))
+        out.append(_layout(3, 33, 17, 9, numpy.float32, numpy.float16))
+        out.append(_layout(3, 70, 5, 13, numpy.float16, numpy.float32, grid_cap=1))
+        out.append(_layout(1, 1, 1, 1, numpy.float16, numpy.float16))
+        for d in (numpy.float16, numpy.float32, numpy.float64):
+            out.append(_pooling(2, 7, 9, 3, 3, 2, 1, d))
+        out.append(_pooling(3, 5, 6, 33, 2, 2, 0, numpy.float32, grid_cap=2))
+        for t, p in _BN_PAIRS:
+            out.append(_batchnorm(37, 33, t, p))
+        out.append(_batchnorm(1, 3, numpy.float32, numpy.float32, relu=0, with_z=False))
+        out.append(_batchnorm(300, 40, numpy.float16, numpy.float32, grid_cap=3))
+        sizes = [1, 31, 2049, 5000, 7, 300]
+        dtypes = [numpy.float32, numpy.float16, numpy.float32, numpy.float16, numpy.float64,
+                  numpy.float32]
+        out.append(_optimizer(sizes, dtypes))
+        out.append(_optimizer(sizes, dtypes, inject_inf=True))
+        out.append(_optimizer([3] * 500, [numpy.float16, numpy.float32] * 250))
+    if big:
+        out.append(_layout(256, 64, 56, 56, numpy.float32, numpy.float16, big=True))
+        out.append(_layout(256, 64, 56, 56, numpy.float16, numpy.float32, big=True))
+        out.append(_pooling(256, 112, 112, 64, 3, 2, 1, numpy.float16, big=True))
+        out.append(_batchnorm(256 * 56 * 56, 64, numpy.float16, numpy.float32, big=True))
+        out.append(_batchnorm(256 * 7 * 7, 2048, numpy.float16, numpy.float32, big=True))
+        sizes = [int(numpy.prod(s)) for s in RESNET50_SHAPES]
+        out.append(_optimizer(sizes, [numpy.float16] * len(sizes), big=True))
+    return out
+
+
+# ---- running a case ----------------------------------------------------------------------------
+
+class EmulatorBackend:
+    """Runs cases in the CPU emulator."""
+
+    name = 'emulator'
+    xp = numpy
+
+    def __init__(self, sources=None):
+        """``sources``: family -> source text to use instead of ``kernels/<family>.cu``."""
+        from chainer_tc.testing import emulator
+        self._emulator = emulator
+        self._sources = dict(sources or {})
+        self._modules = {}
+
+    def module(self, case):
+        key = (case.family, case.options(), case.name_expressions)
+        if key not in self._modules:
+            code, options = kernels.source(case.family), case.options()
+            if case.family in self._sources:     # the text of a .cu file: its includes are beside it
+                code = self._sources[case.family]
+                options += ('-I' + kernels.kernel_dir(),)
+            self._modules[key] = self._emulator.RawModule(
+                code=code, options=options, name_expressions=list(case.name_expressions))
+        return self._modules[key]
+
+    def to_device(self, a):
+        return a.copy()
+
+    def address(self, a):
+        return a.ctypes.data
+
+    def to_host(self, a):
+        return numpy.asarray(a)
+
+    def synchronize(self):
+        pass
+
+
+def run(case, backend, repeats=0, timer=None):
+    """Run ``case`` on ``backend``: {output name: NumPy array}, and the seconds of one run of all
+    its launches (median of ``repeats`` timed runs after the checked one, with ``timer``)."""
+    mod = backend.module(case)
+    fns = {name: mod.get_function(name) for name in case.kernel_names()}
+    dev = {k: backend.to_device(v) for k, v in case.arrays.items()}
+
+    def address(name):
+        return backend.address(dev[name])
+
+    structs = {}
+
+    def arg(a):
+        if isinstance(a, str):
+            return dev[a]
+        if isinstance(a, Struct):
+            if id(a) not in structs:
+                structs[id(a)] = a.build(address)
+            return structs[id(a)]
+        return a
+
+    launches = [(fns[launch.kernel], launch, tuple(arg(a) for a in launch.args))
+                for launch in case.launches]
+    for f, launch, args in launches:
+        f(launch.grid, launch.block, args, shared_mem=launch.shared_mem)
+    backend.synchronize()
+    out = {k: backend.to_host(dev[k]) for k in case.outputs}
+    seconds = None
+    if repeats and timer is not None:
+        seconds = timer(lambda: [f(launch.grid, launch.block, args, shared_mem=launch.shared_mem)
+                                 for f, launch, args in launches], repeats)
+    return out, seconds

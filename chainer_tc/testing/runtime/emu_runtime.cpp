@@ -1,0 +1,1435 @@
+// chainer_tc CUDA emulator: the runtime linked into every emulated module (with hidden visibility,
+// so each module has its own state). The kernel's translation unit is compiled with GCC's
+// ThreadSanitizer instrumentation (-fsanitize=thread) and with -fsanitize=bounds,alignment,
+// integer-divide-by-zero, and linked WITHOUT the sanitizer libraries: the callbacks that
+// instrumentation calls (__tsan_read4, __ubsan_handle_out_of_bounds, ...) are defined here. This
+// file itself is not instrumented.
+//
+// Execution model
+// - The threads of a block are cooperative fibers on the launching OS thread. A fiber runs until it
+//   reaches a barrier, a warp collective, a fence or __nanosleep (and, in the random schedule, an
+//   atomic), then the scheduler resumes another one. No two fibers ever run at once.
+// - A schedule decides the order: 'forward' runs blocks one after another and, between barriers,
+//   threads 0, 1, 2, ...; 'reverse' runs blocks and threads in the opposite order; 'random:<seed>'
+//   keeps up to four blocks live at once and picks the next thread to resume at random among them,
+//   so blocks interleave at barriers, fences and atomics. Running a launch under several schedules
+//   and comparing the results shows order-dependent kernels even where the race detector is silent.
+// - Memory: every array argument, every allocation a pointer table points into, every __shared__
+//   variable (per block) and dynamic shared memory is copied into its own page-aligned region of a
+//   per-launch arena (256-byte alignment, as cudaMalloc gives, and more); the gaps between regions
+//   are PROT_NONE. Every instrumented access is checked against its region exactly (memcheck); one
+//   outside any region is an error naming the nearest region, the offset and the thread.
+// - Race detector (on request): a shadow cell per byte of every region records the last write and
+//   up to two reads (block, thread, barrier generation, warp-sync count, atomic or not). Two
+//   accesses by different threads, at least one a write, not both atomic (volatile counts as
+//   atomic), conflict unless ordered: in one block by a __syncthreads (or __syncwarp within a
+//   warp) between them; across blocks by release/acquire through an atomic: a thread's
+//   __threadfence then atomic on X releases what its block did before the fence; an atomic on X
+//   then a __threadfence acquires what was released on X.
+#include "chainer_tc_emu_abi.h"
+
+#include <dlfcn.h>
+#include <pthread.h>
+#include <setjmp.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <ucontext.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <unordered_map>
+#include <vector>
+
+namespace ctemu {
+
+Thread* cur;
+dim3 grid_dim, block_dim;
+
+namespace {
+
+enum { kMaxWarps = 32, kMaxSlots = 4, kMaxStaticShared = 48 * 1024,
+       kMaxDynamicOptIn = 227 * 1024 };
+enum : unsigned char { kCanary = 0xA5, kUninit = 0xff };
+enum { kRead = 0, kWrite = 1, kAtomic = 2, kVolatile = 4 };
+
+// ---- race detector state ------------------------------------------------------------------------
+// What a release covers of one block's accesses: those of any thread at barrier generation
+// < all (stored +1, 0: none), and those of thread `tid` at generation < self.
+struct Cover { uint32_t all, self, tid; };
+
+struct VC {              // one Cover per block of the launch
+  Cover* c;
+};
+
+struct Acc {             // one access, as the shadow records it
+  uint32_t blk;          // block sequence number + 1 (0: no access)
+  uint32_t gen;          // the block's barrier generation
+  uint32_t wgen;         // the warp's __syncwarp count
+  uint16_t tid;          // linear thread index in the block
+  uint8_t flags;         // kWrite | kAtomic | kVolatile
+  uint8_t pad;
+  uint64_t pc;
+};
+struct Cell { Acc w, r0, r1; };
+
+struct Warp {
+  unsigned live;           // lanes that exist and have not returned
+  unsigned arrived;        // lanes waiting in a warp collective (cleared when it completes)
+  unsigned lanes;          // lanes that exist in this warp
+  unsigned sync_count;     // __syncwarp collectives completed
+  unsigned mask[32];
+  unsigned char op[32];
+  int src[32];
+  u64 slot[32];
+  u64 result[32];
+};
+
+struct Block;
+
+struct Fiber : Thread {
+  ucontext_t ctx;
+  jmp_buf jb;
+  bool started, done, at_bar;
+  unsigned bar_gen;
+  unsigned linear;
+  Block* blk;
+  // race detector
+  int last_fence;          // barrier generation of its last __threadfence, or -1
+  int sealed_fence;        // the same for fences before the block's last barrier
+  VC* known;               // releases this thread acquired (atomic then fence)
+  VC* pending;             // releases seen by its atomics, not yet fenced
+};
+
+enum RegionKind { kArg, kTarget, kShared, kDyn };
+
+struct Region {
+  char* pages;             // first mapped page
+  size_t span;             // mapped bytes
+  char* data;              // first byte (= pages: page-aligned)
+  size_t nbytes, itemsize;
+  int kind, index, slot;   // argument / target / variable index; block slot for shared memory
+  u64 host;                // host address (arguments and targets)
+  bool output;             // compared between schedules and copied back
+  Cell* shadow;            // race detector: one cell per byte of `span`
+  size_t shadow_len;
+};
+
+struct Block {
+  bool active;
+  uint3 idx;
+  uint32_t seq;
+  Fiber* fibers;
+  char* stacks;
+  size_t stacks_len;
+  unsigned cap;
+  unsigned live;
+  unsigned bar_arrived, bar_gen;
+  int bar_acc, bar_count, bar_total;
+  Warp warps[kMaxWarps];
+  int dyn;                         // region of dynamic shared memory, or -1
+  std::vector<int> svar;           // region per static __shared__ variable, or -1
+  std::vector<unsigned> order;     // random schedule: this round's order
+  unsigned cursor;
+  bool ran;
+  // race detector
+  int sealed_all;
+  VC* known;
+  VC* pending;
+};
+
+struct SharedVar {
+  usize size, itemsize;
+  const char* name;
+  char type[96];                   // its C++ type, as g++ spells it
+  u64 launch;                      // the launch that last allocated it
+};
+
+struct Slot {                      // a pointer-table word
+  int arg;
+  u64 offset;
+  int target;
+  u64 original, translated;
+};
+
+struct Schedule {
+  enum { kForward, kReverse, kRandom } kind;
+  u64 seed;
+  char name[32];
+};
+
+struct Runtime {
+  const char* kernel_name;
+  char err[kErrLen];
+  sigjmp_buf jmp;
+  volatile sig_atomic_t in_launch;
+  pthread_t launch_thread;
+  u64 launch_id;
+  // launch shape
+  unsigned nthreads;
+  u64 nblocks;
+  // fibers
+  Block slots[kMaxSlots];
+  size_t stack_bytes;
+  jmp_buf sched;
+  Fiber* running;
+  void (*body)(void*);
+  void* body_ctx;
+  // memory
+  char* arena;
+  size_t arena_size, arena_used;
+  uint32_t* page_region;           // region index + 1 per arena page, 0 in the gaps
+  size_t page_region_len;
+  std::vector<Region> regions;
+  std::vector<int> arg_region;     // per parameter, or -1
+  std::vector<int> target_region;
+  std::vector<Slot> slots_;
+  std::vector<SharedVar> vars;
+  unsigned kslots;                 // blocks live at once (4 with a random schedule, else 1)
+  size_t static_shared;            // bytes of static __shared__ used by this launch
+  u64 dyn_shared, max_dyn_shared;
+  const LaunchArgs* la;
+  // checks
+  bool race;
+  bool yield_atomics;
+  const Schedule* schedule;
+  std::unordered_map<uintptr_t, VC*> sync;       // releases per atomic address
+  std::vector<VC*> vcs;                          // every VC of this schedule, freed after it
+  // fault handling
+  struct sigaction old_segv, old_bus, old_fpe;
+  stack_t old_altstack;
+  char* altstack;
+  uintptr_t module_base;
+  size_t page;
+};
+
+Runtime rt;
+
+// ---- errors ----------------------------------------------------------------------------------
+[[noreturn]] void fail(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
+[[noreturn]] void fail(const char* fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(rt.err, kErrLen, fmt, ap);
+  va_end(ap);
+  siglongjmp(rt.jmp, 1);
+}
+
+uintptr_t module_base() {
+  if (!rt.module_base) {
+    Dl_info info;
+    if (dladdr((void*)&module_base, &info) && info.dli_fbase) rt.module_base = (uintptr_t)info.dli_fbase;
+  }
+  return rt.module_base;
+}
+
+// "{pc:0x...}": the emulator's Python side turns the code address into "(file:line)".
+void pc_tag(char* buf, size_t n, uint64_t pc) {
+  if (!pc || pc < module_base()) { if (n) buf[0] = 0; return; }
+  snprintf(buf, n, "{pc:0x%llx}", (unsigned long long)(pc - module_base()));
+}
+
+void thread_of(char* buf, size_t n, uint32_t seq, unsigned tid) {
+  unsigned bx = block_dim.x, by = block_dim.y;
+  unsigned gx = grid_dim.x, gy = grid_dim.y;
+  snprintf(buf, n, "thread (%u,%u,%u) of block (%u,%u,%u)", tid % bx, (tid / bx) % by,
+           tid / (bx * by), (unsigned)(seq % gx), (unsigned)((seq / gx) % gy),
+           (unsigned)(seq / ((u64)gx * gy)));
+}
+
+void where(char* buf, size_t n) {
+  Fiber* f = rt.running;
+  if (f) thread_of(buf, n, f->blk->seq, f->linear);
+  else snprintf(buf, n, "the launcher");
+}
+
+void describe_region(char* buf, size_t n, const Region& r) {
+  if (r.kind == kArg) snprintf(buf, n, "argument %d (%zu bytes)", r.index, r.nbytes);
+  else if (r.kind == kTarget) snprintf(buf, n, "table target %d (%zu bytes)", r.index, r.nbytes);
+  else if (r.kind == kDyn) snprintf(buf, n, "dynamic shared memory (%zu bytes)", r.nbytes);
+  else snprintf(buf, n, "__shared__ variable '%s' (%s, %zu bytes)", rt.vars[r.index].name,
+                rt.vars[r.index].type, r.nbytes);
+}
+
+}  // namespace
+
+[[noreturn]] void fail_here(const char* what) {
+  char w[128];
+  where(w, sizeof w);
+  fail("kernel '%s': %s in %s", rt.kernel_name, what, w);
+}
+
+namespace {
+
+// ---- the arena -------------------------------------------------------------------------------
+size_t round_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
+
+// The PROT_NONE gap before a region: twice its size, at least 16 MiB, at most 4 GiB, so that an
+// access far past the end of one array (or before its start) lands in a gap, not in another array.
+size_t gap_for(size_t bytes) {
+  size_t g = 2 * round_up(bytes, rt.page);
+  if (g < (16ull << 20)) g = 16ull << 20;
+  if (g > (4ull << 30)) g = 4ull << 30;
+  return g;
+}
+
+size_t region_need(size_t bytes) { return round_up(bytes ? bytes : 1, rt.page) + gap_for(bytes); }
+
+void reserve_arena(size_t need) {
+  need = round_up(need + gap_for(0), rt.page);
+  void* m = mmap(nullptr, need, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (m == MAP_FAILED) fail("emulator: cannot reserve %zu bytes of address space for the launch", need);
+  rt.page_region_len = need / rt.page * sizeof(uint32_t);
+  void* t = mmap(nullptr, rt.page_region_len, PROT_READ | PROT_WRITE,
+                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (t == MAP_FAILED) {
+    munmap(m, need);
+    fail("emulator: cannot map the page table of the launch");
+  }
+  rt.arena = (char*)m;
+  rt.arena_size = need;
+  rt.arena_used = 0;
+  rt.page_region = (uint32_t*)t;
+}
+
+void release_arena() {
+  for (Region& r : rt.regions)
+    if (r.shadow) munmap(r.shadow, r.shadow_len);
+  rt.regions.clear();
+  if (rt.arena) munmap(rt.arena, rt.arena_size);
+  if (rt.page_region) munmap(rt.page_region, rt.page_region_len);
+  rt.arena = nullptr;
+  rt.arena_size = rt.arena_used = 0;
+  rt.page_region = nullptr;
+}
+
+void alloc_shadow(Region& r) {
+  r.shadow_len = round_up(r.span * sizeof(Cell), rt.page);
+  void* s = mmap(nullptr, r.shadow_len, PROT_READ | PROT_WRITE,
+                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (s == MAP_FAILED) fail("emulator: cannot map %zu bytes of race-detector shadow", r.shadow_len);
+  r.shadow = (Cell*)s;
+}
+
+// A new region of `nbytes`, page-aligned, after a PROT_NONE gap; its slack is filled with the
+// canary. Returns its index.
+int new_region(size_t nbytes, size_t itemsize, int kind, int index, int slot) {
+  size_t span = round_up(nbytes ? nbytes : 1, rt.page);
+  size_t start = round_up(rt.arena_used + gap_for(nbytes), rt.page);
+  if (start + span + gap_for(0) > rt.arena_size)
+    fail("emulator: the launch ran out of its reserved address space (%zu bytes)", rt.arena_size);
+  char* p = rt.arena + start;
+  if (mprotect(p, span, PROT_READ | PROT_WRITE) != 0) fail("emulator: cannot map %zu bytes", span);
+  Region r;
+  memset(&r, 0, sizeof r);
+  r.pages = r.data = p;
+  r.span = span;
+  r.nbytes = nbytes;
+  r.itemsize = itemsize ? itemsize : 1;
+  r.kind = kind;
+  r.index = index;
+  r.slot = slot;
+  memset(p + nbytes, kCanary, span - nbytes);
+  if (rt.race) alloc_shadow(r);
+  rt.regions.push_back(r);
+  int id = (int)rt.regions.size() - 1;
+  for (size_t k = 0; k < span / rt.page; ++k) rt.page_region[start / rt.page + k] = (uint32_t)id + 1;
+  rt.arena_used = start + span;
+  return id;
+}
+
+void reset_shadow(Region& r) {
+  if (r.shadow) madvise(r.shadow, r.shadow_len, MADV_DONTNEED);
+}
+
+// Bytes after the data, in its last page, that no longer hold the canary (writes no check saw).
+size_t slack_damage(const Region& r) {
+  size_t n = 0;
+  for (const char* p = r.data + r.nbytes; p < r.pages + r.span; ++p) n += (unsigned char)*p != kCanary;
+  return n;
+}
+
+// The region nearest to an arena address outside every region (for the error message).
+int nearest_region(char* a) {
+  int best = -1;
+  size_t dist = (size_t)-1;
+  for (size_t i = 0; i < rt.regions.size(); ++i) {
+    const Region& r = rt.regions[i];
+    size_t d = a < r.data ? (size_t)(r.data - a) : a >= r.data + r.nbytes ? (size_t)(a - (r.data + r.nbytes)) : 0;
+    if (d < dist) { dist = d; best = (int)i; }
+  }
+  return best;
+}
+
+[[noreturn]] void out_of_bounds(char* a, size_t n, int flags, uint64_t pc, const char* cause) {
+  char w[128], what[192], tag[48];
+  where(w, sizeof w);
+  pc_tag(tag, sizeof tag, pc);
+  int id = rt.arena && (size_t)(a - rt.arena) < rt.arena_size
+               ? (rt.page_region[(size_t)(a - rt.arena) / rt.page] ? (int)rt.page_region[(size_t)(a - rt.arena) / rt.page] - 1
+                                                                    : nearest_region(a))
+               : -1;
+  if (id < 0)
+    fail("kernel '%s': invalid memory access (%s) at address %p in %s%s: not inside any argument "
+         "(a wild pointer, or a host address)", rt.kernel_name, cause, (void*)a, w, tag);
+  const Region& r = rt.regions[id];
+  describe_region(what, sizeof what, r);
+  long long off = (long long)(a - r.data), is = (long long)r.itemsize;
+  const char* kind = !n ? "access to" : flags & kAtomic ? "atomic access to" : flags & kWrite ? "write to" : "read of";
+  char element[64] = "";
+  if (r.kind != kTarget)        // an allocation behind a table: its element type is unknown
+    snprintf(element, sizeof element, " (element %lld of %zu)",
+             off >= 0 ? off / is : -((-off + is - 1) / is), r.nbytes / r.itemsize);
+  fail("kernel '%s': out-of-bounds %s %s at byte offset %lld%s in %s%s", rt.kernel_name, kind, what,
+       off, element, w, tag);
+}
+
+// ---- the race detector ---------------------------------------------------------------------------
+VC* new_vc() {
+  VC* v = new VC;
+  v->c = (Cover*)calloc(rt.nblocks ? rt.nblocks : 1, sizeof(Cover));
+  if (!v->c) fail("emulator: out of memory for the race detector (%llu blocks)", (unsigned long long)rt.nblocks);
+  rt.vcs.push_back(v);
+  return v;
+}
+
+void join_cover(Cover& d, const Cover& s) {
+  if (s.all > d.all) d.all = s.all;
+  if (!s.self) return;
+  if (!d.self || d.tid == s.tid) {
+    if (s.self > d.self) d.self = s.self;
+    d.tid = s.tid;
+  } else if (s.self > d.self) {     // two threads' own coverage: keep the later one (conservative)
+    d.self = s.self;
+    d.tid = s.tid;
+  }
+}
+
+void join(VC*& dst, const VC* src) {
+  if (!src) return;
+  if (!dst) dst = new_vc();
+  for (u64 i = 0; i < rt.nblocks; ++i)
+    if (src->c[i].all || src->c[i].self) join_cover(dst->c[i], src->c[i]);
+}
+
+bool covered(const VC* v, const Acc& a) {
+  if (!v) return false;
+  const Cover& c = v->c[a.blk - 1];
+  return a.gen + 1 <= c.all || (c.self && a.tid == c.tid && a.gen + 1 <= c.self);
+}
+
+bool ordered(const Acc& prev, const Acc& me, const Fiber* f) {
+  if (prev.blk == me.blk)
+    return prev.tid == me.tid || prev.gen < me.gen ||
+           (prev.tid / 32 == me.tid / 32 && prev.wgen < me.wgen);
+  return covered(f->known, prev) || covered(f->blk->known, prev);
+}
+
+const char* access_name(uint8_t flags) {
+  if (flags & kAtomic) return "atomic";
+  if (flags & kVolatile) return flags & kWrite ? "volatile write" : "volatile read";
+  return flags & kWrite ? "write" : "read";
+}
+
+[[noreturn]] void report_race(const Region& r, size_t byte, const Acc& prev, const Acc& me) {
+  char what[192], a[128], b[128], ta[48], tb[48];
+  describe_region(what, sizeof what, r);
+  thread_of(a, sizeof a, me.blk - 1, me.tid);
+  thread_of(b, sizeof b, prev.blk - 1, prev.tid);
+  pc_tag(ta, sizeof ta, me.pc);
+  pc_tag(tb, sizeof tb, prev.pc);
+  const char* why = prev.blk == me.blk
+      ? (prev.tid / 32 == me.tid / 32 ? "in one warp, with no __syncthreads() or __syncwarp() between them"
+                                      : "in one block, with no __syncthreads() between them")
+      : "in different blocks, not ordered by a __threadfence() and an atomic on both sides "
+        "(release: fence, then the atomic; acquire: the atomic, then a fence)";
+  long long off = (long long)(r.pages + byte - r.data);
+  fail("kernel '%s': data race on %s at byte offset %lld (element %lld of %zu): a %s by %s%s and an "
+       "earlier %s by %s%s, %s (schedule %s)", rt.kernel_name, what, off, off / (long long)r.itemsize,
+       r.nbytes / r.itemsize, access_name(me.flags), a, ta, access_name(prev.flags), b, tb, why,
+       rt.schedule->name);
+}
+
+bool conflict(const Acc& prev, const Acc& me, const Fiber* f) {
+  if (!prev.blk) return false;
+  if (!((prev.flags | me.flags) & kWrite)) return false;
+  if ((prev.flags & (kAtomic | kVolatile)) && (me.flags & (kAtomic | kVolatile))) return false;
+  return !ordered(prev, me, f);
+}
+
+void race_access(Region& r, char* a, size_t n, int flags, uint64_t pc) {
+  Fiber* f = rt.running;
+  Block* b = f->blk;
+  Acc me;
+  me.blk = b->seq + 1;
+  me.gen = b->bar_gen;
+  me.wgen = b->warps[f->warp].sync_count;
+  me.tid = (uint16_t)f->linear;
+  me.flags = (uint8_t)flags;
+  me.pad = 0;
+  me.pc = pc;
+  size_t first = (size_t)(a - r.pages);
+  bool write = flags & (kWrite | kAtomic);
+  for (size_t i = 0; i < n; ++i) {
+    Cell& c = r.shadow[first + i];
+    if (conflict(c.w, me, f)) report_race(r, first + i, c.w, me);
+    if (write) {
+      if (conflict(c.r0, me, f)) report_race(r, first + i, c.r0, me);
+      if (conflict(c.r1, me, f)) report_race(r, first + i, c.r1, me);
+      c.w = me;
+      c.r0.blk = c.r1.blk = 0;
+      if (flags & kAtomic) c.r0 = me;          // an atomic also reads
+    } else if (!c.r0.blk || ordered(c.r0, me, f)) {
+      c.r0 = me;
+    } else if (!c.r1.blk || ordered(c.r1, me, f)) {
+      c.r1 = me;
+    } else {
+      c.r1 = me;
+    }
+  }
+}
+
+// An atomic on X in global memory: acquire what was released on X, then release (if this thread
+// fenced before) what its block did before its fences.
+void sync_atomic(uintptr_t x) {
+  Fiber* f = rt.running;
+  Block* b = f->blk;
+  auto it = rt.sync.find(x);
+  if (it != rt.sync.end()) join(f->pending, it->second);
+  if (f->last_fence < 0) return;
+  VC*& s = rt.sync[x];
+  if (!s) s = new_vc();
+  Cover c;
+  c.all = b->sealed_all >= 0 ? (uint32_t)b->sealed_all + 1 : 0;
+  c.self = (uint32_t)f->last_fence + 1;
+  c.tid = f->linear;
+  join_cover(s->c[b->seq], c);
+  join(s, f->known);
+  join(s, b->known);
+}
+
+// ---- checked accesses ----------------------------------------------------------------------------
+__attribute__((noinline)) void checked_access(char* a, size_t n, int flags, uint64_t pc) {
+  size_t off = (size_t)(a - rt.arena);
+  uint32_t id = rt.page_region[off / rt.page];
+  if (!id) out_of_bounds(a, n, flags, pc, "SIGSEGV");
+  Region& r = rt.regions[id - 1];
+  if (a < r.data || a + n > r.data + r.nbytes) out_of_bounds(a, n, flags, pc, "SIGSEGV");
+  if (rt.race && rt.running) race_access(r, a, n, flags, pc);
+}
+
+inline void access(void* p, size_t n, int flags, void* pc) {
+  if ((size_t)((char*)p - rt.arena) >= rt.arena_size) return;    // not kernel memory
+  checked_access((char*)p, n, flags, (uint64_t)pc);
+}
+
+// ---- fibers and the scheduler ----------------------------------------------------------------
+__attribute__((noinline)) void resume(Fiber* f) {
+  rt.running = f;
+  cur = f;
+  if (_setjmp(rt.sched)) return;
+  if (f->started) _longjmp(f->jb, 1);
+  f->started = true;
+  setcontext(&f->ctx);
+}
+
+__attribute__((noinline)) void yield() {
+  Fiber* f = rt.running;
+  if (!_setjmp(f->jb)) _longjmp(rt.sched, 1);
+}
+
+// Completed by the last live thread to arrive, or by the return of the last one missing.
+void release_block_barrier(Block* b) {
+  b->bar_count = b->bar_acc;
+  b->bar_total = (int)b->bar_arrived;
+  b->bar_arrived = 0;
+  b->bar_acc = 0;
+  if (rt.race) {                    // fences before this barrier are sealed; knowledge is shared
+    int all = 1 << 30;
+    for (unsigned i = 0; i < rt.nthreads; ++i) {
+      Fiber& f = b->fibers[i];
+      if (f.last_fence >= 0) f.sealed_fence = f.last_fence;
+      if (f.sealed_fence < all) all = f.sealed_fence;
+      if (f.known) { join(b->known, f.known); f.known = nullptr; }
+      if (f.pending) { join(b->pending, f.pending); f.pending = nullptr; }
+    }
+    b->sealed_all = all;
+  }
+  b->bar_gen++;
+}
+
+Warp& my_warp() { return rt.running->blk->warps[rt.running->warp]; }
+
+const char* op_name(unsigned char op) {
+  return op == kShfl ? "a shuffle" : op == kVote ? "a vote (__ballot/__any/__all_sync)" : "__syncwarp";
+}
+
+[[noreturn]] void bad_shuffle(Block* b, Warp& w, unsigned k, unsigned src) {
+  char msg[160];
+  int n = snprintf(msg, sizeof msg, "warp shuffle reads lane %u, which ", src);
+  if (!(w.mask[k] >> src & 1u)) snprintf(msg + n, sizeof msg - n, "is not in mask 0x%08x", w.mask[k]);
+  else if (w.lanes >> src & 1u) snprintf(msg + n, sizeof msg - n, "has exited");
+  else snprintf(msg + n, sizeof msg - n, "does not exist (this warp has %d lanes: blockDim %u)",
+                __builtin_popcount(w.lanes), rt.nthreads);
+  rt.running = &b->fibers[(&w - b->warps) * 32 + k];
+  fail_here(msg);
+}
+
+void try_complete(Block* b, Warp& w, unsigned l) {
+  unsigned m = w.mask[l] & w.live;
+  if ((w.arrived & m) != m) return;
+  for (unsigned k = 0; k < 32; ++k) {
+    if (!(m >> k & 1u) || (w.op[k] == w.op[l] && w.mask[k] == w.mask[l])) continue;
+    char msg[256];
+    snprintf(msg, sizeof msg, "warp collective mismatch: lane %u is in %s with mask 0x%08x while "
+             "lane %u is in %s with mask 0x%08x (all lanes of a mask must call the same one)",
+             l, op_name(w.op[l]), w.mask[l], k, op_name(w.op[k]), w.mask[k]);
+    fail_here(msg);
+  }
+  if (w.op[l] == kShfl) {
+    for (unsigned k = 0; k < 32; ++k) {
+      if (!(m >> k & 1u)) continue;
+      unsigned src = (unsigned)w.src[k];
+      if (!(m >> src & 1u)) bad_shuffle(b, w, k, src);
+      w.result[k] = w.slot[src];
+    }
+  } else if (w.op[l] == kVote) {
+    u64 ballot = 0;
+    for (unsigned k = 0; k < 32; ++k)
+      if ((m >> k & 1u) && w.slot[k]) ballot |= 1u << k;
+    for (unsigned k = 0; k < 32; ++k)
+      if (m >> k & 1u) w.result[k] = ballot | (u64)m << 32;
+  } else {
+    w.sync_count++;
+  }
+  w.arrived &= ~m;
+}
+
+void fiber_main() {
+  rt.body(rt.body_ctx);
+  Fiber* f = rt.running;
+  Block* b = f->blk;
+  Warp& w = b->warps[f->warp];
+  f->done = true;
+  b->live--;
+  w.live &= ~(1u << f->lane);
+  for (unsigned l = 0; l < 32; ++l)
+    if (w.arrived >> l & 1u) try_complete(b, w, l);
+  if (b->bar_arrived && b->bar_arrived >= b->live) release_block_barrier(b);
+  _longjmp(rt.sched, 1);
+}
+
+void ensure_stacks(Block& b, unsigned n) {
+  if (n <= b.cap) return;
+  if (b.stacks) munmap(b.stacks, b.stacks_len);
+  delete[] b.fibers;
+  b.stacks = nullptr;
+  b.fibers = nullptr;
+  b.cap = 0;
+  const char* env = getenv("CHAINER_TC_EMULATOR_STACK_KB");
+  size_t kb = env ? strtoul(env, nullptr, 10) : 128;
+  if (kb < 16) kb = 16;
+  rt.stack_bytes = round_up(kb * 1024, rt.page);
+  b.stacks_len = (size_t)n * (rt.stack_bytes + rt.page);
+  void* m = mmap(nullptr, b.stacks_len, PROT_READ | PROT_WRITE,
+                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (m == MAP_FAILED) fail("emulator: cannot map %zu bytes of fiber stacks", b.stacks_len);
+  b.stacks = (char*)m;
+  b.fibers = new Fiber[n];
+  for (unsigned i = 0; i < n; ++i) {
+    mprotect(b.stacks + (size_t)i * (rt.stack_bytes + rt.page), rt.page, PROT_NONE);
+    getcontext(&b.fibers[i].ctx);
+  }
+  b.cap = n;
+}
+
+void fill_shared(Block& b) {
+  if (b.dyn >= 0) {
+    Region& r = rt.regions[b.dyn];
+    memset(r.data, kUninit, r.nbytes);
+    reset_shadow(r);
+  }
+  for (int id : b.svar) {
+    if (id < 0) continue;
+    Region& r = rt.regions[id];
+    memset(r.data, kUninit, r.nbytes);
+    reset_shadow(r);
+  }
+}
+
+void start_block(Block& b, u64 seq) {
+  unsigned bx = block_dim.x, by = block_dim.y;
+  b.active = true;
+  b.seq = (uint32_t)seq;
+  b.idx.x = (unsigned)(seq % grid_dim.x);
+  b.idx.y = (unsigned)((seq / grid_dim.x) % grid_dim.y);
+  b.idx.z = (unsigned)(seq / ((u64)grid_dim.x * grid_dim.y));
+  b.live = rt.nthreads;
+  b.bar_arrived = 0;
+  b.bar_acc = 0;
+  b.bar_gen = 0;
+  b.cursor = 0;
+  b.ran = false;
+  b.order.clear();
+  b.sealed_all = -1;
+  b.known = b.pending = nullptr;
+  for (unsigned w = 0; w < kMaxWarps; ++w) {
+    b.warps[w].live = b.warps[w].arrived = 0;
+    b.warps[w].sync_count = 0;
+  }
+  for (unsigned i = 0; i < rt.nthreads; ++i) {
+    Fiber& f = b.fibers[i];
+    f.tid.x = i % bx;
+    f.tid.y = (i / bx) % by;
+    f.tid.z = i / (bx * by);
+    f.bid = b.idx;
+    f.lane = i % 32;
+    f.warp = i / 32;
+    f.linear = i;
+    f.blk = &b;
+    f.done = false;
+    f.at_bar = false;
+    f.last_fence = f.sealed_fence = -1;
+    f.known = f.pending = nullptr;
+    b.warps[f.warp].live |= 1u << f.lane;
+    f.ctx.uc_stack.ss_sp = b.stacks + (size_t)i * (rt.stack_bytes + rt.page) + rt.page;
+    f.ctx.uc_stack.ss_size = rt.stack_bytes;
+    f.ctx.uc_link = nullptr;
+    f.started = false;
+    makecontext(&f.ctx, fiber_main, 0);
+  }
+  for (unsigned w = 0; w < kMaxWarps; ++w) b.warps[w].lanes = b.warps[w].live;
+  fill_shared(b);
+}
+
+bool runnable(const Fiber& f) {
+  if (f.done) return false;
+  if (f.at_bar && f.bar_gen == f.blk->bar_gen) return false;
+  if (f.blk->warps[f.warp].arrived >> f.lane & 1u) return false;
+  return true;
+}
+
+[[noreturn]] void deadlock(Block& b) {
+  unsigned at_warp = 0;
+  for (unsigned w = 0; w < kMaxWarps; ++w) at_warp += __builtin_popcount(b.warps[w].arrived);
+  rt.running = nullptr;
+  cur = nullptr;
+  fail("kernel '%s': deadlock in block (%u,%u,%u): %u live threads, %u waiting at __syncthreads, "
+       "%u in warp collectives (a barrier not reached by every thread of the block, or a warp "
+       "collective whose mask names lanes that never arrive)",
+       rt.kernel_name, b.idx.x, b.idx.y, b.idx.z, b.live, b.bar_arrived, at_warp);
+}
+
+uint64_t next_random(uint64_t& s) {           // splitmix64
+  uint64_t z = (s += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+void free_vcs() {
+  for (VC* v : rt.vcs) {
+    free(v->c);
+    delete v;
+  }
+  rt.vcs.clear();
+  rt.sync.clear();
+}
+
+// One full round of a block in thread order (forward) or reverse order: resume every thread that
+// can run. Returns whether any ran.
+bool round_in_order(Block& b, bool reverse) {
+  bool ran = false;
+  for (unsigned k = 0; k < rt.nthreads; ++k) {
+    Fiber& f = b.fibers[reverse ? rt.nthreads - 1 - k : k];
+    if (!runnable(f)) continue;
+    ran = true;
+    resume(&f);
+  }
+  rt.running = nullptr;
+  cur = nullptr;
+  return ran;
+}
+
+void run_grid(const Schedule& s) {
+  rt.schedule = &s;
+  rt.yield_atomics = s.kind == Schedule::kRandom;
+  u64 n = rt.nblocks;
+  if (s.kind != Schedule::kRandom) {
+    Block& b = rt.slots[0];
+    for (u64 i = 0; i < n; ++i) {
+      start_block(b, s.kind == Schedule::kReverse ? n - 1 - i : i);
+      while (b.live) {
+        if (!round_in_order(b, s.kind == Schedule::kReverse)) deadlock(b);
+      }
+      b.active = false;
+    }
+    return;
+  }
+  uint64_t rng = s.seed;
+  std::vector<uint32_t> perm;
+  bool permute = n <= (1u << 24);
+  if (permute) {
+    perm.resize(n);
+    for (u64 i = 0; i < n; ++i) perm[i] = (uint32_t)i;
+    for (u64 i = n; i > 1; --i) std::swap(perm[i - 1], perm[next_random(rng) % i]);
+  }
+  unsigned k = n < kMaxSlots ? (unsigned)n : kMaxSlots;
+  u64 next = 0;
+  unsigned active = 0;
+  for (;;) {
+    for (unsigned i = 0; i < k; ++i) {
+      Block& b = rt.slots[i];
+      if (!b.active && next < n) {
+        start_block(b, permute ? perm[next] : next);
+        next++;
+        active++;
+      }
+    }
+    if (!active) return;
+    unsigned pick = (unsigned)(next_random(rng) % active);
+    Block* b = nullptr;
+    for (unsigned i = 0; i < k; ++i)
+      if (rt.slots[i].active && pick-- == 0) { b = &rt.slots[i]; break; }
+    if (b->cursor == 0) {                   // a new round: a new order
+      b->order.resize(rt.nthreads);
+      for (unsigned i = 0; i < rt.nthreads; ++i) b->order[i] = i;
+      for (unsigned i = rt.nthreads; i > 1; --i) std::swap(b->order[i - 1], b->order[next_random(rng) % i]);
+      b->ran = false;
+    }
+    // resume the next thread of this round that can run
+    while (b->cursor < rt.nthreads) {
+      Fiber& f = b->fibers[b->order[b->cursor++]];
+      if (!runnable(f)) continue;
+      b->ran = true;
+      resume(&f);
+      rt.running = nullptr;
+      cur = nullptr;
+      break;
+    }
+    if (b->cursor == rt.nthreads) {
+      b->cursor = 0;
+      if (!b->live) {
+        b->active = false;
+        active--;
+      } else if (!b->ran) {
+        deadlock(*b);
+      }
+    }
+  }
+}
+
+// ---- fault handling ------------------------------------------------------------------------------
+uint64_t fault_pc(void* uctx) {
+#if defined(__x86_64__)
+  return (uint64_t)((ucontext_t*)uctx)->uc_mcontext.gregs[REG_RIP];
+#elif defined(__aarch64__)
+  return (uint64_t)((ucontext_t*)uctx)->uc_mcontext.pc;
+#else
+  (void)uctx;
+  return 0;
+#endif
+}
+
+void on_fault(int sig, siginfo_t* info, void* uctx) {
+  if (!rt.in_launch || !pthread_equal(pthread_self(), rt.launch_thread)) {
+    struct sigaction* old = sig == SIGSEGV ? &rt.old_segv : sig == SIGBUS ? &rt.old_bus : &rt.old_fpe;
+    sigaction(sig, old, nullptr);
+    return;   // the faulting instruction runs again and reaches the old handler
+  }
+  uint64_t pc = fault_pc(uctx);
+  char w[128], tag[48];
+  where(w, sizeof w);
+  pc_tag(tag, sizeof tag, pc);
+  if (sig == SIGFPE) {
+    (void)info;     // x86 reports INT_MIN / -1 as FPE_INTDIV too
+    snprintf(rt.err, kErrLen, "kernel '%s': integer division by zero or overflow (INT_MIN / -1): "
+             "SIGFPE in %s%s", rt.kernel_name, w, tag);
+    siglongjmp(rt.jmp, 1);
+  }
+  char* a = (char*)info->si_addr;
+  for (unsigned s = 0; s < kMaxSlots; ++s) {
+    Block& b = rt.slots[s];
+    if (b.stacks && a >= b.stacks && a < b.stacks + b.stacks_len) {
+      snprintf(rt.err, kErrLen,
+               "kernel '%s': stack overflow of an emulated thread in %s%s (raise "
+               "CHAINER_TC_EMULATOR_STACK_KB, now %zu)", rt.kernel_name, w, tag, rt.stack_bytes / 1024);
+      siglongjmp(rt.jmp, 1);
+    }
+  }
+  out_of_bounds(a, 0, 0, pc, sig == SIGSEGV ? "SIGSEGV" : "SIGBUS");
+}
+
+void install_fault_handler() {
+  size_t alt = 256 * 1024;
+  if (!rt.altstack) rt.altstack = new char[alt];
+  stack_t ss;
+  ss.ss_sp = rt.altstack;
+  ss.ss_size = alt;
+  ss.ss_flags = 0;
+  sigaltstack(&ss, &rt.old_altstack);
+  struct sigaction sa;
+  memset(&sa, 0, sizeof sa);
+  sa.sa_sigaction = on_fault;
+  sa.sa_flags = SA_SIGINFO | SA_ONSTACK;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGSEGV, &sa, &rt.old_segv);
+  sigaction(SIGBUS, &sa, &rt.old_bus);
+  sigaction(SIGFPE, &sa, &rt.old_fpe);
+}
+
+void restore_fault_handler() {
+  sigaction(SIGSEGV, &rt.old_segv, nullptr);
+  sigaction(SIGBUS, &rt.old_bus, nullptr);
+  sigaction(SIGFPE, &rt.old_fpe, nullptr);
+  sigaltstack(&rt.old_altstack, nullptr);
+}
+
+// ---- launching -----------------------------------------------------------------------------------
+int parse_schedules(const char* text, Schedule* out, int max) {
+  int n = 0;
+  const char* p = text && *text ? text : "forward";
+  while (*p && n < max) {
+    const char* e = strchr(p, ',');
+    size_t len = e ? (size_t)(e - p) : strlen(p);
+    Schedule& s = out[n];
+    snprintf(s.name, sizeof s.name, "%.*s", (int)(len < 31 ? len : 31), p);
+    s.seed = 0;
+    if (!strcmp(s.name, "forward")) s.kind = Schedule::kForward;
+    else if (!strcmp(s.name, "reverse")) s.kind = Schedule::kReverse;
+    else if (!strncmp(s.name, "random", 6)) {
+      s.kind = Schedule::kRandom;
+      s.seed = s.name[6] == ':' ? strtoull(s.name + 7, nullptr, 10) : 0;
+    } else {
+      fail("emulator: unknown schedule '%s' (forward, reverse, random:<seed>)", s.name);
+    }
+    n++;
+    p += len;
+    if (*p == ',') ++p;
+  }
+  return n;
+}
+
+void copy_inputs(const LaunchArgs* la) {
+  for (int i = 0; i < la->nargs; ++i) {
+    int id = rt.arg_region[i];
+    if (id < 0 || la->alias[i] >= 0) continue;
+    Region& r = rt.regions[id];
+    if (r.nbytes) memcpy(r.data, (const void*)r.host, r.nbytes);
+  }
+  for (int t = 0; t < la->ntargets; ++t) {
+    if (la->target_arg[t] >= 0) continue;
+    Region& r = rt.regions[rt.target_region[t]];
+    if (r.nbytes) memcpy(r.data, (const void*)r.host, r.nbytes);
+  }
+  for (Slot& s : rt.slots_) {      // words inside array arguments point into the copies
+    int id = rt.arg_region[s.arg];
+    if (id >= 0) memcpy(rt.regions[id].data + s.offset, &s.translated, 8);
+  }
+}
+
+// Words of pointer tables: the address of the target's copy instead of the host array.
+void map_tables(const LaunchArgs* la, void** vals) {
+  rt.target_region.assign(la->ntargets, -1);
+  for (int t = 0; t < la->ntargets; ++t) {
+    if (la->target_arg[t] >= 0) {
+      rt.target_region[t] = rt.arg_region[la->target_arg[t]];
+      continue;
+    }
+    int id = new_region(la->target_nbytes[t], 1, kTarget, t, -1);
+    rt.regions[id].host = la->target_host[t];
+    rt.regions[id].output = true;
+    rt.target_region[t] = id;
+  }
+  rt.slots_.clear();
+  for (int k = 0; k < la->nslots; ++k) {
+    Slot s;
+    s.arg = la->slot_arg[k];
+    s.offset = la->slot_offset[k];
+    s.target = la->slot_target[k];
+    int aid = rt.arg_region[s.arg];
+    const char* holder = aid >= 0 ? (const char*)rt.regions[aid].host : (const char*)vals[s.arg];
+    memcpy(&s.original, holder + s.offset, 8);
+    const Region& t = rt.regions[rt.target_region[s.target]];
+    s.translated = (u64)(uintptr_t)t.data + (s.original - la->target_host[s.target]);
+    if (aid < 0) memcpy((char*)vals[s.arg] + s.offset, &s.translated, 8);   // a value: patch it
+    rt.slots_.push_back(s);
+  }
+}
+
+struct Snapshot {
+  int region;
+  std::vector<char> bytes;
+};
+
+void compare(const std::vector<Snapshot>& snaps, const Schedule& first, const Schedule& now) {
+  for (const Snapshot& s : snaps) {
+    const Region& r = rt.regions[s.region];
+    if (!memcmp(r.data, s.bytes.data(), r.nbytes)) continue;
+    size_t i = 0;
+    while (r.data[i] == s.bytes[i]) ++i;
+    size_t e = i / r.itemsize, is = r.itemsize > 16 ? 16 : r.itemsize;
+    char what[192], ha[40], hb[40];
+    describe_region(what, sizeof what, r);
+    for (size_t k = 0; k < is; ++k) {
+      snprintf(ha + 2 * k, 3, "%02x", (unsigned char)s.bytes[e * r.itemsize + k]);
+      snprintf(hb + 2 * k, 3, "%02x", (unsigned char)r.data[e * r.itemsize + k]);
+    }
+    int key = r.kind == kArg ? r.index : -1;
+    fail("kernel '%s': the result depends on the order in which threads run: %s differs at byte "
+         "offset %zu (element %zu of %zu): {hex:%d:%s} under schedule %s, {hex:%d:%s} under schedule "
+         "%s (a missing __syncthreads() or __threadfence(), a race, or an atomic whose order "
+         "matters, such as a float atomicAdd)", rt.kernel_name, what, e * r.itemsize, e,
+         r.nbytes / r.itemsize, key, ha, first.name, key, hb, now.name);
+  }
+}
+
+void check_canaries() {
+  for (const Region& r : rt.regions) {
+    size_t bad = slack_damage(r);
+    if (!bad) continue;
+    char what[192];
+    describe_region(what, sizeof what, r);
+    fail("kernel '%s': out-of-bounds write to %s: %zu bytes changed after its end (seen after the "
+         "launch: an access the checks did not see, such as a memcpy)", rt.kernel_name, what, bad);
+  }
+}
+
+void reset_for_schedule(const LaunchArgs* la) {
+  copy_inputs(la);
+  for (Region& r : rt.regions) {
+    memset(r.data + r.nbytes, kCanary, r.span - r.nbytes);
+    reset_shadow(r);
+  }
+  free_vcs();
+}
+
+}  // namespace
+
+void* dyn_smem() {
+  Block* b = rt.running->blk;
+  if (b->dyn < 0) fail_here("extern __shared__ memory used but the launch asked for shared_mem=0");
+  return rt.regions[b->dyn].data;
+}
+
+void* shared_var(int* slot, usize size, usize itemsize, const char* name, const char* signature) {
+  if (*slot < 0) {
+    *slot = (int)rt.vars.size();
+    SharedVar v;
+    v.size = size;
+    v.itemsize = itemsize ? itemsize : 1;
+    v.name = name;
+    v.launch = 0;
+    // "... [with T = double [8][32]; int ID = 3000]" -> "double [8][32]"
+    const char* t = strstr(signature, "[with T = ");
+    const char* e = t ? strstr(t, "; int ID") : nullptr;
+    if (t && e) snprintf(v.type, sizeof v.type, "%.*s", (int)(e - t - 10), t + 10);
+    else snprintf(v.type, sizeof v.type, "?");
+    rt.vars.push_back(v);
+  }
+  SharedVar& v = rt.vars[*slot];
+  if (v.launch != rt.launch_id) {
+    v.launch = rt.launch_id;
+    rt.static_shared += size;
+    for (unsigned s = 0; s < rt.kslots; ++s) {
+      Block& b = rt.slots[s];
+      if (b.svar.size() < rt.vars.size()) b.svar.resize(rt.vars.size(), -1);
+      int id = new_region(size, v.itemsize, kShared, *slot, (int)s);
+      memset(rt.regions[id].data, kUninit, size);
+      b.svar[*slot] = id;
+    }
+    char list[512];
+    size_t n = 0;
+    list[0] = 0;
+    for (const SharedVar& u : rt.vars)
+      if (u.launch == rt.launch_id && n < sizeof list - 80)
+        n += snprintf(list + n, sizeof list - n, "%s'%s' (%s, %zu bytes)", n ? ", " : "", u.name, u.type, (size_t)u.size);
+    if (rt.static_shared > kMaxStaticShared)
+      fail("kernel '%s': %zu bytes of static __shared__ memory (%s); a block may have at most 48 KiB "
+           "(49152 bytes) of it", rt.kernel_name, rt.static_shared, list);
+    u64 total = rt.static_shared + rt.dyn_shared;
+    if (rt.max_dyn_shared <= kMaxStaticShared ? total > kMaxStaticShared : total > kMaxDynamicOptIn)
+      fail("kernel '%s': %zu bytes of static __shared__ memory (%s) plus shared_mem=%llu bytes of "
+           "dynamic shared memory exceed the %d bytes a block may use (%s)", rt.kernel_name,
+           rt.static_shared, list, (unsigned long long)rt.dyn_shared,
+           rt.max_dyn_shared <= kMaxStaticShared ? kMaxStaticShared : kMaxDynamicOptIn,
+           rt.max_dyn_shared <= kMaxStaticShared
+               ? "48 KiB unless the kernel opts in through max_dynamic_shared_size_bytes"
+               : "227 KiB, the most any GPU gives a block");
+  }
+  Block* b = rt.running->blk;
+  return rt.regions[b->svar[*slot]].data;
+}
+
+void yield_now() {
+  if (rt.running) yield();
+}
+
+void fence(int device_scope) {
+  Fiber* f = rt.running;
+  if (f && rt.race && device_scope) {
+    f->last_fence = (int)f->blk->bar_gen;
+    join(f->known, f->pending);
+    join(f->known, f->blk->pending);
+    f->pending = nullptr;
+  }
+  yield_now();
+}
+
+void atomic_access(void* p, usize size) {
+  if (rt.yield_atomics) yield_now();
+  char* a = (char*)p;
+  if ((size_t)(a - rt.arena) >= rt.arena_size) return;
+  uint64_t pc = (uint64_t)__builtin_return_address(0);
+  checked_access(a, size, kAtomic | kWrite, pc);
+  if (rt.race && rt.running) {
+    const Region& r = rt.regions[rt.page_region[(size_t)(a - rt.arena) / rt.page] - 1];
+    if (r.kind == kArg || r.kind == kTarget) sync_atomic((uintptr_t)a);
+  }
+}
+
+int block_barrier(int pred) {
+  Fiber* f = rt.running;
+  Block* b = f->blk;
+  b->bar_acc += pred ? 1 : 0;
+  if (++b->bar_arrived >= b->live) {
+    release_block_barrier(b);
+  } else {
+    f->at_bar = true;
+    f->bar_gen = b->bar_gen;
+    while (f->bar_gen == b->bar_gen) yield();
+    f->at_bar = false;
+  }
+  return b->bar_count;      // not overwritten before this thread reaches the next barrier
+}
+
+int barrier_total() { return rt.running->blk->bar_total; }
+
+u64 warp_collective(unsigned char op, unsigned mask, u64 value, int src) {
+  Fiber* f = rt.running;
+  Block* b = f->blk;
+  Warp& w = b->warps[f->warp];
+  unsigned lane = f->lane, bit = 1u << lane;
+  if (!(mask & bit)) {
+    char msg[96];
+    snprintf(msg, sizeof msg, "warp collective with mask 0x%08x that excludes the calling lane %u",
+             mask, lane);
+    fail_here(msg);
+  }
+  w.mask[lane] = mask;
+  w.op[lane] = op;
+  w.src[lane] = src;
+  w.slot[lane] = value;
+  w.arrived |= bit;
+  try_complete(b, w, lane);
+  while (w.arrived & bit) yield();
+  return w.result[lane];
+}
+
+unsigned active_mask() { return my_warp().live; }
+
+void check_width(int width) {
+  if (width <= 0 || width > 32 || (width & (width - 1)))
+    fail_here("warp shuffle width must be a power of 2 in [1, 32]");
+}
+
+int run_launch(const char* name, const LaunchArgs* la, int nparams, const usize* aligns,
+               void** vals, void (*body)(void*), void* ctx) {
+  rt.page = (size_t)sysconf(_SC_PAGESIZE);
+  rt.kernel_name = name;
+  rt.err[0] = 0;
+  rt.running = nullptr;
+  cur = nullptr;
+  rt.la = la;
+  rt.launch_id++;
+  rt.static_shared = 0;
+  rt.dyn_shared = la->shared_mem;
+  rt.max_dyn_shared = la->max_dyn_shared;
+  rt.race = la->race != 0;
+  rt.yield_atomics = false;
+  rt.regions.clear();
+  rt.arg_region.assign(la->nargs > 0 ? la->nargs : 0, -1);
+  for (unsigned s = 0; s < kMaxSlots; ++s) {
+    rt.slots[s].svar.clear();
+    rt.slots[s].dyn = -1;
+    rt.slots[s].active = false;
+  }
+  int rc = 0;
+  rt.launch_thread = pthread_self();
+  module_base();
+  install_fault_handler();
+  rt.in_launch = 1;
+  if (sigsetjmp(rt.jmp, 1) == 0) {
+    if (la->nargs != nparams)
+      fail("kernel '%s' takes %d arguments, launcher passed %d", name, nparams, la->nargs);
+    Schedule schedules[16];
+    int nsched = parse_schedules(la->schedules, schedules, 16);
+    grid_dim = dim3(la->grid[0], la->grid[1], la->grid[2]);
+    block_dim = dim3(la->block[0], la->block[1], la->block[2]);
+    rt.nthreads = la->block[0] * la->block[1] * la->block[2];
+    rt.nblocks = (u64)la->grid[0] * la->grid[1] * la->grid[2];
+    if (rt.race && rt.nblocks > (1u << 20))
+      fail("emulator: the race detector handles at most 2^20 blocks per launch; this one has %llu",
+           (unsigned long long)rt.nblocks);
+    bool random = false;
+    for (int s = 0; s < nsched; ++s) random |= schedules[s].kind == Schedule::kRandom;
+    unsigned k = random ? (unsigned)(rt.nblocks < kMaxSlots ? rt.nblocks : kMaxSlots) : 1;
+    rt.kslots = k;
+    // address space: every array and table target with its gap, dynamic and static shared memory
+    size_t need = 64ull << 30;        // static __shared__ variables, registered as they are reached
+    for (int i = 0; i < la->nargs; ++i)
+      if (la->nbytes[i] != ~0ull && la->alias[i] < 0) need += region_need(la->nbytes[i]);
+    for (int t = 0; t < la->ntargets; ++t)
+      if (la->target_arg[t] < 0) need += region_need(la->target_nbytes[t]);
+    need += k * region_need(la->shared_mem);
+    reserve_arena(need);
+    for (int i = 0; i < la->nargs; ++i) {
+      if (la->nbytes[i] == ~0ull) {              // by value: read in place, so it must be aligned
+        if ((uintptr_t)la->args[i] % aligns[i])
+          fail("emulator: the value of argument %d is at %p, not aligned to the %zu bytes of its type",
+               i, la->args[i], (size_t)aligns[i]);
+        vals[i] = la->args[i];
+        continue;
+      }
+      if (la->alias[i] >= 0) {                   // the same array passed twice: one copy
+        rt.arg_region[i] = rt.arg_region[la->alias[i]];
+        continue;
+      }
+      int id = new_region(la->nbytes[i], la->itemsize[i], kArg, i, -1);
+      rt.regions[id].host = (u64)(uintptr_t)*(void* const*)la->args[i];
+      rt.regions[id].output = la->writeback[i] != 0;
+      rt.arg_region[i] = id;
+    }
+    for (int i = 0; i < la->nargs; ++i)       // a pointer to const written through as well
+      if (la->alias[i] >= 0 && la->writeback[i]) rt.regions[rt.arg_region[i]].output = true;
+    map_tables(la, vals);
+    // the slot holding each array's device pointer (shared by aliases)
+    static void* slots[kMaxParams];
+    for (int i = 0; i < la->nargs; ++i) {
+      if (rt.arg_region[i] < 0) continue;
+      slots[i] = rt.regions[rt.arg_region[i]].data;
+      vals[i] = &slots[i];
+    }
+    for (unsigned s = 0; s < k; ++s) {
+      ensure_stacks(rt.slots[s], rt.nthreads);
+      if (la->shared_mem) rt.slots[s].dyn = new_region(la->shared_mem, 1, kDyn, 0, (int)s);
+    }
+    rt.body = body;
+    rt.body_ctx = ctx;
+    std::vector<Snapshot> snaps;
+    for (int si = 0; si < nsched; ++si) {
+      if (si) reset_for_schedule(la);
+      else copy_inputs(la);
+      run_grid(schedules[si]);
+      rt.running = nullptr;
+      cur = nullptr;
+      check_canaries();
+      if (nsched > 1) {
+        if (si == 0) {
+          for (size_t id = 0; id < rt.regions.size(); ++id) {
+            const Region& r = rt.regions[id];
+            if (!r.output || !r.nbytes) continue;
+            Snapshot s;
+            s.region = (int)id;
+            s.bytes.assign(r.data, r.data + r.nbytes);
+            snaps.push_back(std::move(s));
+          }
+        } else {
+          compare(snaps, schedules[0], schedules[si]);
+        }
+      }
+      free_vcs();
+    }
+    // table words inside array arguments get their host values back before the copy back
+    for (const Slot& s : rt.slots_) {
+      int id = rt.arg_region[s.arg];
+      if (id < 0) continue;
+      u64 now;
+      memcpy(&now, rt.regions[id].data + s.offset, 8);
+      if (now == s.translated) memcpy(rt.regions[id].data + s.offset, &s.original, 8);
+    }
+    for (int i = 0; i < la->nargs; ++i) {
+      int id = rt.arg_region[i];
+      if (id < 0 || la->alias[i] >= 0 || !rt.regions[id].output || !la->nbytes[i]) continue;
+      memcpy((void*)rt.regions[id].host, rt.regions[id].data, la->nbytes[i]);
+    }
+    for (int t = 0; t < la->ntargets; ++t) {     // allocations behind tables: only if changed
+      if (la->target_arg[t] >= 0) continue;
+      const Region& r = rt.regions[rt.target_region[t]];
+      if (r.nbytes && memcmp((const void*)r.host, r.data, r.nbytes))
+        memcpy((void*)r.host, r.data, r.nbytes);
+    }
+  } else {
+    rc = 1;
+    snprintf(la->err, kErrLen, "%s", rt.err);
+  }
+  rt.in_launch = 0;
+  rt.running = nullptr;
+  cur = nullptr;
+  restore_fault_handler();
+  free_vcs();
+  release_arena();
+  return rc;
+}
+
+}  // namespace ctemu
+
+// ---- the callbacks of GCC's instrumentation ------------------------------------------------------
+using ctemu::access;
+#define CTEMU_EXPORT extern "C" __attribute__((visibility("hidden")))
+#define RA __builtin_return_address(0)
+
+CTEMU_EXPORT void __tsan_init() {}
+CTEMU_EXPORT void __tsan_func_entry(void*) {}
+CTEMU_EXPORT void __tsan_func_exit() {}
+CTEMU_EXPORT void __tsan_vptr_update(void**, void*) {}
+CTEMU_EXPORT void __tsan_vptr_read(void**) {}
+CTEMU_EXPORT void __tsan_read_range(void* p, unsigned long n) { if (n) access(p, n, ctemu::kRead, RA); }
+CTEMU_EXPORT void __tsan_write_range(void* p, unsigned long n) { if (n) access(p, n, ctemu::kWrite, RA); }
+
+#define CTEMU_TSAN_SIZE(N)                                                                        \
+  CTEMU_EXPORT void __tsan_read##N(void* p) { access(p, N, ctemu::kRead, RA); }                   \
+  CTEMU_EXPORT void __tsan_write##N(void* p) { access(p, N, ctemu::kWrite, RA); }                 \
+  CTEMU_EXPORT void __tsan_unaligned_read##N(void* p) { access(p, N, ctemu::kRead, RA); }         \
+  CTEMU_EXPORT void __tsan_unaligned_write##N(void* p) { access(p, N, ctemu::kWrite, RA); }       \
+  CTEMU_EXPORT void __tsan_volatile_read##N(void* p) { access(p, N, ctemu::kVolatile, RA); }      \
+  CTEMU_EXPORT void __tsan_volatile_write##N(void* p) {                                           \
+    access(p, N, ctemu::kVolatile | ctemu::kWrite, RA);                                           \
+  }                                                                                              \
+  CTEMU_EXPORT void __tsan_unaligned_volatile_read##N(void* p) { access(p, N, ctemu::kVolatile, RA); } \
+  CTEMU_EXPORT void __tsan_unaligned_volatile_write##N(void* p) {                                 \
+    access(p, N, ctemu::kVolatile | ctemu::kWrite, RA);                                           \
+  }
+CTEMU_TSAN_SIZE(1)
+CTEMU_TSAN_SIZE(2)
+CTEMU_TSAN_SIZE(4)
+CTEMU_TSAN_SIZE(8)
+CTEMU_TSAN_SIZE(16)
+#undef CTEMU_TSAN_SIZE
+
+// C++ atomics in kernel code (a guard variable, std::atomic): plain here, checked as atomics.
+#define CTEMU_TSAN_ATOMIC(N, T)                                                                   \
+  CTEMU_EXPORT T __tsan_atomic##N##_load(const volatile T* a, int) {                              \
+    access((void*)a, sizeof(T), ctemu::kVolatile, RA);                                            \
+    return __atomic_load_n(a, __ATOMIC_SEQ_CST);                                                  \
+  }                                                                                              \
+  CTEMU_EXPORT void __tsan_atomic##N##_store(volatile T* a, T v, int) {                           \
+    access((void*)a, sizeof(T), ctemu::kVolatile | ctemu::kWrite, RA);                            \
+    __atomic_store_n(a, v, __ATOMIC_SEQ_CST);                                                     \
+  }                                                                                              \
+  CTEMU_EXPORT T __tsan_atomic##N##_exchange(volatile T* a, T v, int) {                           \
+    ctemu::atomic_access((void*)a, sizeof(T));                                                    \
+    return __atomic_exchange_n(a, v, __ATOMIC_SEQ_CST);                                           \
+  }                                                                                              \
+  CTEMU_EXPORT T __tsan_atomic##N##_fetch_add(volatile T* a, T v, int) {                          \
+    ctemu::atomic_access((void*)a, sizeof(T));                                                    \
+    return __atomic_fetch_add(a, v, __ATOMIC_SEQ_CST);                                            \
+  }                                                                                              \
+  CTEMU_EXPORT T __tsan_atomic##N##_fetch_sub(volatile T* a, T v, int) {                          \
+    ctemu::atomic_access((void*)a, sizeof(T));                                                    \
+    return __atomic_fetch_sub(a, v, __ATOMIC_SEQ_CST);                                            \
+  }                                                                                              \
+  CTEMU_EXPORT T __tsan_atomic##N##_fetch_and(volatile T* a, T v, int) {                          \
+    ctemu::atomic_access((void*)a, sizeof(T));                                                    \
+    return __atomic_fetch_and(a, v, __ATOMIC_SEQ_CST);                                            \
+  }                                                                                              \
+  CTEMU_EXPORT T __tsan_atomic##N##_fetch_or(volatile T* a, T v, int) {                           \
+    ctemu::atomic_access((void*)a, sizeof(T));                                                    \
+    return __atomic_fetch_or(a, v, __ATOMIC_SEQ_CST);                                             \
+  }                                                                                              \
+  CTEMU_EXPORT T __tsan_atomic##N##_fetch_xor(volatile T* a, T v, int) {                          \
+    ctemu::atomic_access((void*)a, sizeof(T));                                                    \
+    return __atomic_fetch_xor(a, v, __ATOMIC_SEQ_CST);                                            \
+  }                                                                                              \
+  CTEMU_EXPORT T __tsan_atomic##N##_fetch_nand(volatile T* a, T v, int) {                         \
+    ctemu::atomic_access((void*)a, sizeof(T));                                                    \
+    return __atomic_fetch_nand(a, v, __ATOMIC_SEQ_CST);                                           \
+  }                                                                                              \
+  CTEMU_EXPORT int __tsan_atomic##N##_compare_exchange_strong(volatile T* a, T* c, T v, int, int) { \
+    ctemu::atomic_access((void*)a, sizeof(T));                                                    \
+    return __atomic_compare_exchange_n(a, c, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);       \
+  }                                                                                              \
+  CTEMU_EXPORT int __tsan_atomic##N##_compare_exchange_weak(volatile T* a, T* c, T v, int, int) { \
+    ctemu::atomic_access((void*)a, sizeof(T));                                                    \
+    return __atomic_compare_exchange_n(a, c, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);       \
+  }                                                                                              \
+  CTEMU_EXPORT T __tsan_atomic##N##_compare_exchange_val(volatile T* a, T c, T v, int, int) {     \
+    ctemu::atomic_access((void*)a, sizeof(T));                                                    \
+    __atomic_compare_exchange_n(a, &c, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);             \
+    return c;                                                                                    \
+  }
+CTEMU_TSAN_ATOMIC(8, unsigned char)
+CTEMU_TSAN_ATOMIC(16, unsigned short)
+CTEMU_TSAN_ATOMIC(32, unsigned int)
+CTEMU_TSAN_ATOMIC(64, unsigned long long)
+#undef CTEMU_TSAN_ATOMIC
+CTEMU_EXPORT void __tsan_atomic_thread_fence(int) { ctemu::fence(1); }
+CTEMU_EXPORT void __tsan_atomic_signal_fence(int) {}
+
+// ---- UndefinedBehaviorSanitizer callbacks (bounds, alignment, integer division by zero) ---------
+namespace {
+struct SourceLocation { const char* file; uint32_t line, column; };
+struct TypeDescriptor { uint16_t kind, info; char name[1]; };
+struct OutOfBoundsData { SourceLocation loc; const TypeDescriptor* array; const TypeDescriptor* index; };
+struct OverflowData { SourceLocation loc; const TypeDescriptor* type; };
+struct TypeMismatchData { SourceLocation loc; const TypeDescriptor* type; unsigned char log_alignment, kind; };
+
+// An integer value as UBSan passes it (inline when it fits a pointer).
+void int_value(char* buf, size_t n, const TypeDescriptor* t, uintptr_t v) {
+  unsigned bits = 1u << (t->info >> 1);
+  bool is_signed = t->info & 1;
+  if (bits > 64) v = *(const uintptr_t*)v;
+  if (is_signed) {
+    long long s = bits >= 64 ? (long long)v : (long long)(v << (64 - bits)) >> (64 - bits);
+    snprintf(buf, n, "%lld", s);
+  } else {
+    snprintf(buf, n, "%llu", bits >= 64 ? (unsigned long long)v : (unsigned long long)(v & ((1ull << bits) - 1)));
+  }
+}
+
+[[noreturn]] void ubsan_out_of_bounds(OutOfBoundsData* d, uintptr_t index) {
+  char idx[32], msg[384];
+  int_value(idx, sizeof idx, d->index, index);
+  snprintf(msg, sizeof msg, "index %s out of range for an array of type %s (a static __shared__, "
+           "local or member array) at %s:%u", idx, d->array->name, d->loc.file, d->loc.line);
+  ctemu::fail_here(msg);
+}
+
+[[noreturn]] void ubsan_divrem(OverflowData* d, uintptr_t, uintptr_t rhs) {
+  char msg[256], r[32];
+  int_value(r, sizeof r, d->type, rhs);
+  snprintf(msg, sizeof msg, "integer %s of type %s at %s:%u",
+           strcmp(r, "0") ? "division overflow (INT_MIN / -1)" : "division by zero", d->type->name,
+           d->loc.file, d->loc.line);
+  ctemu::fail_here(msg);
+}
+
+const char* const kCheckKinds[] = {"load of", "store to", "reference binding to", "member access within",
+                                   "member call on", "constructor call on", "downcast of",
+                                   "downcast of", "upcast of", "cast to virtual base of",
+                                   "assignment to", "dynamic operation on"};
+
+[[noreturn]] void ubsan_mismatch(TypeMismatchData* d, uintptr_t p) {
+  char msg[384];
+  const char* kind = d->kind < sizeof kCheckKinds / sizeof *kCheckKinds ? kCheckKinds[d->kind] : "access to";
+  if (!p)
+    snprintf(msg, sizeof msg, "%s a null pointer of type %s at %s:%u", kind, d->type->name,
+             d->loc.file, d->loc.line);
+  else
+    snprintf(msg, sizeof msg, "misaligned %s address %p for type %s, which needs %u-byte alignment "
+             "(a GPU faults: misaligned address) at %s:%u", kind, (void*)p, d->type->name,
+             1u << d->log_alignment, d->loc.file, d->loc.line);
+  ctemu::fail_here(msg);
+}
+}  // namespace
+
+CTEMU_EXPORT void __ubsan_handle_out_of_bounds(OutOfBoundsData* d, uintptr_t i) { ubsan_out_of_bounds(d, i); }
+CTEMU_EXPORT void __ubsan_handle_out_of_bounds_abort(OutOfBoundsData* d, uintptr_t i) { ubsan_out_of_bounds(d, i); }
+CTEMU_EXPORT void __ubsan_handle_divrem_overflow(OverflowData* d, uintptr_t l, uintptr_t r) { ubsan_divrem(d, l, r); }
+CTEMU_EXPORT void __ubsan_handle_divrem_overflow_abort(OverflowData* d, uintptr_t l, uintptr_t r) { ubsan_divrem(d, l, r); }
+CTEMU_EXPORT void __ubsan_handle_type_mismatch_v1(TypeMismatchData* d, uintptr_t p) { ubsan_mismatch(d, p); }
+CTEMU_EXPORT void __ubsan_handle_type_mismatch_v1_abort(TypeMismatchData* d, uintptr_t p) { ubsan_mismatch(d, p); }

@@ -1,0 +1,402 @@
+"""The emulator as a memcheck and racecheck: GPU bugs that a fixed thread order lets through must
+fail here, and correct kernels must not be reported (issue 12's probes)."""
+import os
+import subprocess
+import sys
+
+import numpy
+import pytest
+
+from chainer_tc import kernels
+from chainer_tc.errors import CompileError
+from chainer_tc.errors import KernelLaunchError
+from chainer_tc.testing import emulator
+from chainer_tc.testing import kernel_cases
+from chainer_tc.testing import mutate
+from conftest import cuda_source
+
+RACE = dict(race=True, schedules=['forward', 'reverse', 'random:1'])
+
+
+@pytest.fixture(scope='module')
+def buggy():
+    return emulator.RawModule(path=cuda_source('buggy.cu'))
+
+
+@pytest.fixture(scope='module')
+def selftest():
+    return emulator.RawModule(path=cuda_source('selftest.cu'))
+
+
+# ---- memcheck ------------------------------------------------------------------------------------
+
+def test_read_far_past_the_end(buggy):
+    # 8 KiB past the end of a 4000-byte array: beyond a single guard page
+    a, b = numpy.arange(1000, dtype=numpy.float32), numpy.zeros(1000, numpy.float32)
+    with pytest.raises(KernelLaunchError, match=r"read of argument 0 \(const float\*, float32 array "
+                                                r"of shape \(1000,\)\) at byte offset 8192 \(element "
+                                                r"2048 of 1000\) in thread \(0,0,0\) of block \(0,0,0\) "
+                                                r"\(at .*buggy.cu:\d+\)"):
+        buggy.get_function('read_far')((4,), (256,), (a, b, numpy.int32(1000), numpy.int32(2048)))
+    assert not b.any()
+
+
+def test_read_far_before_the_start(buggy):
+    a, b = numpy.arange(1000, dtype=numpy.float32), numpy.zeros(1000, numpy.float32)
+    with pytest.raises(KernelLaunchError, match=r'at byte offset -40000 \(element -10000 of 1000\)'):
+        buggy.get_function('read_far')((4,), (256,), (a, b, numpy.int32(1000), numpy.int32(-10000)))
+
+
+def test_arrays_are_aligned_as_cudamalloc_aligns_them(buggy):
+    out = numpy.zeros(3, numpy.uint64)
+    for n in (1, 3, 1001):          # sizes that are no multiple of anything
+        buggy.get_function('addresses')((1,), (1,), (numpy.zeros(n, numpy.float32),
+                                                      numpy.zeros(n, numpy.float16),
+                                                      numpy.zeros(n), out))
+        assert (out % 256 == 0).all(), [hex(int(a)) for a in out]
+
+
+def test_table_pointer_read_past_a_gradient(buggy):
+    # a table of addresses of arrays that are not kernel arguments (the optimizer's gradient table)
+    assert emulator.tracking_allocations()
+    grads = [numpy.ones(n, numpy.float32) for n in (10, 3, 7)]
+    table = numpy.array([g.ctypes.data for g in grads], numpy.uint64)
+    count = numpy.array([g.size for g in grads], numpy.int32)
+    out = numpy.zeros(3, numpy.float32)
+    with pytest.raises(KernelLaunchError, match=r'out-of-bounds read of the 40-byte array whose '
+                                                r'address argument 0 \(const unsigned long long\*\) '
+                                                r'holds at byte offset 0, at byte offset 40 in thread '
+                                                r'\(0,0,0\)'):
+        buggy.get_function('table_sum_off_by_one')((1,), (32,), (table, count, out, numpy.int32(3)))
+    # the same with the right count reads through the table and writes through nothing else
+    count -= 1
+    buggy.get_function('table_sum_off_by_one')((1,), (32,), (table, count, out, numpy.int32(3)))
+    numpy.testing.assert_array_equal(out, [10, 3, 7])
+    assert list(table) == [g.ctypes.data for g in grads], 'the table is given back unchanged'
+
+
+def test_optimizer_reading_past_each_gradient_is_caught():
+    # optimizers' check kernel, mutated to read one element past each chunk: past the end of the
+    # gradient for the last chunk of every parameter (issue 12: passed 9 of 10 checks)
+    code = kernels.source('optimizer')
+    old = 'for (long long i = threadIdx.x; i < k.count; i += OPT_BLOCK) {\n    const T grad'
+    assert old in code
+    backend = kernel_cases.EmulatorBackend({'optimizer': code.replace(old, old.replace(
+        'i < k.count', 'i <= k.count'))})
+    case = kernel_cases._optimizer([5, 2049], [numpy.float32, numpy.float16])
+    with pytest.raises(KernelLaunchError, match=r"kernel 'momentum_sgd_check': out-of-bounds read of "
+                                                r"the \d+-byte array whose address argument 0 \(struct "
+                                                r"of 3872 bytes\) holds at byte offset (32|40),"):
+        kernel_cases.run(case, backend)
+
+
+def test_static_shared_array_overflow(buggy):
+    out = numpy.zeros(64, numpy.float32)
+    buggy.get_function('shared_overflow')((1,), (32,), (out[:32],))
+    with pytest.raises(KernelLaunchError, match=r"index 32 out of range for an array of type "
+                                                r"'float \[32\]' .* at .*buggy.cu:\d+ in thread "
+                                                r"\(32,0,0\)"):
+        buggy.get_function('shared_overflow')((1,), (64,), (out,))
+    with pytest.raises(KernelLaunchError, match=r"out-of-bounds write to __shared__ variable 's' "
+                                                r"\(float \[32\], 128 bytes\) at byte offset 128 "
+                                                r"\(element 32 of 32\) in thread \(32,0,0\)"):
+        buggy.get_function('shared_overflow_by_pointer')((1,), (64,), (out,))
+
+
+def test_local_array_overflow(buggy):
+    idx, out = numpy.array([0, 3, 4, 1], numpy.int32), numpy.zeros(4, numpy.float32)
+    with pytest.raises(KernelLaunchError, match=r"index 4 out of range for an array of type "
+                                                r"'float \[4\]'.* in thread \(2,0,0\)"):
+        buggy.get_function('local_overflow')((1,), (4,), (idx, out))
+
+
+def test_launch_beyond_launch_bounds(buggy):
+    out = numpy.zeros(512, numpy.float32)
+    k = buggy.get_function('bounded')
+    assert k.max_threads_per_block == 256
+    k((2,), (256,), (out,))
+    with pytest.raises(ValueError, match=r'block \(512, 1, 1\) has 512 threads but the kernel was '
+                                         r'compiled with __launch_bounds__\(256\)'):
+        k((1,), (512,), (out,))
+
+
+def test_our_kernels_launch_bounds_are_read():
+    mod = kernel_cases.EmulatorBackend().module(kernel_cases._optimizer([3], [numpy.float32]))
+    assert mod.get_function('momentum_sgd_update').max_threads_per_block == 256
+    assert mod.get_function('momentum_sgd_set_globals').max_threads_per_block is None
+
+
+def test_integer_division_by_zero_raises(buggy):
+    a = numpy.array([7, 8, 9, 10], numpy.int32)
+    d = numpy.array([1, 2, 0, 5], numpy.int32)
+    out = numpy.zeros(4, numpy.int32)
+    with pytest.raises(KernelLaunchError, match=r"kernel 'divide': integer division by zero of type "
+                                                r"'int' at .*buggy.cu:\d+ in thread \(2,0,0\)"):
+        buggy.get_function('divide')((1,), (4,), (a, d, out))
+    a[0], d[2] = numpy.iinfo(numpy.int32).min, 3
+    d[0] = -1
+    with pytest.raises(KernelLaunchError, match=r'integer division by zero or overflow \(INT_MIN / '
+                                                r'-1\): SIGFPE in thread \(0,0,0\)'):
+        buggy.get_function('divide')((1,), (4,), (a, d, out))
+    d[0] = 1
+    buggy.get_function('divide')((1,), (4,), (a, d, out))
+    assert out[1] == 4
+
+
+def test_division_by_zero_does_not_kill_the_process(tmp_path):
+    # SIGFPE once killed Python: run it in a child and see it come back with the error
+    script = tmp_path / 'div.py'
+    script.write_text('''
+import numpy
+from chainer_tc.errors import KernelLaunchError
+from chainer_tc.testing import emulator
+code = 'extern "C" __global__ void k(const long long* a, long long* out) { out[0] = 1 / a[0]; }'
+try:
+    emulator.RawModule(code=code).get_function('k')((1,), (1,), (numpy.zeros(1, numpy.int64),
+                                                              numpy.zeros(1, numpy.int64)))
+except KernelLaunchError as e:
+    print('raised:', e)
+''')
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "raised: kernel 'k': integer division by zero" in proc.stdout
+
+
+def test_misaligned_vector_load(buggy):
+    x, out = numpy.arange(8, dtype=numpy.float32), numpy.zeros(1, numpy.float32)
+    with pytest.raises(KernelLaunchError, match=r"misaligned .* address 0x[0-9a-f]+ for type "
+                                                r"'const (struct )?float4', which needs 16-byte "
+                                                r"alignment \(a GPU faults: misaligned address\) at "
+                                                r".*buggy.cu:\d+ in thread \(0,0,0\)"):
+        buggy.get_function('misaligned_float4')((1,), (1,), (x, out))
+
+
+def test_kernels_named_after_c_library_functions(buggy):
+    x = numpy.zeros(4, numpy.float32)
+    for name, value in (('signal', 1), ('gamma', 2), ('fadd', 3)):
+        buggy.get_function(name)((1,), (4,), (x,))
+        assert (x == value).all()
+
+
+def test_parameter_block_limit(monkeypatch):
+    code = '''struct Big { unsigned long long w[513]; };
+    extern "C" __global__ void k(const Big b, unsigned long long* out) { out[0] = b.w[512]; }'''
+    k = emulator.RawModule(code=code).get_function('k')
+    assert k.param_bytes == 4112
+    big = numpy.zeros(1, [('w', '<u8', (513,))])
+    big['w'][0, 512] = 9
+    out = numpy.zeros(1, numpy.uint64)
+    with pytest.raises(ValueError, match=r'its parameters take 4112 bytes; CUDA allows 4096'):
+        k((1,), (1,), (big, out))
+    monkeypatch.setenv('CHAINER_TC_EMULATOR_PARAM_LIMIT', '32764')
+    k((1,), (1,), (big, out))
+    assert out[0] == 9
+
+
+def test_static_plus_dynamic_shared_memory_limit():
+    code = '''extern "C" __global__ void k(float* out) {
+      __shared__ float tile[8192];                       // 32 KiB
+      extern __shared__ float more[];
+      tile[threadIdx.x] = 1.0f;
+      more[threadIdx.x] = 2.0f;
+      __syncthreads();
+      out[threadIdx.x] = tile[threadIdx.x] + more[threadIdx.x];
+    }
+    extern "C" __global__ void huge(float* out) {
+      __shared__ double big[7000];                       // 56000 bytes
+      big[threadIdx.x] = 1.0;
+      out[threadIdx.x] = (float)big[threadIdx.x];
+    }'''
+    m = emulator.RawModule(code=code)
+    out = numpy.zeros(32, numpy.float32)
+    k = m.get_function('k')
+    k((1,), (32,), (out,), shared_mem=16 * 1024)              # 48 KiB in all: fine
+    assert (out == 3).all()
+    with pytest.raises(KernelLaunchError, match=r"32768 bytes of static __shared__ memory \('tile' "
+                                                r"\(float \[8192\], 32768 bytes\)\) plus shared_mem="
+                                                r"16388 bytes of dynamic shared memory exceed the "
+                                                r"49152 bytes"):
+        k((1,), (32,), (out,), shared_mem=16 * 1024 + 4)
+    with pytest.raises(KernelLaunchError, match=r"56000 bytes of static __shared__ memory .* at most "
+                                                r"48 KiB"):
+        m.get_function('huge')((1,), (32,), (out,))
+
+
+def test_static_shared_memory_is_garbage_in_every_block():
+    # a GPU gives a block whatever the shared memory held: the emulator fills it with 0xff bytes
+    # for every block (NaN for floats), not with the previous block's values or zeros
+    code = '''extern "C" __global__ void k(float* out) {
+      __shared__ float s[4];
+      if (threadIdx.x == 0) out[blockIdx.x] = s[blockIdx.x % 4];
+      __syncthreads();
+      s[threadIdx.x] = 1.0f;
+    }'''
+    out = numpy.zeros(3, numpy.float32)
+    emulator.RawModule(code=code).get_function('k')((3,), (4,), (out,))
+    assert numpy.isnan(out).all()
+
+
+def test_compiler_time_limit(monkeypatch):
+    monkeypatch.setenv('CHAINER_TC_EMULATOR_COMPILE_TIMEOUT', '0.05')
+    code = 'extern "C" __global__ void k(int* x) {{ x[0] = {}; }}'.format(os.getpid() * 7 + 1)
+    with pytest.raises(CompileError, match=r'did not finish within 0.05 s \(raise '
+                                           r'CHAINER_TC_EMULATOR_COMPILE_TIMEOUT\)'):
+        emulator.RawModule(code=code)
+
+
+def test_compiler_memory_limit(monkeypatch):
+    monkeypatch.setenv('CHAINER_TC_EMULATOR_COMPILE_MEMORY_MB', '24')
+    code = 'extern "C" __global__ void k(int* x) {{ x[0] = {}; }}'.format(os.getpid() * 7 + 2)
+    with pytest.raises(CompileError, match=r'its address space is limited to 24 MiB: raise '
+                                           r'CHAINER_TC_EMULATOR_COMPILE_MEMORY_MB'):
+        emulator.RawModule(code=code)
+
+
+# ---- racecheck and schedule exploration -----------------------------------------------------------
+
+@pytest.mark.parametrize('name', sorted(mutate.issue_mutants()))
+def test_issue_mutants_are_reported(name):
+    """The five bugs that passed every test (issue 12), on the cases that exercise them."""
+    family, source = mutate.issue_mutants()[name]
+    backend = kernel_cases.EmulatorBackend({family: source})
+    if family == 'optimizer':
+        sizes, dtypes = [5, 2049, 300], [numpy.float32, numpy.float16, numpy.float32]
+        case = kernel_cases._optimizer(sizes, dtypes, inject_inf=True)
+    else:
+        case = kernel_cases._batchnorm(37, 33, numpy.float32, numpy.float32)
+    with emulator.checking(**RACE):
+        with pytest.raises(KernelLaunchError, match=r'data race on '):
+            kernel_cases.run(case, backend)
+
+
+def test_issue_mutants_pass_without_the_checks():
+    # the reason they survived: one fixed order, no race detector
+    for name, (family, source) in mutate.issue_mutants().items():
+        backend = kernel_cases.EmulatorBackend({family: source})
+        case = (kernel_cases._optimizer([5, 2049], [numpy.float32, numpy.float16])
+                if family == 'optimizer' else
+                kernel_cases._batchnorm(37, 33, numpy.float32, numpy.float32))
+        kernel_cases.run(case, backend)
+
+
+def test_missing_barrier_in_a_tree_reduction(buggy):
+    x, out = numpy.ones(512, numpy.float32), numpy.zeros(2, numpy.float32)
+    k = buggy.get_function('tree_sum_no_barrier')
+    with emulator.checking(**RACE):
+        with pytest.raises(KernelLaunchError, match=r"data race on __shared__ variable 's' \(float "
+                                                    r"\[256\], 1024 bytes\) at byte offset \d+ "
+                                                    r"\(element \d+ of 256\): a (read|write) by thread "
+                                                    r"\(\d+,0,0\) of block \(\d,0,0\) \(at .*buggy.cu:"
+                                                    r"\d+\) and an earlier (read|write) by thread "):
+            k((2,), (256,), (x, out))
+
+
+def test_last_block_reduction_without_fences(buggy):
+    n = 1000
+    x = numpy.arange(n, dtype=numpy.float32)
+    partial, count, out = numpy.zeros(8, numpy.float32), numpy.zeros(1, numpy.uint32), \
+        numpy.zeros(1, numpy.float32)
+    k = buggy.get_function('last_block_sum_no_fence')
+    k((8,), (32,), (x, partial, count, out, numpy.int32(n)))
+    assert out[0] == x.sum()
+    with emulator.checking(race=True):
+        with pytest.raises(KernelLaunchError, match=r'data race on argument 1 \(float\*, float32 '
+                                                    r'array of shape \(8,\)\) .* in different blocks, '
+                                                    r'not ordered by a __threadfence\(\) and an atomic'):
+            k((8,), (32,), (x, partial, count, out, numpy.int32(n)))
+
+
+def test_plain_counter_across_blocks(buggy):
+    count = numpy.zeros(1, numpy.uint32)
+    buggy.get_function('plain_counter')((5,), (32,), (count,))
+    assert count[0] == 5
+    with emulator.checking(race=True):
+        with pytest.raises(KernelLaunchError, match=r'data race on argument 0 \(unsigned int\*'):
+            buggy.get_function('plain_counter')((5,), (32,), (count,))
+
+
+def test_order_dependent_result_without_a_race(buggy):
+    # atomics only, so the detector is silent; the schedules see that the result depends on order
+    counter, out = numpy.zeros(1, numpy.uint32), numpy.zeros(64, numpy.int32)
+    k = buggy.get_function('tickets')
+    with emulator.checking(race=True, schedules=['forward']):
+        k((2,), (32,), (counter, out))
+    counter[0] = 0
+    with emulator.checking(race=False, schedules=['forward', 'reverse']):
+        with pytest.raises(KernelLaunchError, match=r"kernel 'tickets': the result depends on the "
+                                                    r"order in which threads run: argument 1 \(int\*, "
+                                                    r"int32 array of shape \(64,\)\) differs at byte "
+                                                    r"offset 0 \(element 0 of 64\): 0 under schedule "
+                                                    r"forward, 63 under schedule reverse"):
+            k((2,), (32,), (counter, out))
+
+
+def test_racecheck_from_the_environment(buggy, monkeypatch):
+    count = numpy.zeros(1, numpy.uint32)
+    monkeypatch.setenv('CHAINER_TC_EMULATOR_RACECHECK', '1')
+    assert emulator.current_checks() == (True, ['forward', 'reverse', 'random:1'])
+    with pytest.raises(KernelLaunchError, match='data race'):
+        buggy.get_function('plain_counter')((2,), (32,), (count,))
+    monkeypatch.setenv('CHAINER_TC_EMULATOR_SCHEDULES', '4')
+    assert emulator.current_checks()[1] == ['forward', 'reverse', 'random:1', 'random:2']
+    monkeypatch.setenv('CHAINER_TC_EMULATOR_SCHEDULES', 'forward,sideways')
+    with pytest.raises(ValueError, match="unknown schedule 'sideways'"):
+        emulator.current_checks()
+
+
+# ---- correct kernels are not reported ---------------------------------------------------------------
+
+@pytest.mark.parametrize('block', [32, 256])
+def test_tree_reduction_with_barriers_is_race_free(selftest, block):
+    x = numpy.random.RandomState(0).randn(3000)
+    out = numpy.zeros(5)
+    with emulator.checking(**RACE):
+        selftest.get_function('block_sum')((5,), (block,), (x, out, numpy.int32(x.size)),
+                                           shared_mem=block * 8)
+    expect = [x[numpy.arange(x.size) % (5 * block) // block == b].sum() for b in range(5)]
+    numpy.testing.assert_allclose(out, expect, rtol=1e-12)
+
+
+@pytest.mark.parametrize('kernel', ['last_block_sum', 'guide_sum'])
+@pytest.mark.parametrize('blocks', [1, 7])
+def test_last_block_reduction_with_fences_is_race_free(selftest, kernel, blocks):
+    n = 5000
+    x = numpy.arange(n, dtype=numpy.float32) % 7
+    partial, count, out = numpy.zeros(blocks, numpy.float32), numpy.zeros(1, numpy.uint32), \
+        numpy.zeros(1, numpy.float32)
+    with emulator.checking(**RACE):
+        selftest.get_function(kernel)((blocks,), (256,), (x, partial, count, out, numpy.int32(n)))
+    assert out[0] == x.sum() and count[0] == 0
+
+
+def test_warp_level_and_block_level_selftest_kernels_are_race_free(selftest):
+    r = numpy.random.RandomState(1)
+    with emulator.checking(**RACE):
+        x = r.randint(-9, 9, 1000).astype(numpy.int32)
+        out = numpy.zeros(4, numpy.int32)
+        selftest.get_function('warp_sum')((4,), (256,), (x, out, numpy.int32(1000)))
+        assert out.sum() == x.sum()
+        scan, bcast = numpy.zeros(1000, numpy.int32), numpy.zeros(1000, numpy.int32)
+        selftest.get_function('warp_scan')((16,), (64,), (x, scan, bcast, numpy.int32(8),
+                                                         numpy.int32(1000)))
+        lock, counter = numpy.zeros(1, numpy.int32), numpy.zeros(1, numpy.int32)
+        selftest.get_function('cas_lock')((9,), (32,), (lock, counter))
+        assert counter[0] == 9
+        pred = (r.rand(4, 100) > 0.5).astype(numpy.int32)
+        votes = numpy.zeros((4, 100, 3), numpy.int32)
+        selftest.get_function('block_votes')((4,), (100,), (pred, votes, numpy.int32(70)))
+
+
+def test_spin_wait_on_a_volatile_flag_is_race_free():
+    code = '''extern "C" __global__ void k(int* out) {
+      __shared__ volatile int flag;
+      if (threadIdx.x == 1) { flag = 7; __threadfence_block(); }
+      if (threadIdx.x == 0) {
+        while (flag != 7) __nanosleep(100);
+        out[0] = flag;
+      }
+    }'''
+    out = numpy.zeros(1, numpy.int32)
+    with emulator.checking(race=True, schedules=['forward', 'random:5']):
+        emulator.RawModule(code=code).get_function('k')((1,), (2,), (out,))
+    assert out[0] == 7
