@@ -343,7 +343,8 @@ def _dir_text(d):
 
 
 def _header_text():
-    return _dir_text(INCLUDE_DIR) + b'\0\0' + _dir_text(RUNTIME_DIR)
+    with open(os.path.join(RUNTIME_DIR, 'emu_runtime.cpp'), 'rb') as f:
+        return _dir_text(INCLUDE_DIR) + b'\0\0' + f.read()
 
 
 def _limits():
@@ -912,7 +913,8 @@ class Function:
                 words = a.reshape(-1).view(numpy.uint64)
             else:
                 continue
-            hits = numpy.flatnonzero(words)
+            # only what can be a user-space address (integer data is mostly small)
+            hits = numpy.flatnonzero((words >= 1 << 16) & (words < 1 << 48))
             if not hits.size:
                 continue
             w = words[hits]

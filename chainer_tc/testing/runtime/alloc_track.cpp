@@ -8,11 +8,11 @@
 // that allocate array data (PyDataMem_SetHandler, NEP 49): this handler forwards to the one it
 // replaces and records (address, size) of what is live. Python (chainer_tc/testing/emulator.py)
 // installs it through NumPy's C-API table with ctypes; no Python or NumPy header is needed here.
+#include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
 
 #include <map>
-#include <mutex>
 
 namespace {
 
@@ -32,18 +32,28 @@ struct Handler {
 };
 
 Allocator inner;                          // the handler this one forwards to
-std::mutex mu;
+// A fork while another thread holds the lock would leave the child's copy locked forever: the
+// lock is taken around fork (pthread_atfork) and released on both sides.
+pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 std::map<uintptr_t, size_t>* live;        // never destroyed: arrays may outlive static destructors
+
+struct Lock {
+  Lock() { pthread_mutex_lock(&mu); }
+  ~Lock() { pthread_mutex_unlock(&mu); }
+};
+
+void before_fork() { pthread_mutex_lock(&mu); }
+void after_fork() { pthread_mutex_unlock(&mu); }
 
 void record(void* p, size_t n) {
   if (!p) return;
-  std::lock_guard<std::mutex> g(mu);
+  Lock g;
   (*live)[(uintptr_t)p] = n ? n : 1;
 }
 
 void forget(void* p) {
   if (!p) return;
-  std::lock_guard<std::mutex> g(mu);
+  Lock g;
   live->erase((uintptr_t)p);
 }
 
@@ -84,14 +94,17 @@ __attribute__((visibility("default"))) Handler ctemu_track_handler = {
 __attribute__((visibility("default"))) int ctemu_track_init(const Handler* previous) {
   if (!previous || previous->version != 1) return -1;
   inner = previous->allocator;
-  if (!live) live = new std::map<uintptr_t, size_t>;
+  if (!live) {
+    live = new std::map<uintptr_t, size_t>;
+    pthread_atfork(before_fork, after_fork, after_fork);
+  }
   return 0;
 }
 
 // For each of n addresses, the live allocation containing it: start and size, or 0 and 0.
 __attribute__((visibility("default"))) void ctemu_track_find(const uint64_t* addr, size_t n,
                                                               uint64_t* start, uint64_t* size) {
-  std::lock_guard<std::mutex> g(mu);
+  Lock g;
   for (size_t i = 0; i < n; ++i) {
     start[i] = size[i] = 0;
     if (!live || live->empty()) continue;
@@ -106,7 +119,7 @@ __attribute__((visibility("default"))) void ctemu_track_find(const uint64_t* add
 }
 
 __attribute__((visibility("default"))) size_t ctemu_track_count() {
-  std::lock_guard<std::mutex> g(mu);
+  Lock g;
   return live ? live->size() : 0;
 }
 
