@@ -6,6 +6,8 @@ Some cases launch fewer blocks than the work needs, as the kernels' contracts al
 grid-stride and tile loops run more than once (the mutation tool relies on them:
 python -m chainer_tc.testing.mutate).
 """
+import os
+
 import numpy
 import pytest
 
@@ -20,9 +22,17 @@ def backend():
     return kernel_cases.EmulatorBackend()
 
 
+def checks():
+    """Race detector and three schedules, unless the environment says otherwise (the mutation
+    tool's --memcheck-only sets CHAINER_TC_EMULATOR_RACECHECK=0)."""
+    if 'CHAINER_TC_EMULATOR_RACECHECK' in os.environ:
+        return emulator.checking()
+    return emulator.checking(race=True, schedules=['forward', 'reverse', 'random:3'])
+
+
 @pytest.mark.parametrize('case', CASES, ids=['{}-{}'.format(c.family, c.name) for c in CASES])
 def test_kernel_case(case, backend):
-    with emulator.checking(race=True, schedules=['forward', 'reverse', 'random:3']):
+    with checks():
         out, _ = kernel_cases.run(case, backend)
     for name, value in out.items():
         if value.dtype.kind == 'f':

@@ -331,8 +331,9 @@ def _root():
     return os.path.dirname(os.path.dirname(here))
 
 
-def _pytest(tests, kernel_dir, timeout):
-    env = dict(os.environ, CHAINER_TC_KERNEL_DIR=kernel_dir, CHAINER_TC_EMULATOR_RACECHECK='1')
+def _pytest(tests, kernel_dir, timeout, race=True):
+    env = dict(os.environ, CHAINER_TC_KERNEL_DIR=kernel_dir,
+               CHAINER_TC_EMULATOR_RACECHECK='1' if race else '0')
     env.pop('CHAINER_TC_EMULATOR_SCHEDULES', None)
     cmd = [sys.executable, '-m', 'pytest', '-x', '-q', '-p', 'no:cacheprovider', '-W',
            'ignore', *tests]
@@ -352,7 +353,7 @@ def _verdict(out):
             error.group(1)[:400] if error else None)
 
 
-def run_mutant(m, timeout=900):
+def run_mutant(m, timeout=900, race=True):
     """Run the family's tests against mutant ``m``; sets m.killed, m.by, m.reason."""
     start = time.time()
     with tempfile.TemporaryDirectory(prefix='chainer_tc_mutant_') as tmp:
@@ -362,7 +363,7 @@ def run_mutant(m, timeout=900):
                 shutil.copy(src, tmp)
         with open(os.path.join(tmp, m.family + '.cu'), 'w') as f:
             f.write(m.source)
-        rc, out, err = _pytest(_selection(m.family), tmp, timeout)
+        rc, out, err = _pytest(_selection(m.family), tmp, timeout, race)
     m.seconds = round(time.time() - start, 1)
     if rc is None:
         m.killed, m.by, m.reason = True, 'timeout', out
@@ -393,6 +394,9 @@ def main(argv=None):
     parser.add_argument('--only', help='only mutants whose id contains this text')
     parser.add_argument('--json', help='write the results here')
     parser.add_argument('--timeout', type=int, default=900, help='seconds per mutant')
+    parser.add_argument('--memcheck-only', action='store_true',
+                        help='run the tests without the race detector and with one thread order, '
+                             'to see what those add')
     parser.add_argument('--no-baseline', action='store_true',
                         help='skip checking that the unmutated kernels pass the same tests')
     args = parser.parse_args(argv)
@@ -407,14 +411,16 @@ def main(argv=None):
     families = sorted({m.family for m in found})
     if not args.no_baseline:
         for family in families:
-            rc, out, err = _pytest(_selection(family), kernels.kernel_dir(), args.timeout)
+            rc, out, err = _pytest(_selection(family), kernels.kernel_dir(), args.timeout,
+                                   not args.memcheck_only)
             if rc != 0:
                 print('the unmutated {} kernels fail their own tests (exit status {}): fix that '
                       'first\n{}'.format(family, rc, out[-3000:]))
                 return 2
-            print('baseline: {} passes its tests under the race detector'.format(family))
+            print('baseline: {} passes its tests{}'.format(
+                family, '' if args.memcheck_only else ' under the race detector'))
     for k, m in enumerate(found, 1):
-        run_mutant(m, args.timeout)
+        run_mutant(m, args.timeout, not args.memcheck_only)
         print('[{}/{}] {:9s} {:55s} {:6.1f}s {}'.format(
             k, len(found), 'killed' if m.killed else 'SURVIVED', m.id, m.seconds,
             (m.by or '') + (': ' + m.reason if m.reason else '')), flush=True)

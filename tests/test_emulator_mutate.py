@@ -1,0 +1,48 @@
+"""The mutation tool (python -m chainer_tc.testing.mutate): its mutants, and one run end to end.
+The full run (every mutant killed) is documented in docs/emulator.md; it takes minutes."""
+import collections
+
+from chainer_tc.testing import mutate
+
+
+def test_every_operator_finds_its_sites():
+    found = mutate.mutants()
+    ids = [m.id for m in found]
+    assert len(ids) == len(set(ids)), [i for i, n in collections.Counter(ids).items() if n > 1]
+    ops = collections.Counter(m.id.split(':')[1].split('@')[0] for m in found)
+    for op in ('drop_barrier', 'vote_to_local', 'vote_to_shared_flag', 'drop_fence', 'plain_atomic',
+               'off_by_one', 'move_reduction', 'wrong_thread'):
+        assert ops[op] >= 1, op
+    assert {m.family for m in found} == set(mutate.FAMILY_TESTS)
+    for m in found:
+        with open(mutate.kernels.source_path(m.family)) as f:
+            assert m.source != f.read(), m.id
+
+
+def test_equivalent_mutants_are_left_out():
+    ids = [m.id for m in mutate.mutants(['optimizer', 'layout'])]
+    assert not [i for i in ids if i.startswith('optimizer:wrong_thread')]
+    assert not [i for i in ids if 'tr < row_tiles' in i]
+
+
+def test_the_issue_mutants_are_among_the_tools():
+    # the five bugs of issue 12 as the tool's operators make them (tests/test_emulator_checks.py
+    # launches the issue's own versions directly)
+    ids = {m.id for m in mutate.mutants()}
+    assert len(mutate.issue_mutants()) == 5
+    for prefix in ('optimizer:drop_barrier@', 'optimizer:plain_atomic@', 'optimizer:drop_fence@all',
+                   'optimizer:vote_to_shared_flag@', 'batchnorm:move_reduction@'):
+        assert any(i.startswith(prefix) for i in ids), prefix
+
+
+def test_a_mutant_is_killed_by_the_race_detector():
+    m = next(m for m in mutate.mutants(['optimizer']) if m.id.startswith('optimizer:plain_atomic'))
+    mutate.run_mutant(m)
+    assert m.killed, m.as_dict()
+    assert 'test_kernel_case[optimizer' in m.by and 'data race on argument 10' in m.reason
+
+
+def test_list(capsys):
+    assert mutate.main(['--list', '--family', 'layout']) == 0
+    out = capsys.readouterr().out
+    assert 'layout:drop_barrier@' in out and 'mutants' in out
