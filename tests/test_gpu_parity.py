@@ -1,0 +1,76 @@
+"""The GPU parity kit (python -m chainer_tc.testing.gpu_parity): here, without a GPU, it says so
+and exits 0; its whole path runs with the emulator standing in for the device (--self-test); it
+imports nothing that needs Chainer. On a GPU (-m gpu) it compares every kernel."""
+import json
+import subprocess
+import sys
+
+import numpy
+import pytest
+
+from chainer_tc.testing import gpu_parity
+
+BLOCK_CHAINER = '''
+import sys
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name == 'chainer' or name.startswith(('chainer.', 'chainermn', 'nvidia.dali')):
+            raise ImportError('blocked: ' + name)
+sys.meta_path.insert(0, Block())
+'''
+
+
+def run(args, prelude=''):
+    code = prelude + 'import sys\nfrom chainer_tc.testing import gpu_parity\n' \
+        'sys.exit(gpu_parity.main({!r}))\n'.format(args)
+    return subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
+                          timeout=600)
+
+
+@pytest.mark.skipif(gpu_parity.gpu_available()[0], reason='a GPU is present: the kit would run')
+def test_without_a_gpu_it_says_so_and_exits_0(tmp_path):
+    out = tmp_path / 'parity.json'
+    proc = run(['--json', str(out)], BLOCK_CHAINER)
+    assert proc.returncode == 0, proc.stderr
+    assert 'no CUDA GPU here' in proc.stdout
+    assert json.loads(out.read_text())['gpu'] is False
+
+
+def test_self_test_runs_every_case_without_chainer(tmp_path):
+    out = tmp_path / 'parity.json'
+    proc = run(['--self-test', '--quick', '--json', str(out)], BLOCK_CHAINER)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())
+    families = {r['family'] for r in result['cases']}
+    assert families == {'layout', 'pooling', 'batchnorm', 'optimizer'}
+    assert all(r['ok'] is True for r in result['cases']), result
+    assert 'match' in proc.stdout and 'max err' in proc.stdout
+
+
+def test_self_test_times_the_launches(tmp_path):
+    out = tmp_path / 'parity.json'
+    assert gpu_parity.main(['--self-test', '--shapes', 'awkward', '--family', 'layout',
+                            '--repeats', '2', '--json', str(out)]) == 0
+    rows = json.loads(out.read_text())['cases']
+    assert rows and all(r['device_seconds'] > 0 and r['ok'] for r in rows)
+
+
+def test_compare_tolerances():
+    e = numpy.array([1.0, 2.0, numpy.nan], numpy.float32)
+    assert gpu_parity.compare(e, e.copy())[0]
+    assert gpu_parity.compare(e, e * numpy.float32(1 + 1e-6))[0]        # fma contraction
+    ok, worst, where = gpu_parity.compare(e, e + numpy.float32(1e-3))
+    assert not ok and 'first at 0' in where
+    i = numpy.arange(5, dtype=numpy.int32)
+    j = i.copy()
+    j[3] = 7
+    ok, _, where = gpu_parity.compare(i, j)
+    assert not ok and '1 elements differ, first at 3: 3 vs 7' in where
+    assert not gpu_parity.compare(e, numpy.array([1.0, 2.0, 0.0], numpy.float32))[0]  # NaN lost
+
+
+@pytest.mark.gpu
+def test_every_kernel_matches_on_the_gpu(tmp_path):
+    out = tmp_path / 'parity.json'
+    assert gpu_parity.main(['--quick', '--json', str(out)]) == 0
+    assert all(r['ok'] for r in json.loads(out.read_text())['cases'])
