@@ -37,7 +37,7 @@ def test_directory_is_created_owner_only(cache):
     assert os.listdir(cache / 'unit') == ['ab'], 'no temporary files are left behind'
 
 
-def test_others_writable_directory_is_not_used(cache):
+def test_others_writable_directory_is_not_used(cache, fresh):
     cache.mkdir()
     os.chmod(cache, 0o777)
     with pytest.warns(_cache.CacheWarning, match='writable by others.*private temporary'):

@@ -119,7 +119,7 @@ class DaliIterator(chainer.dataset.Iterator):
 
     def _fail(self, error):
         """Turns a failure inside DALI into an error naming the bad files: every image of the
-        batches in flight is checked (header, then a decode with PIL)."""
+        batches in flight is checked (header, then a full decode, as dali-check does)."""
         paths = list(dict.fromkeys(self.dataset.paths[i]
                                    for indices, _ in self._feeder.in_flight for i in indices))
         self.finalize()
