@@ -70,7 +70,7 @@ _modules = {}          # cache key -> loaded ctypes library, so each module is l
 _binaries = {}         # cache key -> the shared object's bytes (to name source lines)
 _memfds = []           # descriptors of the loaded modules (kept open, see _load)
 _runtime_objects = {}  # (compiler id, flags) -> the compiled runtime object
-_checks = []           # overrides pushed by checking()
+_checks = threading.local()     # .stack: the overrides pushed by checking() in this thread
 
 _CODES = {
     'b1': ('bool', numpy.bool_), 'i1': ('char', numpy.int8), 'u1': ('unsigned char', numpy.uint8),
@@ -383,6 +383,10 @@ def _run_compiler(cmd, what):
         proc.communicate()
         raise CompileError('emulator: {} did not finish within {:g} s (raise '
                            'CHAINER_TC_EMULATOR_COMPILE_TIMEOUT)'.format(what, seconds))
+    except BaseException:                       # KeyboardInterrupt: its own session got none
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
     if proc.returncode == 0:
         return
     log = (err or out or '').strip()
@@ -744,7 +748,7 @@ def current_checks():
     race = os.environ.get(ENV_RACECHECK, '') == '1'
     spec = os.environ.get(ENV_SCHEDULES, '')
     schedules = _schedule_names(spec) if spec else None
-    for override in _checks:
+    for override in getattr(_checks, 'stack', ()):
         if override[0] is not None:
             race = override[0]
         if override[1] is not None:
@@ -758,11 +762,13 @@ def current_checks():
 def checking(race=None, schedules=None):
     """Within this block, launches run with the race detector on or off (``race``) and under the
     given ``schedules`` (a list such as ``['forward', 'reverse', 'random:7']``, or a count)."""
-    _checks.append((race, None if schedules is None else _schedule_names(schedules)))
+    if not hasattr(_checks, 'stack'):
+        _checks.stack = []
+    _checks.stack.append((race, None if schedules is None else _schedule_names(schedules)))
     try:
         yield
     finally:
-        _checks.pop()
+        _checks.stack.pop()
 
 
 class Function:

@@ -31,10 +31,10 @@ class Struct:
     """A by-value struct argument whose fields may hold addresses of the case's arrays:
     ``build(address)`` returns the size-1 structured NumPy array, ``address(name)`` giving the
     device address of array ``name`` on the backend (CuPy and the emulator both take size-1
-    NumPy arrays for structs)."""
+    NumPy arrays for structs); ``refs`` names the arrays it points to."""
 
-    def __init__(self, build):
-        self.build = build
+    def __init__(self, build, refs=()):
+        self.build, self.refs = build, tuple(refs)
 
 
 class Launch:
@@ -320,7 +320,7 @@ def _optimizer(sizes, dtypes, inject_inf=False, big=False, seed=0, scale=1024.0)
                 sp['grad'][0, k] = address('grad{}'.format(i)) | 1      # bit 0: divide it
             return sp
 
-        sp = Struct(build)
+        sp = Struct(build, ['grad{}'.format(i) for i, n, d, off in batch])
         launches.append((Launch('momentum_sgd_check', (count,), (OPT['OPT_BLOCK'],),
                                 (sp, name, 'scaler')),
                          Launch('momentum_sgd_update', (count,), (OPT['OPT_BLOCK'],),
@@ -363,15 +363,40 @@ def cases(big=True, awkward=True):
         out.append(_optimizer(sizes, dtypes))
         out.append(_optimizer(sizes, dtypes, inject_inf=True))
         out.append(_optimizer([3] * 500, [numpy.float16, numpy.float32] * 250))
-    if big:
-        out.append(_layout(256, 64, 56, 56, numpy.float32, numpy.float16, big=True))
-        out.append(_layout(256, 64, 56, 56, numpy.float16, numpy.float32, big=True))
-        out.append(_pooling(256, 112, 112, 64, 3, 2, 1, numpy.float16, big=True))
-        out.append(_batchnorm(256 * 56 * 56, 64, numpy.float16, numpy.float32, big=True))
-        out.append(_batchnorm(256 * 7 * 7, 2048, numpy.float16, numpy.float32, big=True))
+    if big:              # gigabytes in all: each is built when first used (LazyCase)
         sizes = [int(numpy.prod(s)) for s in RESNET50_SHAPES]
-        out.append(_optimizer(sizes, [numpy.float16] * len(sizes), big=True))
+        out += [
+            LazyCase('layout', 'batched_transpose_f32_f16 N256C64H56W56',
+                     lambda: _layout(256, 64, 56, 56, numpy.float32, numpy.float16, big=True)),
+            LazyCase('layout', 'batched_transpose_f16_f32 N256C64H56W56',
+                     lambda: _layout(256, 64, 56, 56, numpy.float16, numpy.float32, big=True)),
+            LazyCase('pooling', 'pool f16 N256H112W112C64 k3s2p1',
+                     lambda: _pooling(256, 112, 112, 64, 3, 2, 1, numpy.float16, big=True)),
+            LazyCase('batchnorm', 'bn f16/f32 rows802816 C64',
+                     lambda: _batchnorm(256 * 56 * 56, 64, numpy.float16, numpy.float32, big=True)),
+            LazyCase('batchnorm', 'bn f16/f32 rows12544 C2048',
+                     lambda: _batchnorm(256 * 7 * 7, 2048, numpy.float16, numpy.float32, big=True)),
+            LazyCase('optimizer', 'optimizer ResNet-50: 161 float16 params, 25557032 elements',
+                     lambda: _optimizer(sizes, [numpy.float16] * len(sizes), big=True)),
+        ]
     return out
+
+
+class LazyCase:
+    """A case whose arrays are built when first needed, and dropped by :meth:`release`."""
+
+    big = True
+
+    def __init__(self, family, name, build):
+        self.family, self.name, self._build, self._case = family, name, build, None
+
+    def __getattr__(self, attr):
+        if self._case is None:
+            self._case = self._build()
+        return getattr(self._case, attr)
+
+    def release(self):
+        self._case = None
 
 
 # ---- running a case ----------------------------------------------------------------------------
@@ -407,15 +432,27 @@ class EmulatorBackend:
         return a.ctypes.data
 
     def to_host(self, a):
-        return numpy.asarray(a)
+        return numpy.array(a)          # a copy: later launches (timing) must not change it
 
     def synchronize(self):
         pass
 
 
+def launch_bytes(case, launch):
+    """Bytes of the arrays one launch touches (each once: a lower bound on its memory traffic)."""
+    names = set()
+    for a in launch.args:
+        if isinstance(a, str):
+            names.add(a)
+        elif isinstance(a, Struct):
+            names.update(a.refs)
+    return int(sum(case.arrays[k].nbytes for k in names))
+
+
 def run(case, backend, repeats=0, timer=None):
-    """Run ``case`` on ``backend``: {output name: NumPy array}, and the seconds of one run of all
-    its launches (median of ``repeats`` timed runs after the checked one, with ``timer``)."""
+    """Run ``case`` on ``backend``: ({output name: NumPy array}, timings). With ``repeats`` and a
+    ``timer`` (``timer(run, repeats) -> seconds``), timings lists every launch as
+    ``{'kernel', 'seconds', 'bytes'}``, each timed on its own after the checked run."""
     mod = backend.module(case)
     fns = {name: mod.get_function(name) for name in case.kernel_names()}
     dev = {k: backend.to_device(v) for k, v in case.arrays.items()}
@@ -440,8 +477,11 @@ def run(case, backend, repeats=0, timer=None):
         f(launch.grid, launch.block, args, shared_mem=launch.shared_mem)
     backend.synchronize()
     out = {k: backend.to_host(dev[k]) for k in case.outputs}
-    seconds = None
+    timings = []
     if repeats and timer is not None:
-        seconds = timer(lambda: [f(launch.grid, launch.block, args, shared_mem=launch.shared_mem)
-                                 for f, launch, args in launches], repeats)
-    return out, seconds
+        for f, launch, args in launches:
+            def once(f=f, launch=launch, args=args):
+                f(launch.grid, launch.block, args, shared_mem=launch.shared_mem)
+            timings.append({'kernel': launch.kernel, 'seconds': timer(once, repeats),
+                            'bytes': launch_bytes(case, launch)})
+    return out, timings
