@@ -993,6 +993,9 @@ class Function:
         return re.sub(r'\{pc:0x([0-9a-f]+)\}', line, msg)
 
     def _check_array(self, i, p, a):
+        if isinstance(a, numpy.ndarray) and (p.dtype is None or a.dtype == p.dtype) and \
+                a.flags.c_contiguous and (p.kind != 'P' or a.flags.writeable):
+            return
         where = 'argument {} ({}) of kernel {}'.format(i, p.describe(), self.signature)
         if not isinstance(a, numpy.ndarray):
             raise TypeError('{}: expected a NumPy array; got {}'.format(where, _describe(a)))
@@ -1009,6 +1012,8 @@ class Function:
 
     def _scalar(self, i, p, a):
         """The bytes of a by-value argument, checked against the parameter."""
+        if p.nbytes is None and isinstance(a, numpy.generic) and a.dtype == p.dtype:
+            return a.tobytes()
         where = 'argument {} ({}) of kernel {}'.format(i, p.describe(), self.signature)
         if p.nbytes is not None:                   # struct or vector type: raw bytes of its size
             expected = ('{}: expected a NumPy array of size 1 holding {} bytes (a structured '

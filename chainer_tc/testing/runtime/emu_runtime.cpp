@@ -279,8 +279,22 @@ size_t gap_for(size_t bytes) {
 
 size_t region_need(size_t bytes) { return round_up(bytes ? bytes : 1, rt.page) + gap_for(bytes); }
 
+void unmap_arena() {
+  if (rt.arena) munmap(rt.arena, rt.arena_size);
+  if (rt.page_region) munmap(rt.page_region, rt.page_region_len);
+  rt.arena = nullptr;
+  rt.arena_size = rt.arena_used = 0;
+  rt.page_region = nullptr;
+}
+
+// The arena stays reserved between launches (mapping 64 GiB of address space and its page table
+// for every launch costs more than the launch of a small kernel); a launch that needs more gets a
+// larger one.
 void reserve_arena(size_t need) {
   need = round_up(need + gap_for(0), rt.page);
+  rt.arena_used = 0;
+  if (rt.arena && need <= rt.arena_size) return;
+  unmap_arena();
   void* m = mmap(nullptr, need, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (m == MAP_FAILED) fail("emulator: cannot reserve %zu bytes of address space for the launch", need);
   rt.page_region_len = need / rt.page * sizeof(uint32_t);
@@ -292,19 +306,20 @@ void reserve_arena(size_t need) {
   }
   rt.arena = (char*)m;
   rt.arena_size = need;
-  rt.arena_used = 0;
   rt.page_region = (uint32_t*)t;
 }
 
+// After a launch: the regions' memory is given back and their pages are inaccessible again.
 void release_arena() {
   for (Region& r : rt.regions)
     if (r.shadow) munmap(r.shadow, r.shadow_len);
   rt.regions.clear();
-  if (rt.arena) munmap(rt.arena, rt.arena_size);
-  if (rt.page_region) munmap(rt.page_region, rt.page_region_len);
-  rt.arena = nullptr;
-  rt.arena_size = rt.arena_used = 0;
-  rt.page_region = nullptr;
+  if (rt.arena && rt.arena_used) {
+    madvise(rt.arena, rt.arena_used, MADV_DONTNEED);
+    mprotect(rt.arena, rt.arena_used, PROT_NONE);
+    memset(rt.page_region, 0, rt.arena_used / rt.page * sizeof(uint32_t));
+  }
+  rt.arena_used = 0;
 }
 
 void alloc_shadow(Region& r) {
