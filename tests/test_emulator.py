@@ -707,12 +707,13 @@ def test_empty_views_and_read_only_arrays(mod):
 
 
 def sigsegv_state():
-    """The SIGSEGV and SIGBUS handlers and flags, and this thread's alternate signal stack (glibc's
-    x86-64 / aarch64 layouts: handler at 0, the kernel's 8 mask bytes at 8, flags at 136)."""
+    """The SIGSEGV, SIGBUS and SIGFPE handlers and flags, and this thread's alternate signal stack
+    (glibc's x86-64 / aarch64 layouts: handler at 0, the kernel's 8 mask bytes at 8, flags at
+    136)."""
     import ctypes.util
     libc = ctypes.CDLL(ctypes.util.find_library('c'), use_errno=True)
     state = []
-    for sig in (signal.SIGSEGV, signal.SIGBUS):
+    for sig in (signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE):
         buf = ctypes.create_string_buffer(512)
         assert libc.sigaction(int(sig), None, buf) == 0
         state.append((buf.raw[0:16], buf.raw[136:140]))
@@ -734,6 +735,11 @@ def test_fault_handlers_are_restored_after_each_launch(mod, buggy):
     assert sigsegv_state() == before
     with pytest.raises(KernelLaunchError, match='stack overflow'):
         buggy.get_function('recurse')((1,), (2,), (numpy.zeros(2, numpy.int32),))
+    assert sigsegv_state() == before
+    with pytest.raises(KernelLaunchError, match=r'INT_MIN / -1\): SIGFPE'):     # the trap itself
+        buggy.get_function('divide')((1,), (1,), (numpy.array([-2 ** 31], numpy.int32),
+                                                  numpy.array([-1], numpy.int32),
+                                                  numpy.zeros(1, numpy.int32)))
     assert sigsegv_state() == before
     # and the emulator still works after all of that, faults included
     with pytest.raises(KernelLaunchError, match='element 1000 of 1000'):
@@ -857,3 +863,29 @@ def test_none_is_a_null_pointer():
     assert (out == 101).all()
     with pytest.raises(TypeError, match='expected a NumPy array; got Python int'):
         m.get_function('maybe_add')((1,), (4,), (a, 0, out))
+
+
+def test_shared_declarations_of_every_form():
+    # rewritten to per-block storage: file and namespace scope, qualifiers, several declarators,
+    # alignment, pointers; inside a macro they stay plain statics (the fallback)
+    code = '''
+    #define SCRATCH __shared__ float scratch[8];
+    __shared__ int file_scope_counter;
+    namespace ns { __shared__ float ns_buf[4]; __device__ void put() { ns_buf[1] = 2.0f; } }
+    extern "C" __global__ void k(float* out) {
+      SCRATCH
+      static __shared__ volatile unsigned flags[2], *none;
+      __shared__ __align__(16) float4 v4[2];
+      if (threadIdx.x == 0) {
+        file_scope_counter = 5; ns::put(); flags[1] = 3; v4[1].y = 4.0f; scratch[2] = 6.0f;
+        none = flags;
+      }
+      __syncthreads();
+      out[threadIdx.x] = file_scope_counter + ns_buf[1] + none[1] + v4[1].y + scratch[2] +
+                         (float)((unsigned long long)v4 % 16);
+    }'''
+    m = emulator.RawModule(code=code)
+    out = numpy.zeros(4, numpy.float32)
+    with emulator.checking(race=True, schedules=['forward', 'reverse']):
+        m.get_function('k')((1,), (4,), (out,))
+    assert (out == 20).all()

@@ -241,6 +241,9 @@ def _rewrite_shared(code):
         lead = _SHARED_LEAD_RE.search(plain[:m.start()])
         if re.search(r'\bextern\b', lead.group(1)):
             continue
+        line_start = plain.rfind('\n', 0, m.start()) + 1
+        if plain[line_start:m.start()].lstrip().startswith('#'):
+            continue            # inside a macro: left to the fallback (`static`)
         start = lead.start(1)
         end = _statement_end(plain, m.end())
         line = code.count('\n', 0, m.start()) + 1
@@ -522,6 +525,8 @@ def _source_line(key, offset):
         places = []
         for line in out.splitlines():
             line = line.split(' (discriminator')[0].strip()
+            if '/<' in line:                      # '<string>' joined to the compile directory
+                line = line[line.index('/<') + 1:]
             if line and not line.startswith('??') and line not in places:
                 places.append(line)
         if places:
