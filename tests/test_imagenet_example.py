@@ -373,7 +373,7 @@ def test_flags_that_cannot_work_exit_2_naming_the_flag(tiny, tmp_path, flags, me
 
 def test_no_gpu_device_here(tiny, tmp_path):
     if _gpus():
-        pytest.skip('this machine has a GPU')
+        pytest.skip('this machine has a gpu: the no-gpu error cannot be shown')
     status, _, err, _ = run(tiny_args(tiny, tmp_path, '-d', '0'), plots=False)
     assert status == 2
     assert "--device/-d '0': there is no CUDA GPU 0 on this machine" in err

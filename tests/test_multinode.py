@@ -103,7 +103,7 @@ def test_dali_shards_cover_the_data_once_and_validation_counts_every_image_once(
 def test_nccl_step_on_two_gpus_equals_one_process(tmp_path, case):
     import cupy
     if cupy.cuda.runtime.getDeviceCount() < 2:
-        pytest.skip('needs two GPUs')
+        pytest.skip('needs two gpus')
     ranks = run_ranks(case, tmp_path)
     # cuBLAS sums in another order than NumPy: float32 at 1e-4 of each array's scale
     check(case, ranks, **(FP16 if 'fp16' in case else dict(rtol=1e-4, atol=1e-4)))

@@ -342,7 +342,7 @@ def test_tied_weights_are_trained_once_per_step(path):
 def test_state_lives_on_the_parameters_device_whatever_the_current_device():
     import cupy
     if cupy.cuda.runtime.getDeviceCount() < 2:
-        pytest.skip('needs two GPUs')
+        pytest.skip('needs two gpus')
     model = Net()
     model.to_device('@cupy:1')
     with cupy.cuda.Device(0):
