@@ -528,7 +528,7 @@ class _NumpyStep:
             sc.finish_step_host(False)
 
 
-class _NumpyFlatStep(_NumpyStep):
+class _NumpyFlatStep:
     """The CPU path over flat gradient buffers: the same per-element arithmetic as
     :class:`_NumpyStep` (so the same bits), applied to runs of consecutive parameters that share
     their hyperparameters (padding between parameters stays zero), a few NumPy calls per run
