@@ -421,3 +421,20 @@ def test_empty_batch_in_inference(path):
     y.grad = numpy.zeros_like(x)
     y.backward()
     assert y.shape == x.shape and xv.grad.shape == x.shape
+
+
+def test_single_sample_batch_statistics_warn_once_per_shape():
+    import sys
+    import warnings
+    from chainer_tc import functions as TF
+    sys.modules['chainer_tc.functions.batch_normalization']._WARNED_SINGLE_SAMPLE.clear()
+    x = numpy.ones((1, 1, 1, 3), numpy.float32)
+    g, b = numpy.ones(3, numpy.float32), numpy.zeros(3, numpy.float32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        for _ in range(3):
+            TF.batch_normalization(x, g, b)
+        TF.batch_normalization(numpy.ones((1, 1, 1, 5), numpy.float32), numpy.ones(5, 'f'),
+                               numpy.zeros(5, 'f'))
+    messages = [str(w.message) for w in caught if 'single sample' in str(w.message)]
+    assert len(messages) == 2 and '(1, 1, 1, 3)' in messages[0]

@@ -36,6 +36,9 @@ def _rows(a):
     return a.reshape(-1, a.shape[-1])
 
 
+_WARNED_SINGLE_SAMPLE = set()
+
+
 def _xp(x):
     return numpy if type(x) is numpy.ndarray else chainer.backend.get_array_module(x)
 
@@ -167,7 +170,8 @@ class BatchNormAddAct(function_node.FunctionNode):
         if not self.fixed and rows < 1:
             raise ValueError('batch statistics need at least one row; got x of shape {}'
                              .format(x.shape))
-        if not self.fixed and rows == 1:
+        if not self.fixed and rows == 1 and x.shape not in _WARNED_SINGLE_SAMPLE:
+            _WARNED_SINGLE_SAMPLE.add(x.shape)        # once per shape: it would come every step
             warnings.warn('batch normalization of a single sample per channel (x of shape {}) '
                           'outputs beta: is chainer.config.train meant to be True here?'
                           .format(x.shape), UserWarning, stacklevel=3)
