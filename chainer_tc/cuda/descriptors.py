@@ -93,27 +93,31 @@ def _new(create, destroy):
 
 def tensor_4d(shape, dtype, layout):
     """The fully packed 4-D tensor descriptor of ``shape`` in ``layout`` (cached)."""
-    key = (tuple(shape), numpy.dtype(dtype).char, layout)
-    desc = _tensors.get(key)
-    if desc is None:
-        lib = _lib()
-        fmt, t, dims = layout_format(layout), data_type(dtype), nchw_dims(shape, layout)
-        desc = _new(lib.createTensorDescriptor, lib.destroyTensorDescriptor)
-        lib.setTensor4dDescriptor(desc.value, fmt, t, *dims)
-        _tensors[key] = desc
-    return desc
+    return _tensors.get(_key(shape, dtype, layout)) or _make_4d(_tensors, shape, dtype, layout,
+                                                                 'Tensor')
 
 
 def filter_4d(shape, dtype, layout):
     """The 4-D filter descriptor of ``shape`` in ``layout`` (cached)."""
-    key = (tuple(shape), numpy.dtype(dtype).char, layout)
-    desc = _filters.get(key)
-    if desc is None:
-        lib = _lib()
-        fmt, t, dims = layout_format(layout), data_type(dtype), nchw_dims(shape, layout)
-        desc = _new(lib.createFilterDescriptor, lib.destroyFilterDescriptor)
+    return _filters.get(_key(shape, dtype, layout)) or _make_4d(_filters, shape, dtype, layout,
+                                                                 'Filter')
+
+
+def _key(shape, dtype, layout):
+    return tuple(shape), numpy.dtype(dtype).char, layout
+
+
+def _make_4d(cache, shape, dtype, layout, kind):
+    """A new tensor or filter descriptor (``kind``), described and cached (cache misses only)."""
+    lib = _lib()
+    desc = _new(getattr(lib, 'create{}Descriptor'.format(kind)),
+                getattr(lib, 'destroy{}Descriptor'.format(kind)))
+    fmt, t, dims = layout_format(layout), data_type(dtype), nchw_dims(shape, layout)
+    if kind == 'Tensor':
+        lib.setTensor4dDescriptor(desc.value, fmt, t, *dims)
+    else:
         lib.setFilter4dDescriptor_v4(desc.value, t, fmt, *dims)
-        _filters[key] = desc
+    cache[_key(shape, dtype, layout)] = desc
     return desc
 
 
