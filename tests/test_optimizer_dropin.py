@@ -412,3 +412,26 @@ def test_a_bad_snapshot_is_refused_naming_the_key_and_changes_nothing(tmp_path, 
         assert numpy.shares_memory(p.update_rule.state['v'], opt2._flat.momentum[0])
     opt2.update(lossfun(model2, x, t))               # and it still trains
     assert numpy.isfinite(model2.fc.W.array).all()
+
+
+@pytest.mark.gpu
+def test_hyperparameter_changes_reach_the_gpu_kernel_like_the_numpy_path():
+    import cupy
+    results = []
+    for device in ('@numpy', '@cupy:0'):
+        model = Net()
+        model.to_device(device)
+        o = optimizers.MomentumSGD(lr=0.1).setup(model)
+        xp = model.device.xp
+        x, t = (xp.asarray(a) for a in data())
+        for s in range(4):
+            if s == 1:
+                o.lr = 0.03                                   # row 0: momentum_sgd_set_globals
+            if s == 2:
+                model.fc.W.update_rule.hyperparam.lr = 0.2    # a per-parameter row
+                model.conv.disable_update()
+            o.update(lossfun(model, x, t))
+        results.append({n: cupy.asnumpy(p.array) for n, p in model.namedparams()})
+    for n in results[0]:
+        numpy.testing.assert_allclose(results[1][n], results[0][n], rtol=1e-5, atol=1e-6,
+                                      err_msg=n)
