@@ -341,6 +341,7 @@ from chainer_tc.functions import _bn_cudnn  # noqa: E402
     (dict(gamma_dtype=numpy.float16), 'float32 gamma'),
     (dict(running_dtype=numpy.float16), 'float32 running statistics'),
     (dict(eps=-1.0), 'below CUDNN_BN_MIN_EPSILON'),
+    (dict(x_shape=(1, 1, 1, 64)), 'single row per channel'),
 ])
 def test_cudnn_eligibility(kwargs, reason):
     args = dict(is_cupy=True, x_dtype=numpy.float16, x_shape=(8, 7, 7, 64),
@@ -353,6 +354,50 @@ def test_cudnn_eligibility(kwargs, reason):
         assert reason in why
     with chainer.using_config('use_cudnn', 'never'):
         assert _bn_cudnn.eligibility(**dict(args, **kwargs))[0] is False
+
+
+class _CudnnChosen:
+    """Stands in for cuDNN's fused path on NumPy arrays: records that it was reached."""
+    calls = 0
+
+    def __init__(self, x, has_z, relu):
+        type(self).calls += 1
+
+    def forward(self, x, z, gamma, beta, eps, decay, running_mean, running_var):
+        return numpy.zeros_like(x)
+
+
+@pytest.fixture
+def cudnn_chosen(monkeypatch):
+    """Every training call is declared eligible for cuDNN (as a CuPy float16 call would be)."""
+    _CudnnChosen.calls = 0
+    monkeypatch.setattr(_bn_cudnn, 'eligibility', lambda *a: (True, None))
+    monkeypatch.setattr(_bn_cudnn, 'FusedBatchNorm', _CudnnChosen)
+    return _CudnnChosen
+
+
+def test_cudnn_branch_refuses_an_empty_batch_before_calling_cudnn(cudnn_chosen):
+    from chainer_tc import functions as TF
+    x = numpy.zeros((0, 2, 2, 8), numpy.float16)
+    g, b = numpy.ones(8, numpy.float32), numpy.zeros(8, numpy.float32)
+    with pytest.raises(ValueError, match='at least one row'):
+        TF.batch_normalization_add_relu(x, None, g, b)
+    assert cudnn_chosen.calls == 0
+    TF.batch_normalization_add_relu(numpy.ones((2, 2, 2, 8), numpy.float16), None, g, b)
+    assert cudnn_chosen.calls == 1, 'the stand-in is reached for a legal batch'
+
+
+def test_cudnn_branch_warns_of_a_single_row_like_the_other_paths(cudnn_chosen):
+    import sys
+    import warnings
+    from chainer_tc import functions as TF
+    sys.modules['chainer_tc.functions.batch_normalization']._WARNED_SINGLE_SAMPLE.clear()
+    g, b = numpy.ones(8, numpy.float32), numpy.zeros(8, numpy.float32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        TF.batch_normalization_add_relu(numpy.ones((1, 1, 1, 8), numpy.float16), None, g, b)
+    assert [w for w in caught if 'single sample' in str(w.message)]
+    assert caught[0].filename == __file__, 'the warning points at the caller of the function'
 
 
 @pytest.mark.gpu

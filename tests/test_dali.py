@@ -398,6 +398,26 @@ def test_gpu_device_without_a_gpu_is_a_clear_error(data):
         pipeline(data, device='gpu')
 
 
+def test_outputs_are_ordered_on_the_current_stream_of_the_pipelines_device(monkeypatch):
+    """A pipeline on GPU 1 used while GPU 0 is current: DALI must get GPU 1's current stream
+    (the outputs are wrapped on GPU 1), not GPU 0's."""
+    import types
+    cupy = pytest.importorskip('cupy')
+    from chainer_tc.dali import iterator
+    asked = []
+
+    def get_current_stream(device_id=-1):
+        asked.append(device_id)
+        return types.SimpleNamespace(ptr={-1: 0xd0, 1: 0xd1}.get(device_id, 0))
+
+    monkeypatch.setattr(cupy.cuda, 'get_current_stream', get_current_stream)
+    gpu1 = types.SimpleNamespace(device='gpu', device_id=1)
+    assert iterator._consumer_stream(gpu1) == 0xd1 and asked == [1]
+    # the null stream (ptr 0) goes to DALI as cudaStreamLegacy (1): DALI reads 0 as no stream
+    assert iterator._consumer_stream(types.SimpleNamespace(device='gpu', device_id=0)) == 1
+    assert iterator._consumer_stream(types.SimpleNamespace(device='cpu', device_id=None)) is None
+
+
 # ---- dali-check ----------------------------------------------------------------------------------
 
 def test_dali_check_lists_every_bad_line_and_file(data, tmp_path, capsys):
@@ -514,6 +534,24 @@ def test_gpu_pipeline_gives_cupy_arrays_without_a_copy_on_the_consumer_stream(da
     cpu = dali.DaliIterator(pipeline(data, train=False, crop=CROP), batch_size=8, repeat=False)
     xc = next(cpu)[0].astype(numpy.float32)
     assert mean == pytest.approx(float(xc.mean()), abs=0.05)     # 3 grey levels: nvJPEG
+    it.finalize()
+    cpu.finalize()
+
+
+@pytest.mark.gpu
+def test_gpu_pipeline_on_another_device_than_the_current_one(data):
+    import cupy
+    if cupy.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip('needs two GPUs')
+    it = dali.DaliIterator(pipeline(data, train=False, device='gpu', device_id=1, crop=CROP,
+                                    dtype=numpy.float16), batch_size=8, repeat=False)
+    cpu = dali.DaliIterator(pipeline(data, train=False, crop=CROP), batch_size=8, repeat=False)
+    with cupy.cuda.Device(0):
+        x, t = next(it)
+        assert x.device.id == 1 and t.device.id == 1
+    with cupy.cuda.Device(1):
+        mean = float(x.astype(cupy.float32).mean())
+    assert mean == pytest.approx(float(next(cpu)[0].astype(numpy.float32).mean()), abs=0.05)
     it.finalize()
     cpu.finalize()
 

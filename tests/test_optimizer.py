@@ -371,6 +371,24 @@ def test_loss_is_seeded_with_the_scale_and_grads_are_unscaled(path):
         numpy.testing.assert_allclose(b.array, a.array, rtol=1e-3, atol=1e-4, err_msg=n)
 
 
+@pytest.mark.parametrize('dtype', [numpy.float16, numpy.float32])
+def test_loss_seed_is_a_view_of_the_scale_state(dtype):
+    """docs/optimizer.md: the seed is the state itself, so a later scale change (on the device,
+    without the host) reaches a seed taken earlier, e.g. one a captured graph holds."""
+    model = MixedNet(numpy.float16)
+    o = optimizers.MomentumSGD(lr=0.05).setup(model)
+    o.loss_scaling(initial_scale=2.0 ** 10)
+    scaler = o._scaler
+    seed = scaler.seed(numpy.zeros((), dtype))
+    assert seed.dtype == dtype and seed.shape == () and float(seed) == 2.0 ** 10
+    assert numpy.shares_memory(seed, scaler.state)
+    from chainer_tc.optimizers import _scaler
+    st = scaler.state          # what the update kernel does when it doubles the scale
+    st[_scaler.SCALE] = numpy.float32(2.0 ** 12).view(numpy.uint32)
+    st[_scaler.SCALE_F16] = numpy.float16(2.0 ** 12).view(numpy.uint16)
+    assert float(seed) == 2.0 ** 12
+
+
 def test_float16_training_tracks_float32(path):
     """A long fp16 run with dynamic scaling follows the fp32 run: the master weights are fp32,
     so the only difference is fp16 arithmetic in forward and backward (11-bit mantissas through

@@ -356,6 +356,15 @@ def test_state_lives_on_the_parameters_device_whatever_the_current_device():
     assert o._table.device.device.id == 1
     for e in o._flat.entries:
         assert e.v.device.id == 1
+    scale = o.loss_scale
+    model.to_device('@cupy:0')                  # the state follows the parameters, scale kept
+    with cupy.cuda.Device(1):
+        x, t = (cupy.asarray(a) for a in data())
+        with cupy.cuda.Device(0):
+            x, t = cupy.asarray(x), cupy.asarray(t)
+        o.update(lossfun(model, x, t))
+    assert o._scaler.state.device.id == 0 and o.loss_scale == scale
+    assert o._table.device.device.id == 0
 
 
 # ---- snapshots that would poison the state ----------------------------------------------------

@@ -291,12 +291,14 @@ class _Feeder(object):
 
 
 def _consumer_stream(pipeline):
-    """CuPy's current stream, to which DALI orders the outputs (None on the CPU). The null stream
-    is passed as 1 (cudaStreamLegacy): DALI reads 0 as no stream."""
+    """CuPy's current stream on the pipeline's device, to which DALI orders the outputs (None on
+    the CPU). The pipeline's device, not the current one: the outputs live there and are wrapped
+    there (``_convert``), and a stream of another device cannot order them. The null stream is
+    passed as 1 (cudaStreamLegacy): DALI reads 0 as no stream."""
     if pipeline.device != 'gpu':
         return None
     import cupy
-    return cupy.cuda.get_current_stream().ptr or 1
+    return cupy.cuda.get_current_stream(pipeline.device_id).ptr or 1
 
 
 class _PassThrough(chainer.dataset.Converter):

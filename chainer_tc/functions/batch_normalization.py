@@ -93,6 +93,22 @@ def _check_running(mean, var, channels):
                         .format(mean.dtype, var.dtype))
 
 
+def _check_rows(shape):
+    """Batch statistics need a row; one row per channel is legal but almost always a mistake.
+    Checked before any path is chosen, so cuDNN, the kernels and NumPy refuse and warn alike."""
+    rows = 1
+    for n in shape[:-1]:
+        rows *= n
+    if rows < 1:
+        raise ValueError('batch statistics need at least one row; got x of shape {}'
+                         .format(shape))
+    if rows == 1 and shape not in _WARNED_SINGLE_SAMPLE:
+        _WARNED_SINGLE_SAMPLE.add(shape)        # once per shape: it would come every step
+        warnings.warn('batch normalization of a single sample per channel (x of shape {}) '
+                      'outputs beta: is chainer.config.train meant to be True here?'
+                      .format(shape), UserWarning, stacklevel=5)
+
+
 class BatchNormAddAct(function_node.FunctionNode):
     """y = act(gamma * (x - mean) * invstd + beta [+ z]) over the last axis of x.
 
@@ -147,6 +163,8 @@ class BatchNormAddAct(function_node.FunctionNode):
                             'float32 data and float64 for float64 data'.format(
                                 self.running_mean.dtype, x.dtype, x.dtype,
                                 numpy.dtype(_bn_numpy.acc_dtype(x.dtype)).name))
+        if not self.fixed:
+            _check_rows(x.shape)
         self.retain_inputs((0, 1, 2))
         xp = _xp(x)
         running_dtype = None if self.running_mean is None else self.running_mean.dtype
@@ -166,15 +184,6 @@ class BatchNormAddAct(function_node.FunctionNode):
             x = xp.ascontiguousarray(x)
             z = None if z is None else xp.ascontiguousarray(z)
         x2, z2 = _rows(x), None if z is None else _rows(z)
-        rows = x2.shape[0]
-        if not self.fixed and rows < 1:
-            raise ValueError('batch statistics need at least one row; got x of shape {}'
-                             .format(x.shape))
-        if not self.fixed and rows == 1 and x.shape not in _WARNED_SINGLE_SAMPLE:
-            _WARNED_SINGLE_SAMPLE.add(x.shape)        # once per shape: it would come every step
-            warnings.warn('batch normalization of a single sample per channel (x of shape {}) '
-                          'outputs beta: is chainer.config.train meant to be True here?'
-                          .format(x.shape), UserWarning, stacklevel=3)
         a = _bn_numpy.acc_dtype(x.dtype)
         centered = None
         if self.fixed:
@@ -184,7 +193,7 @@ class BatchNormAddAct(function_node.FunctionNode):
             self.mean, self.invstd, var, centered = _bn_numpy.statistics(x2, self.eps, True)
             if self.running_mean is not None:
                 _bn_numpy.update_running(self.running_mean, self.running_var, self.mean, var,
-                                         rows, self.decay)
+                                         x2.shape[0], self.decay)
         else:
             self.mean, self.invstd = _bn_kernels.statistics(
                 x2, self.eps, self.decay, self.running_mean, self.running_var, xp)

@@ -102,9 +102,12 @@ class LossScaler:
                                                                         host[DONE]))
 
     def to_device(self, xp):
-        """Move the state next to the parameters (numpy or cupy)."""
-        if not isinstance(self.state, xp.ndarray):
-            self.state = xp.asarray(_host(self.state))
+        """Move the state next to the parameters (numpy, or cupy on the current device: the
+        caller makes the parameters' device current), also from one GPU to another."""
+        if isinstance(self.state, xp.ndarray) and (
+                xp is numpy or self.state.device.id == xp.cuda.Device().id):
+            return
+        self.state = xp.asarray(_host(self.state))
 
     @property
     def scale(self):
