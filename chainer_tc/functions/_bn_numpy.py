@@ -108,18 +108,19 @@ def update_running(running_mean, running_var, mean, var, rows, decay):
     running_var[...] = running_var.astype(a) * d + (a(1) - d) * adjust * var
 
 
-def backward(gy, y, x, gamma, mean, invstd, relu, fixed):
-    """(gx, ggamma, gbeta, g) where g is gy through the ReLU mask (the residual's gradient).
+def backward(gy, y, x, gamma, mean, invstd, relu, fixed, want_gz):
+    """(gx, ggamma, gbeta, gz): gz is gy through the ReLU mask (the residual's gradient), or
+    None without ``want_gz`` (as the kernels' path: no (rows, C) array made for nobody).
 
     With loss scaling, float16 gradients overflow to inf now and then (expected: the optimizer
     skips the step); the arithmetic on them then makes inf and nan without NumPy's warnings."""
     if gy.dtype != numpy.float16:
-        return _backward(gy, y, x, gamma, mean, invstd, relu, fixed)
+        return _backward(gy, y, x, gamma, mean, invstd, relu, fixed, want_gz)
     with numpy.errstate(over='ignore', invalid='ignore'):
-        return _backward(gy, y, x, gamma, mean, invstd, relu, fixed)
+        return _backward(gy, y, x, gamma, mean, invstd, relu, fixed, want_gz)
 
 
-def _backward(gy, y, x, gamma, mean, invstd, relu, fixed):
+def _backward(gy, y, x, gamma, mean, invstd, relu, fixed, want_gz):
     a = acc_dtype(x.dtype)
     rows, c = x.shape
     m = _fold(rows, c)
@@ -144,4 +145,9 @@ def _backward(gy, y, x, gamma, mean, invstd, relu, fixed):
         gx *= _tile(coef, m)
     return (gx.reshape(rows, c).astype(x.dtype, copy=False),
             sum_gx.astype(gamma.dtype, copy=False), sum_g.astype(gamma.dtype, copy=False),
-            g.reshape(rows, c).astype(x.dtype))
+            _own(g, gy).reshape(rows, c).astype(x.dtype, copy=False) if want_gz else None)
+
+
+def _own(g, gy):
+    """``g``, copied if it is (a view of) ``gy``: a gradient must not alias another."""
+    return g.copy() if numpy.may_share_memory(g, gy) else g

@@ -231,7 +231,7 @@ class BatchNormAddActGrad(function_node.FunctionNode):
             return out + ((g,) if f.has_z else ())
         if f._path == 'numpy':
             gx, ggamma, gbeta, g = _bn_numpy.backward(gy2, y2, x2, gamma, f.mean, f.invstd,
-                                                      f.relu, f.fixed)
+                                                      f.relu, f.fixed, f.has_z)
         else:
             xp = chainer.backend.get_array_module(x)
             gx, ggamma, gbeta, g = _bn_kernels.backward(
