@@ -151,6 +151,61 @@ def test_worker_processes(tiny, tmp_path):
     assert log_of(tmp_path)[-1]['iteration'] == 4
 
 
+PADDED = {
+    'dali-static-fp16': ['--dali', '--nhwc', '--fused-bn', '--batched-update', '--static-graph',
+                         '--dtype', 'float16', '--loss-scale', 'dynamic'],
+    'pil-chainer': ['--nhwc'],
+}
+
+
+@pytest.mark.parametrize('name', sorted(PADDED))
+@pytest.mark.parametrize('pad', [4, 8])
+def test_pad_channels(tiny, tmp_path, name, pad):
+    """--pad-channels: the DALI pipeline pads (the PIL input is padded by the model); conv1's
+    filter has the extra input channels, zero after training; its file is the unpadded
+    model's (3 input channels) and its optimizer state has the padded shape."""
+    flags = PADDED[name] + ['--pad-channels', pad]
+    status, out, err, caught = run(tiny_args(tiny, tmp_path, '--iterations', 4, *flags),
+                                   plots=False)
+    assert status == 0, err
+    assert '--pad-channels {}'.format(pad) in out.split('Techniques:')[1].splitlines()[0]
+    if '--static-graph' in flags:
+        assert 'Static graph: 1 of 4 steps replayed' in out
+        assert not [w for w in caught if 'cannot be replayed' in w or 'cannot be captured' in w]
+    assert numpy.isfinite(log_of(tmp_path)[-1]['main/loss'])
+    model = serializers.read_npz(str(tmp_path / 'model_iter_4'))
+    assert model['conv1/W'].shape == (1, 3, 7, 7)           # width 64: 1 filter
+    snapshot = serializers.read_npz(str(tmp_path / 'snapshot_iter_4'))
+    state = {k.rsplit('/', 1)[1]: a for k, a in snapshot.items()
+             if k.startswith('updater/optimizer:main/predictor/conv1/W/') and a.ndim == 4}
+    assert 'v' in state and ('master' in state) == ('float16' in flags)   # fp32 master weights
+    for name, a in state.items():
+        assert a.shape == (1, 7, 7, pad) and not a[..., 3:].any(), name
+    assert not [w for w in caught if 'padding channels' in w]       # they stayed zero
+
+
+def test_pad_channels_initmodel_and_resume(tiny, tmp_path):
+    """An unpadded run's model file starts a padded run (--initmodel: zeros appended); its
+    snapshot cannot resume one: the optimizer state of conv1 has another shape, named."""
+    plain = tmp_path / 'plain'
+    assert run(tiny_args(tiny, plain, '--iterations', 2, '--nhwc', '--batched-update'),
+               plots=False)[0] == 0
+    status, out, err, _ = run(tiny_args(tiny, tmp_path / 'init', '--iterations', 1, '--nhwc',
+                                        '--pad-channels', 4, '--lr', '1e-30', '--initmodel',
+                                        str(plain / 'model_iter_2')), plots=False)
+    assert status == 0, err
+    a = serializers.read_npz(str(plain / 'model_iter_2'))
+    b = serializers.read_npz(str(tmp_path / 'init' / 'model_iter_1'))
+    numpy.testing.assert_array_equal(a['conv1/W'], b['conv1/W'])
+    status, out, err, _ = run(tiny_args(tiny, tmp_path / 'resumed', '--iterations', 4,
+                                        '--nhwc', '--batched-update', '--pad-channels', 4,
+                                        '-r', str(plain / 'snapshot_iter_2')), plots=False)
+    assert status == 2
+    assert re.search(r'does not match this run: updater/optimizer:main/\S*conv1/W\S* has shape '
+                     r'\(1, 7, 7, 3\) in the snapshot, \(1, 7, 7, 4\) here \(resume with the '
+                     r'flags', err), err
+
+
 @pytest.mark.parametrize('optimizer', [[], ['--batched-update']])
 def test_static_loss_scale(tiny, tmp_path, optimizer):
     status, out, err, _ = run(tiny_args(tiny, tmp_path, '--iterations', 2, '--dtype', 'float16',
@@ -335,6 +390,9 @@ def test_initmodel_that_is_not_a_model(tiny, tmp_path):
 
 FLAG_ERRORS = [
     (['--fused-bn'], '--fused-bn needs --nhwc'),
+    (['--pad-channels', '4'], '--pad-channels 4 needs --nhwc'),
+    (['--nhwc', '--pad-channels', '5'], r"argument --pad-channels: invalid choice: 5 \(choose "
+                                        r"from 3, 4, 8\)"),
     (['--static-graph'], '--static-graph needs --batched-update'),
     (['--nhwc', '--static-graph'], '--static-graph needs --batched-update'),
     (['--dali', '--dtype', 'float64'], '--dali needs --dtype float16 or float32'),
@@ -534,10 +592,13 @@ def test_pil_training_images(tiny):
 
 
 @pytest.mark.gpu
-def test_every_technique_on_the_gpu(tiny, tmp_path):
-    """The fast path: DALI's mixed pipeline, the captured step, float16 with loss scaling."""
+@pytest.mark.parametrize('pad', [[], ['--pad-channels', 4]])
+def test_every_technique_on_the_gpu(tiny, tmp_path, pad):
+    """The fast path: DALI's mixed pipeline, the captured step, float16 with loss scaling; and
+    the same with the images padded to 4 channels by DALI."""
     flags = ['--iterations', 6, '-d', '@cupy:0', '--dali', '--nhwc', '--fused-bn',
-             '--batched-update', '--static-graph', '--dtype', 'float16', '--loss-scale', 'dynamic']
+             '--batched-update', '--static-graph', '--dtype', 'float16', '--loss-scale',
+             'dynamic'] + pad
     status, out, err, caught = run(tiny_args(tiny, tmp_path, *flags), plots=False)
     assert status == 0, err
     assert 'Device: @cupy:0' in out and 'Input: DALI, GPU pipeline' in out

@@ -294,3 +294,316 @@ def test_classifier_wrapper_reports_float32_loss():
     x, t = batch('NHWC')
     loss = model(x, t)
     assert loss.dtype == numpy.float32 and numpy.isfinite(loss.array)
+
+
+# ---- pad_channels: conv1 reads 4 or 8 channels, invisibly ----------------------------------------
+
+def _padded_input(x, channels):
+    """NHWC images ``x`` with zero channels appended up to ``channels``, as the DALI pipeline
+    makes them with pad_channels."""
+    pad = numpy.zeros(x.shape[:3] + (channels - x.shape[3],), x.dtype)
+    return numpy.concatenate([x, pad], axis=3)
+
+
+@pytest.mark.parametrize('pad_channels', [4, 8])
+@pytest.mark.parametrize('dtype', [numpy.float64, numpy.float32])
+@pytest.mark.parametrize('train', [False, True])
+def test_padded_model_gives_the_unpadded_models_logits(pad_channels, dtype, train):
+    with chainer.using_config('dtype', dtype):
+        plain = make('NHWC', seed=3)
+        padded = make('NHWC', seed=3, pad_channels=pad_channels)
+    assert padded.pad_channels == pad_channels and plain.pad_channels == 3
+    w, w3 = padded.conv1.W.array, plain.conv1.W.array
+    assert w.shape == w3.shape[:3] + (pad_channels,) and padded.conv1.in_channels == 3
+    # the same random state gives the same filter (HeNormal over the 3 real channels), zeros
+    # appended; every other parameter is the same too
+    numpy.testing.assert_array_equal(w[..., :3], w3)
+    assert not w[..., 3:].any()
+    for (n1, p1), (n2, p2) in zip(sorted(plain.namedparams()), sorted(padded.namedparams())):
+        if n1 != '/conv1/W':
+            numpy.testing.assert_array_equal(p1.array, p2.array, err_msg=n1)
+    x, _ = batch('NHWC')
+    x = x.astype(dtype)
+    with chainer.using_config('train', train):
+        want = plain(x).array
+        got = padded(x).array                                   # padded by the model
+        got_padded = padded(_padded_input(x, pad_channels)).array   # padded already
+    # The model's own padding and the pipeline's give the same input: the same bits.
+    numpy.testing.assert_array_equal(got, got_padded)
+    # Against the unpadded model: the zero channels add exact zeros to conv1's sums (often the
+    # same bits), but BLAS may split the longer reduction (7 * 7 * 4 or 7 * 7 * 8 terms instead
+    # of 7 * 7 * 3) into other blocks, so a sum may round differently in its last place. 50
+    # layers amplify that, batch-2 BatchNorm in training most (statistics over 2 rows per
+    # channel in the last stage): float32 logits were seen 1e-3 apart there, float64 ones stay
+    # within 1e-12 (what is compared is the semantics).
+    tol = {numpy.float64: 1e-12, numpy.float32: 2e-3 if train else 1e-4}[dtype]
+    numpy.testing.assert_allclose(got, want, rtol=tol, atol=tol * numpy.abs(want).max())
+
+
+def _train(model, opt, steps=3, n=4):
+    x, t = batch('NHWC', n=n)
+    x = x.astype(model.dtype)
+    losses = []
+    for _ in range(steps):
+        loss = F.softmax_cross_entropy(model(x), t)
+        losses.append(float(loss.array))
+        model.cleargrads()
+        loss.backward()
+        grad = model.conv1.W.grad
+        assert grad is not None and not grad[..., 3:].any(), 'zero input, zero gradient'
+        opt.update()
+    return losses
+
+
+@pytest.mark.parametrize('optimizer', ['chainer_tc', 'chainer'])
+@pytest.mark.parametrize('dtype', [numpy.float32, numpy.float16])
+def test_padding_weights_stay_zero_in_training(optimizer, dtype):
+    """Zero input channels give their filter weights a zero gradient; weight decay and momentum
+    of zero are zero: after training steps the padding weights are still exactly zero, while
+    the real ones moved."""
+    with chainer.using_config('dtype', dtype):
+        model = make('NHWC', pad_channels=4)
+    before = model.conv1.W.array.copy()
+    if optimizer == 'chainer_tc':
+        opt = optimizers.MomentumSGD(lr=0.05, weight_decay=1e-2,
+                                     decay_filter=optimizers.skip_bn_and_bias).setup(model)
+        if dtype == numpy.float16:
+            opt.loss_scaling()
+    else:
+        opt = chainer.optimizers.MomentumSGD(lr=0.05).setup(model)
+        opt.add_hook(chainer.optimizer_hooks.WeightDecay(1e-2))
+        if dtype == numpy.float16:
+            opt.use_fp32_update()
+    losses = _train(model, opt)
+    w = model.conv1.W.array
+    assert not w[..., 3:].any()
+    assert not numpy.array_equal(w[..., :3], before[..., :3])
+    assert all(numpy.isfinite(losses))
+    v = model.conv1.W.update_rule.state['v']
+    assert v.shape == w.shape and not v[..., 3:].any()
+
+
+def test_padded_model_files_are_the_unpadded_models(tmp_path):
+    """Saved without the padding channels: the file of the unpadded model, which loads into a
+    padded model, an unpadded one and an NCHW one; an unpadded model's file loads into a padded
+    model with zeros appended (whatever was there before)."""
+    x, _ = batch('NHWC')
+    padded = make('NHWC', seed=1, pad_channels=4)
+    padded(x)                                   # running statistics away from 0 / 1
+    serializers.save_npz(str(tmp_path / 'padded.npz'), padded)
+    saved = numpy.load(str(tmp_path / 'padded.npz'))
+    assert saved['conv1/W'].shape == (4, 3, 7, 7)
+    numpy.testing.assert_array_equal(saved['conv1/W'],
+                                     padded.conv1.W.array[..., :3].transpose(0, 3, 1, 2))
+    plain = make('NHWC', seed=1)
+    plain(x)
+    serializers.save_npz(str(tmp_path / 'plain.npz'), plain)
+    plain_saved = numpy.load(str(tmp_path / 'plain.npz'))
+    assert sorted(saved.files) == sorted(plain_saved.files)
+    for key in saved.files:
+        numpy.testing.assert_array_equal(saved[key], plain_saved[key], err_msg=key)
+
+    with chainer.using_config('train', False):
+        want = padded(x).array
+        for target in (make('NHWC', seed=2, pad_channels=4), make('NHWC', seed=2),
+                       make('NHWC', seed=2, pad_channels=8)):
+            serializers.load_npz(str(tmp_path / 'padded.npz'), target)
+            numpy.testing.assert_allclose(target(x).array, want, rtol=1e-5, atol=1e-6)
+        nchw = make('NCHW', seed=2)
+        serializers.load_npz(str(tmp_path / 'padded.npz'), nchw)
+        numpy.testing.assert_allclose(nchw(x.transpose(0, 3, 1, 2).copy()).array, want,
+                                      rtol=1e-4, atol=1e-5)
+    other = make('NHWC', seed=2, pad_channels=4)
+    other.conv1.W.array[..., 3] = 1.0           # the load must put zeros there
+    serializers.load_npz(str(tmp_path / 'plain.npz'), other)
+    assert not other.conv1.W.array[..., 3:].any()
+    numpy.testing.assert_array_equal(other.conv1.W.array, padded.conv1.W.array)
+
+
+def test_nonzero_padding_weights_are_saved_with_a_warning_and_refused_by_an_unpadded_model(
+        tmp_path):
+    """If the input's padding channels were not zero, their weights learned something: saving
+    keeps them (nothing is dropped), says so, and an unpadded model refuses the file naming
+    why."""
+    model = make('NHWC', pad_channels=4)
+    model.conv1.W.array[0, 0, 0, 3] = 0.5
+    with pytest.warns(TL.PaddingWarning, match=r'^conv1: the weights of its padding channels '
+                                               r'\(3..3 .*are not zero.*saved with them \(4 '
+                                               r'input channels\)'):
+        serializers.save_npz(str(tmp_path / 'm.npz'), model)
+    assert numpy.load(str(tmp_path / 'm.npz'))['conv1/W'].shape == (4, 4, 7, 7)
+    again = make('NHWC', seed=5, pad_channels=4)
+    serializers.load_npz(str(tmp_path / 'm.npz'), again)
+    numpy.testing.assert_array_equal(again.conv1.W.array, model.conv1.W.array)
+    with pytest.raises(ValueError, match=r'W in the file has shape \(4, 4, 7, 7\) .*this link '
+                                         r'needs \(4, 3, 7, 7\); .*a link with pad_channels=4 '
+                                         r'saves them all when its padding channels are not '
+                                         r'zero'):
+        serializers.load_npz(str(tmp_path / 'm.npz'), make('NHWC'))
+    with pytest.raises(ValueError, match=r'needs \(4, 3, 7, 7\) \(or \(4, 8, 7, 7\) with its '
+                                         r'padding channels\)'):
+        serializers.load_npz(str(tmp_path / 'm.npz'), make('NHWC', pad_channels=8))
+
+
+def test_chainer_examples_weights_load_into_a_padded_model(tmp_path):
+    from chainer_tc.models import load_chainer_example
+    from test_chainer_example import CLASSES, WIDTH, _images, _trained_example
+    example = _trained_example()
+    chainer.serializers.save_npz(str(tmp_path / 'model_iter_1'), example)
+    ours = ResNet50('NHWC', n_classes=CLASSES, width=WIDTH, version='1', pad_channels=4)
+    ours.conv1.W.array[...] = 1.0
+    load_chainer_example(str(tmp_path / 'model_iter_1'), ours)
+    assert not ours.conv1.W.array[..., 3:].any()
+    numpy.testing.assert_array_equal(ours.conv1.W.array[..., :3],
+                                     example.conv1.W.array.transpose(0, 2, 3, 1))
+    with chainer.using_config('train', False):
+        want = example(_images('NCHW')).array
+        got = ours(_images('NHWC')).array
+    numpy.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_padded_model_pickles():
+    import pickle
+    model = make('NHWC', pad_channels=4)
+    x, _ = batch('NHWC')
+    with chainer.using_config('train', False):
+        want = model(x).array
+        copy = pickle.loads(pickle.dumps(model))
+        assert copy.pad_channels == 4 and copy.conv1.pad_channels == 4
+        numpy.testing.assert_array_equal(copy(x).array, want)
+
+
+def test_padded_convolution_converts_to_nchw_without_its_padding():
+    numpy.random.seed(0)
+    conv = TL.Convolution2D(3, 5, 3, pad=1, pad_channels=4)
+    conv.b.array[...] = numpy.arange(5)
+    chain = chainer.Sequential(conv)
+    x = numpy.random.RandomState(0).randn(2, 6, 6, 3).astype(numpy.float32)
+    want = chain(x).array
+    TL.to_nchw(chain)
+    nchw = chain[0]
+    assert type(nchw) is L.Convolution2D and nchw.W.shape == (5, 3, 3, 3)
+    numpy.testing.assert_allclose(chain(x.transpose(0, 3, 1, 2).copy()).array,
+                                  want.transpose(0, 3, 1, 2), rtol=1e-5, atol=1e-6)
+    TL.to_nhwc(chain)                       # back: an unpadded NHWC link, the same function
+    assert chain[0].pad_channels is None and chain[0].W.shape == (5, 3, 3, 3)
+    numpy.testing.assert_allclose(chain(x).array, want, rtol=1e-5, atol=1e-6)
+
+    bad = chainer.Sequential(TL.Convolution2D(3, 5, 3, pad_channels=4))
+    bad[0].W.array[..., 3] = 1.0
+    with pytest.raises(ValueError, match=r'cannot convert 0 to NCHW: .*padding channels \(3..3 '
+                                         r'.*are not zero'):
+        TL.to_nchw(bad)
+
+
+def test_padded_model_replays_under_train_step():
+    """The static-graph TrainStep replays the padded model fed 3-channel images (the model's
+    pad op is part of the trace) with the bits of eager steps; the padding weights stay zero."""
+    import copy
+    from chainer_tc.static_graph import TrainStep
+    model = make('NHWC', pad_channels=4)
+    twin = copy.deepcopy(model)
+    r = numpy.random.RandomState(0)
+    data = [(r.randn(2, 32, 32, 3).astype(numpy.float32), r.randint(0, 10, 2).astype(numpy.int32))
+            for _ in range(6)]
+    opts = [optimizers.MomentumSGD(lr=0.05, weight_decay=1e-3).setup(m) for m in (model, twin)]
+
+    def lossfun(m):
+        return lambda x, t: F.softmax_cross_entropy(m(x), t)
+    eager = []
+    for x, t in data:
+        holder = []
+        opts[0].update(lambda: holder.append(lossfun(model)(x, t)) or holder[-1])
+        eager.append(holder[-1].array.copy())
+    step = TrainStep(twin, opts[1], lossfun(twin))
+    with warnings.catch_warnings():
+        warnings.simplefilter('error', RuntimeWarning)        # no "cannot be replayed"
+        replayed = [step(x, t).array.copy() for x, t in data]
+    assert step.replays == 3
+    assert [a.tobytes() for a in eager] == [b.tobytes() for b in replayed]
+    for (name, p), (_, q) in zip(sorted(model.namedparams()), sorted(twin.namedparams())):
+        numpy.testing.assert_array_equal(p.array, q.array, err_msg=name)
+    assert not twin.conv1.W.array[..., 3:].any()
+
+
+def test_pad_channels_bad_arguments():
+    with pytest.raises(ValueError, match=r'pad_channels must be 3 \(no padding\), 4 or 8, or '
+                                         r'None \(3\); got 5'):
+        ResNet50(width=16, pad_channels=5)
+    for bad in (True, 4.0, '4'):
+        with pytest.raises(ValueError, match='pad_channels must be 3'):
+            ResNet50(width=16, pad_channels=bad)
+    with pytest.raises(ValueError, match="pad_channels=4 needs layout='NHWC'"):
+        ResNet50('NCHW', width=16, pad_channels=4)
+    assert ResNet50('NCHW', width=16, pad_channels=3).pad_channels == 3
+    with pytest.raises(ValueError, match='pad_channels needs in_channels'):
+        TL.Convolution2D(None, 8, 3, pad_channels=4)
+    with pytest.raises(ValueError, match='pad_channels needs in_channels'):
+        TL.Convolution2D(8, 3, pad_channels=4)             # (out, ksize): lazy
+    with pytest.raises(ValueError, match='pad_channels needs groups=1; got groups=3'):
+        TL.Convolution2D(3, 6, 3, groups=3, pad_channels=4)
+    with pytest.raises(ValueError, match='pad_channels=2 is smaller than in_channels=3'):
+        TL.Convolution2D(3, 6, 3, pad_channels=2)
+    with pytest.raises(TypeError, match='pad_channels must be an int'):
+        TL.Convolution2D(3, 6, 3, pad_channels=4.0)
+    assert TL.Convolution2D(3, 6, 3, pad_channels=3).W.shape == (6, 3, 3, 3)
+
+
+def test_input_of_another_channel_count_is_an_error_naming_the_padding():
+    model = make('NHWC', pad_channels=4)
+    x, _ = batch('NHWC')
+    with pytest.raises(ValueError, match=r'its 3 \(or 4, padded with zeros\) channels on the '
+                                         r'last axis; got shape \(2, 32, 32, 8\)'):
+        model(_padded_input(x, 8))
+    with pytest.raises(ValueError, match=r'This looks like NCHW data'):
+        model(_padded_input(x, 4).transpose(0, 3, 1, 2).copy())
+    with pytest.raises(ValueError, match=r'its 3 channels on the last axis; got shape \(2, 32, '
+                                         r'32, 4\)\. These look like RGB images padded with zero '
+                                         r'channels .*pad_channels=4\): build the first '
+                                         r'convolution \(ResNet50\) with the same pad_channels'):
+        make('NHWC')(_padded_input(x, 4))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('dtype', [numpy.float32, numpy.float16])
+def test_padded_model_on_the_gpu_equals_the_cpu(dtype):
+    """CuPy (cuDNN NHWC convolution with a 4-channel input) against NumPy: the same logits and
+    conv1 gradient within the rounding of the dtype; the padding gradient exactly zero."""
+    import cupy
+    with chainer.using_config('dtype', dtype):
+        cpu = make('NHWC', pad_channels=4)
+    gpu = cpu.copy(mode='copy').to_gpu()
+    x, t = batch('NHWC', n=4)
+    results = []
+    for model, xp in ((cpu, numpy), (gpu, cupy)):
+        loss = F.softmax_cross_entropy(model(xp.asarray(x.astype(dtype))), xp.asarray(t))
+        model.cleargrads()
+        loss.backward()
+        results.append((float(loss.array), chainer.backend.CpuDevice().send(
+            model.conv1.W.grad).astype(numpy.float32)))
+    (l_cpu, g_cpu), (l_gpu, g_gpu) = results
+    tol = 2e-2 if dtype == numpy.float16 else 1e-4
+    assert l_gpu == pytest.approx(l_cpu, rel=tol)
+    assert not g_gpu[..., 3:].any()
+    numpy.testing.assert_allclose(g_gpu, g_cpu, rtol=tol * 5,
+                                  atol=tol * 5 * numpy.abs(g_cpu).max())
+
+
+@pytest.mark.gpu
+def test_padded_float16_conv1_runs_on_tensor_cores():
+    """The cuDNN plans of the padded float16 conv1 (forward and backward filter: the input needs
+    no gradient) use Tensor Core math, and the padding weights get a zero gradient."""
+    import cupy
+    from chainer_tc.cuda import conv as cuda_conv
+    with chainer.using_config('dtype', numpy.float16):
+        model = ResNet50('NHWC', width=1, n_classes=10, pad_channels=4).to_gpu()
+    x = numpy.random.RandomState(0).randn(32, 224, 224, 3).astype(numpy.float16)
+    cuda_conv.clear_plans()
+    loss = F.sum(model.conv1(cupy.asarray(x)))
+    model.cleargrads()
+    loss.backward()
+    plans = {key[0]: plan for key, plan in cuda_conv._plans.items() if key[3][3] == 4}
+    assert sorted(plans) == ['backward_filter', 'forward']
+    for name, plan in plans.items():
+        assert plan.math_type in cuda_conv.TENSOR_CORE_MATH, (name, plan.algo, plan.math_type)
+    assert not model.conv1.W.grad[..., 3:].any()

@@ -4,6 +4,7 @@
     train = dali.imagenet_pipeline('/data/train', 'train.txt', shard_id=0)   # (root, list)
     val = dali.imagenet_pipeline('/data/val', 'val.txt', train=False)
     val = dali.imagenet_pipeline('/data/val', 'val.txt', train=False, mean='mean.npy', std=255)
+    train = dali.imagenet_pipeline('/data/train', 'train.txt', pad_channels=4)  # (N, H, W, 4)
 
 Training: random resized crop (area 8%-100% of the image, aspect ratio 3/4-4/3, decoded together
 with the crop), resize to ``crop`` x ``crop``, horizontal flip with probability 1/2, normalisation
@@ -11,6 +12,9 @@ with the crop), resize to ``crop`` x ``crop``, horizontal flip with probability 
 Validation: resize the shorter side to ``resize`` (default ``crop * 256 / 224``, so 256 for 224),
 centre crop ``crop`` x ``crop``, the same normalisation. Outputs: images (NHWC, or NCHW, float16 or
 float32: by default ``chainer.config.dtype``) and int32 labels, on the GPU when CuPy sees one.
+With ``pad_channels=4`` the images have a fourth channel of zeros, made by
+``crop_mirror_normalize(pad_output=True)`` in the same pass (DALI pads to the next power of two
+with zeros); with 8, ``fn.pad`` adds channels 3-7 after it, one more pass over the batch.
 
 The object returned holds the data set, already read and checked, and the settings;
 DaliIterator builds the DALI pipeline from it (``build``) and feeds it, through an
@@ -31,6 +35,7 @@ IMAGENET_MEAN = normalisation.IMAGENET_MEAN      # RGB, as fractions of 255
 IMAGENET_STD = normalisation.IMAGENET_STD
 DEVICES = ('gpu', 'cpu')
 LAYOUTS = ('NHWC', 'NCHW')
+PAD_CHANNELS = (3, 4, 8)            # 3: no padding
 # Buffers the mixed decoder reserves up front, as in DALI's ResNet-50 example: no reallocation
 # during the first epoch on ImageNet-sized images.
 _DEVICE_MEMORY_PADDING = 211025920
@@ -41,7 +46,7 @@ def imagenet_pipeline(root, list_file=None, train=True, crop=224, resize=None, d
                       device_id=None, dtype=None, layout='NHWC', num_classes=None,
                       seed=None, num_threads=None, prefetch_queue_depth=2, shard_id=0,
                       num_shards=1, check_files=True, area=(0.08, 1.0),
-                      aspect_ratio=(3 / 4, 4 / 3), mean=None, std=None):
+                      aspect_ratio=(3 / 4, 4 / 3), mean=None, std=None, pad_channels=None):
     """The ResNet-50 training (``train=True``) or validation pipeline over a data set.
 
     Args:
@@ -79,6 +84,12 @@ def imagenet_pipeline(root, list_file=None, train=True, crop=224, resize=None, d
         check_files (bool): check up front that every image exists and is a non-empty file
             (one ``stat`` per image, a few seconds for ImageNet).
         area, aspect_ratio (pairs of float): ranges of the random resized crop.
+        pad_channels (int): 4 or 8: the images' 3 channels padded with zeros to that many, for
+            ``chainer_tc.models.ResNet50(pad_channels=...)`` (cuDNN's Tensor Core NHWC kernels
+            want 4, or a multiple of 8, channels in float16). 4: DALI's
+            ``crop_mirror_normalize(pad_output=True)``, in the same pass; 8: then ``fn.pad``,
+            one more pass (``pad_output`` stops at the next power of two, 4). In either layout.
+            None (default) or 3: no padding.
     """
     if list_file is not None and os.path.isfile(root) and os.path.isdir(list_file):
         warnings.warn('imagenet_pipeline takes (root, list_file); got the list file {!r} first '
@@ -87,7 +98,8 @@ def imagenet_pipeline(root, list_file=None, train=True, crop=224, resize=None, d
         root, list_file = list_file, root
     return ImagenetPipeline(root, list_file, train, crop, resize, device, device_id, dtype,
                             layout, num_classes, seed, num_threads, prefetch_queue_depth,
-                            shard_id, num_shards, check_files, area, aspect_ratio, mean, std)
+                            shard_id, num_shards, check_files, area, aspect_ratio, mean, std,
+                            pad_channels)
 
 
 class ImagenetPipeline(object):
@@ -97,7 +109,7 @@ class ImagenetPipeline(object):
 
     def __init__(self, root, list_file, train, crop, resize, device, device_id, dtype, layout,
                  num_classes, seed, num_threads, prefetch_queue_depth, shard_id, num_shards,
-                 check_files, area, aspect_ratio, mean=None, std=None):
+                 check_files, area, aspect_ratio, mean=None, std=None, pad_channels=None):
         _positive_int('crop', crop)
         if resize is None:
             resize = int(round(crop * 256 / 224))
@@ -124,6 +136,12 @@ class ImagenetPipeline(object):
         std = normalisation.channel_std(std)
         if layout not in LAYOUTS:
             raise ValueError('layout must be one of {}; got {!r}'.format(LAYOUTS, layout))
+        if pad_channels is None:
+            pad_channels = 3
+        if isinstance(pad_channels, bool) or not isinstance(pad_channels, (int, numpy.integer)) \
+                or pad_channels not in PAD_CHANNELS:
+            raise ValueError('pad_channels must be 3 (no padding), 4 or 8, or None (3); got {!r}'
+                             .format(pad_channels))
         if num_threads is None:
             num_threads = len(os.sched_getaffinity(0))
         _positive_int('num_threads', num_threads)
@@ -149,7 +167,7 @@ class ImagenetPipeline(object):
         self.root, self.list_file = root, list_file
         self.train, self.crop, self.resize = bool(train), int(crop), int(resize)
         self.device, self.device_id = device, device_id
-        self.dtype, self.layout = dtype, layout
+        self.dtype, self.layout, self.pad_channels = dtype, layout, int(pad_channels)
         self.seed, self.num_threads = int(seed), int(num_threads)
         self.prefetch_queue_depth = int(prefetch_queue_depth)
         self.shard_id, self.num_shards = int(shard_id), int(num_shards)
@@ -189,7 +207,11 @@ class ImagenetPipeline(object):
                 images, crop=(self.crop, self.crop), mirror=mirror,
                 mean=list(self.mean), std=list(self.std),
                 dtype=types.FLOAT16 if self.dtype == numpy.float16 else types.FLOAT,
-                output_layout='HWC' if self.layout == 'NHWC' else 'CHW')
+                output_layout='HWC' if self.layout == 'NHWC' else 'CHW',
+                pad_output=self.pad_channels > 3)      # zeros, to 4 (the next power of two)
+            if self.pad_channels > 4:
+                images = fn.pad(images, axis_names='C', shape=[self.pad_channels],
+                                fill_value=0.0)
             pipe.set_outputs(images, labels.gpu() if gpu else labels)
         pipe.build()
         return pipe

@@ -2,6 +2,7 @@
 from chainer_tc.links.batch_normalization import BatchNormAddReLU  # NOQA
 from chainer_tc.links.batch_normalization import BatchNormalization  # NOQA
 from chainer_tc.links.convolution_2d import Convolution2D  # NOQA
+from chainer_tc.links.convolution_2d import PaddingWarning  # NOQA
 from chainer_tc.links._messages import LayoutWarning  # NOQA
 from chainer_tc.links.convert import to_nchw  # NOQA
 from chainer_tc.links.convert import to_nhwc  # NOQA

@@ -13,14 +13,21 @@ NCHW_FUNCTIONS = (
 )
 
 
-def not_channels_last(link, channels, shape):
-    """ValueError for ``link`` (which needs ``channels`` on the last axis) given ``shape``."""
+def not_channels_last(link, channels, shape, unpadded=None):
+    """ValueError for ``link`` (which needs ``channels`` on the last axis, or ``unpadded``
+    channels that it pads to ``channels``) given ``shape``."""
     msg = ('{} expects channels-last (NHWC) input with its {} channels on the last axis; got '
-           'shape {}.'.format(type(link).__name__, channels, tuple(shape)))
-    if len(shape) == 4 and shape[1] == channels:
+           'shape {}.'.format(type(link).__name__, channels if unpadded is None else
+                              '{} (or {}, padded with zeros)'.format(unpadded, channels),
+                              tuple(shape)))
+    if len(shape) == 4 and shape[1] in (channels, unpadded):
         msg += (' This looks like NCHW data (channels on axis 1): feed NHWC images, e.g. '
                 'chainer_tc.links.nhwc_dataset(dataset) or StandardUpdater(..., '
                 'converter=chainer_tc.links.nhwc_converter), or DALI with layout=\'NHWC\'.')
+    elif unpadded is None and channels == 3 and len(shape) == 4 and shape[3] in (4, 8):
+        msg += (' These look like RGB images padded with zero channels (chainer_tc.dali\'s '
+                'pad_channels={}): build the first convolution (ResNet50) with the same '
+                'pad_channels, or the pipeline without it.'.format(shape[3]))
     else:
         msg += (' If this link follows to_nhwc(model), an NCHW function upstream in forward() '
                 'has probably treated NHWC data as NCHW (pooling or reshaping the wrong axes); '

@@ -6,9 +6,11 @@
 Weights, biases, BN parameters and running statistics are carried over (filters transposed), so
 the converted link computes the same function on transposed data. float16 BatchNormalization
 parameters and statistics become float32 in NHWC (what the NHWC link makes for float16 data, and
-what cuDNN's fused path needs); going back to NCHW keeps their dtype. Only the links change: a
-model's ``forward`` that reshapes, concatenates or pools along fixed axes must itself be written
-for the layout it receives (chainer_tc.models.ResNet50 takes ``layout=``).
+what cuDNN's fused path needs); going back to NCHW keeps their dtype. A convolution built with
+``pad_channels`` becomes Chainer's unpadded link (its padding channels dropped; refused if they
+are not zero). Only the links change: a model's ``forward`` that reshapes, concatenates or pools
+along fixed axes must itself be written for the layout it receives (chainer_tc.models.ResNet50
+takes ``layout=``).
 """
 import numpy
 
@@ -25,7 +27,13 @@ def _conv(old, to_nhwc):
               nobias=old.b is None, dilate=old.dilate, groups=old.groups)
     new.to_device(old.device)
     if old.W.array is not None:
-        w = old.W.array.transpose(0, 2, 3, 1) if to_nhwc else old.W.array.transpose(0, 3, 1, 2)
+        if to_nhwc:
+            w = old.W.array.transpose(0, 2, 3, 1)
+        else:
+            try:                # a pad_channels link becomes the unpadded Chainer link
+                w = old.unpadded_W().transpose(0, 3, 1, 2)
+            except ValueError as e:
+                raise ValueError('cannot convert {} to NCHW: {}'.format(old.name, e)) from None
         new.W.array = old.W.device.xp.ascontiguousarray(w)
     if old.b is not None:
         new.b.array = old.b.array.copy()

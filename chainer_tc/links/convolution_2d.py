@@ -9,10 +9,27 @@ it is initialised, saved and loaded in Chainer's (out, in/groups, kh, kw): the s
 random state) give the same filters as ``L.Convolution2D``, an ``initialW`` array is given in
 Chainer's layout, and ``serializers.save_npz``/``load_npz`` files move between NCHW and NHWC models
 both ways (loading writes into the existing array, so an optimizer's views stay valid).
+
+    conv1 = TL.Convolution2D(3, 64, 7, stride=2, pad=3, pad_channels=4)   # W: (64, 7, 7, 4)
+    y = conv1(x)                 # x: (N, H, W, 3), padded here, or (N, H, W, 4) padded already
+
+``pad_channels`` pads the input channels with zeros to that count (cuDNN's Tensor Core NHWC
+kernels want 4 or a multiple of 8 channels in float16; a 3-channel image falls back to slower
+ones). The filter gets the extra input channels, initialised to zero; input whose padding
+channels are zero gives them a zero gradient, so they stay zero in training (weight decay and
+momentum of zero are zero). Invisible elsewhere: the filter is initialised from the unpadded
+shape (the same random state gives the same filter as without padding, with zeros appended),
+saved without its padding channels (the file of an unpadded link, for any Chainer link or model
+to load), and a file of the unpadded filter loads with zeros appended. Only if the padding
+channels are not zero (the input's were not) is the whole filter saved, with a warning: nothing
+is dropped, and an unpadded link refuses that file naming why.
 """
+import warnings
+
 import numpy
 
 import chainer
+import chainer.functions as F
 import chainer.links as L
 from chainer import initializers
 
@@ -28,8 +45,47 @@ def _to_nchw(w):
     return w.transpose(0, 3, 1, 2)
 
 
+class PaddingWarning(UserWarning):
+    """The padding channels of a ``pad_channels`` link's filter were not zero when it was
+    saved: the input's padding channels carried data."""
+
+
 class Convolution2D(L.Convolution2D):
-    """``L.Convolution2D`` on NHWC input; filter (out, kh, kw, in/groups)."""
+    """``L.Convolution2D`` on NHWC input; filter (out, kh, kw, in/groups).
+
+    ``pad_channels`` (keyword only; default None, no padding): pad the input channels with zeros
+    to this count, which needs ``in_channels`` (not a lazy link) and ``groups=1``; see the
+    module's docstring. ``in_channels`` stays the unpadded count; ``W`` has ``pad_channels``
+    input channels.
+    """
+
+    def __init__(self, in_channels, out_channels, ksize=None, stride=1, pad=0, nobias=False,
+                 initialW=None, initial_bias=None, *, pad_channels=None, **kwargs):
+        self.pad_channels = None
+        if pad_channels is not None:
+            if isinstance(pad_channels, bool) \
+                    or not isinstance(pad_channels, (int, numpy.integer)):
+                raise TypeError('pad_channels must be an int (the input channels after padding) '
+                                'or None; got {!r}'.format(pad_channels))
+            if ksize is None or in_channels is None:
+                raise ValueError('pad_channels needs in_channels: a lazy link (in_channels=None) '
+                                 'cannot know what to pad')
+            if kwargs.get('groups', 1) != 1:
+                raise ValueError('pad_channels needs groups=1; got groups={!r}'
+                                 .format(kwargs['groups']))
+            if pad_channels < in_channels:
+                raise ValueError('pad_channels={} is smaller than in_channels={}: padding adds '
+                                 'channels'.format(pad_channels, in_channels))
+            if pad_channels > in_channels:
+                self.pad_channels = int(pad_channels)
+        super().__init__(in_channels, out_channels, ksize, stride, pad, nobias, initialW,
+                         initial_bias, **kwargs)
+
+    @property
+    def printable_specs(self):
+        yield from super().printable_specs
+        if self.pad_channels is not None:
+            yield 'pad_channels', self.pad_channels
 
     def _initialize_params(self, in_channels):
         if self.out_channels % self.groups != 0:
@@ -43,17 +99,87 @@ class Convolution2D(L.Convolution2D):
         oihw = initializers.generate_array(
             self.W.initializer, (self.out_channels, in_channels // self.groups, kh, kw),
             device.xp, device=device)
-        self.W.array = device.xp.ascontiguousarray(_to_nhwc(oihw))
+        w = _to_nhwc(oihw)
+        if self.pad_channels is not None:      # the unpadded filter, zeros appended
+            padded = device.xp.zeros(w.shape[:3] + (self.pad_channels,), w.dtype)
+            padded[..., :in_channels] = w
+            w = padded
+        self.W.array = device.xp.ascontiguousarray(w)
 
     def forward(self, x):
         if self.W.raw_array is None:
             _messages.warn_if_lazy_nchw(self, x.shape)
             self._initialize_params(x.shape[-1])
         in_channels = self.W.shape[3] * self.groups
-        if x.ndim != 4 or x.shape[3] != in_channels:
-            raise _messages.not_channels_last(self, in_channels, x.shape)
+        if self.pad_channels is not None and x.ndim == 4 and x.shape[3] == self.in_channels:
+            x = F.pad(x, ((0, 0), (0, 0), (0, 0), (0, in_channels - self.in_channels)),
+                      'constant')
+        elif x.ndim != 4 or x.shape[3] != in_channels:
+            raise _messages.not_channels_last(self, in_channels, x.shape,
+                                              unpadded=self.in_channels
+                                              if self.pad_channels is not None else None)
         return TF.convolution_2d(x, self.W, self.b, self.stride, self.pad, self.dilate,
                                  self.groups)
+
+    def unpadded_W(self):
+        """The filter without its padding channels, (out, kh, kw, in_channels) in this link's
+        layout, on its device (``W.array`` itself when it has none). Raises ValueError when the
+        padding channels are not all zero (one host synchronisation to check)."""
+        w = self.W.array
+        if self.pad_channels is None or w is None:
+            return w
+        if _padding_is_nonzero(w, self.in_channels):
+            raise ValueError(self._nonzero_padding_message(w))
+        return w[..., :self.in_channels]
+
+    def _nonzero_padding_message(self, w):
+        return ('the weights of its padding channels ({}..{} of the filter\'s input channels) '
+                'are not zero, so the input\'s padding channels were not zero and the filter is '
+                'not the padded {}-channel one; pad_channels pads with zeros (as '
+                'chainer_tc.dali\'s pipelines do)'.format(self.in_channels, w.shape[3] - 1,
+                                                          self.in_channels))
+
+    def _nchw_to_save(self):
+        """The filter as it is saved: Chainer's layout, on the host, without its padding
+        channels (all of them, with a PaddingWarning, when they are not zero)."""
+        w = chainer.backend.CpuDevice().send(self.W.array)
+        if self.pad_channels is not None:
+            if _padding_is_nonzero(w, self.in_channels):
+                warnings.warn('{}: {}: saved with them ({} input channels), which a link '
+                              'without that padding cannot load'.format(
+                                  self.name or type(self).__name__,
+                                  self._nonzero_padding_message(w), w.shape[3]),
+                              PaddingWarning, stacklevel=4)
+            else:
+                w = w[..., :self.in_channels]
+        return numpy.ascontiguousarray(_to_nchw(w))
+
+    def _load_W(self, param, data):
+        """Writes the file's filter ``data`` (Chainer's layout) into ``param``."""
+        w = numpy.asarray(data)
+        have = param.array.shape                            # (out, kh, kw, in)
+        if w.shape == _nchw_shape(have):
+            param.array[...] = param.device.send(numpy.ascontiguousarray(_to_nhwc(w)))
+            return
+        if self.pad_channels is not None and w.shape == _nchw_shape(have[:3]
+                                                                   + (self.in_channels,)):
+            param.array[..., :self.in_channels] = param.device.send(
+                numpy.ascontiguousarray(_to_nhwc(w)))
+            param.array[..., self.in_channels:] = 0
+            return
+        if self.pad_channels is not None:
+            need = '{} (or {} with its padding channels)'.format(
+                _nchw_shape(have[:3] + (self.in_channels,)), _nchw_shape(have))
+        else:
+            need = str(_nchw_shape(have))
+        why = ''
+        if w.ndim == 4 and w.shape[0] == have[0] and w.shape[2:] == have[1:3] \
+                and w.shape[1] > have[3]:
+            why = ('; the file\'s filter has more input channels: a link with pad_channels={} '
+                   'saves them all when its padding channels are not zero (a PaddingWarning '
+                   'says so), and their weights have no input here'.format(w.shape[1]))
+        raise ValueError('W in the file has shape {} (out, in, kh, kw); this link needs {}{}'
+                         .format(w.shape, need, why))
 
     def serialize(self, serializer):
         d = self.__dict__
@@ -66,9 +192,7 @@ class Convolution2D(L.Convolution2D):
                     param.array[...] = param.device.send(data)
                 continue
             if isinstance(serializer, chainer.serializer.Serializer):      # saving
-                w = param.array
-                serializer('W', None if w is None else
-                           numpy.ascontiguousarray(_to_nchw(chainer.backend.CpuDevice().send(w))))
+                serializer('W', None if param.array is None else self._nchw_to_save())
                 continue
             data = serializer('W', None)                                 # loading
             if data is None:
@@ -77,10 +201,18 @@ class Convolution2D(L.Convolution2D):
             if param.array is None:             # in the parameter's dtype, as Chainer loads
                 dtype = getattr(param.initializer, 'dtype', None) or chainer.get_dtype()
                 param.array = param.device.send(w.astype(dtype))
-            elif param.array.shape != w.shape:
-                raise ValueError('W in the file has shape {} (out, in, kh, kw); this link needs '
-                                 '{}'.format(data.shape, _to_nchw(param.array).shape))
             else:
-                param.array[...] = param.device.send(w)
+                self._load_W(param, data)
         for name in self._persistent:
             d[name] = serializer(name, d[name])
+
+
+def _nchw_shape(nhwc_shape):
+    o, kh, kw, c = nhwc_shape
+    return (o, c, kh, kw)
+
+
+def _padding_is_nonzero(w, in_channels):
+    """Whether the padding channels of the NHWC filter ``w`` hold anything but zeros (NaN
+    included)."""
+    return bool((w[..., in_channels:] != 0).any())

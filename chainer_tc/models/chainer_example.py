@@ -13,14 +13,17 @@ Its first convolution has a bias, ours none: a bias followed by BatchNormalizati
 the mean, so it is folded into ``bn1``'s running mean (``avg_mean - b``), which gives the same
 outputs in inference and the same batch-normalised values in training. The file is read without
 unpickling (chainer_tc.serializers); every array of the example must find its place and every
-parameter of ours must be filled, with the same shapes, or nothing is loaded.
+parameter of ours must be filled, with the same shapes, or nothing is loaded. A model built
+with ``pad_channels=4`` (or 8) takes the example's 3-channel first filter with zeros appended.
 """
 import re
+import warnings
 
 import numpy
 
 from chainer.serializers import npz as chainer_npz
 
+from chainer_tc import links
 from chainer_tc import serializers
 from chainer_tc.models import resnet50
 
@@ -94,7 +97,7 @@ def load_chainer_example(file, model, path=''):
             raise ValueError('the file has conv1/b but no bn1/avg_mean to fold it into')
         ours['bn1/avg_mean'] = (numpy.asarray(ours['bn1/avg_mean'], numpy.float64)
                                 - numpy.asarray(arrays['conv1/b'], numpy.float64))
-    expected = chainer_npz.serialize(model)     # our names, filters in Chainer's layout
+    expected = _expected_shapes(model)
     extra = sorted(origin[k] for k in set(ours) - set(expected))
     if extra:
         raise ValueError("{} array(s) of the file have no place in this model: {}{}".format(
@@ -105,9 +108,22 @@ def load_chainer_example(file, model, path=''):
             len(missing), ', '.join(missing[:5]), ' ...' if len(missing) > 5 else ''))
     for key, want in sorted(expected.items()):
         got = numpy.shape(ours[key])
-        if got != numpy.shape(want):
+        if got != want:
             raise ValueError(
                 '{} has shape {} in the file; this model\'s {} needs {}: build ResNet50 with the '
                 'n_classes and width of the saved model (this one: n_classes={}, width={})'
-                .format(origin[key], got, key, numpy.shape(want), model.n_classes, model.width))
+                .format(origin[key], got, key, want, model.n_classes, model.width))
     chainer_npz.NpzDeserializer(ours, strict=True).load(model)
+
+
+def _expected_shapes(model):
+    """Our names and the shapes the example's arrays must have: filters in Chainer's layout,
+    conv1's without the padding channels of a ``pad_channels`` model (its link appends zeros as
+    it loads, whatever the padding weights hold now)."""
+    with warnings.catch_warnings():     # nonzero padding weights: they are overwritten here
+        warnings.simplefilter('ignore', links.PaddingWarning)
+        shapes = {k: numpy.shape(v) for k, v in chainer_npz.serialize(model).items()}
+    if model.pad_channels != 3:
+        o, kh, kw, _ = model.conv1.W.shape          # an NHWC link's filter
+        shapes['conv1/W'] = (o, model.conv1.in_channels, kh, kw)
+    return shapes

@@ -4,6 +4,7 @@
     model = ResNet50()                         # NHWC, v1.5, 1000 classes, float32
     model = ResNet50(layout='NCHW')            # Chainer's own links: the baseline
     model = ResNet50(version='1')              # Chainer's example's architecture
+    model = ResNet50(pad_channels=4)           # conv1 reads 4 channels (Tensor Cores, float16)
     logits = model(x)                          # x in the model's layout: (N, 224, 224, 3) for NHWC
 
     CHAINER_DTYPE=float16 python train.py      # or: with chainer.using_config('dtype', float16):
@@ -21,6 +22,7 @@ from chainer_tc import links as TL
 
 STAGES = ((3, 64), (4, 128), (6, 256), (3, 512))     # (blocks, bottleneck channels)
 VERSIONS = ('1', '1.5')
+PAD_CHANNELS = (3, 4, 8)        # the images' channels as conv1 reads them: 3 is no padding
 
 
 class _Ops:
@@ -33,10 +35,12 @@ class _Ops:
         self.version = version
         self.fused = fused
 
-    def conv(self, in_ch, out_ch, ksize, stride=1, pad=0):
-        cls = TL.Convolution2D if self.nhwc else L.Convolution2D
-        return cls(in_ch, out_ch, ksize, stride=stride, pad=pad, nobias=True,
-                   initialW=initializers.HeNormal())
+    def conv(self, in_ch, out_ch, ksize, stride=1, pad=0, pad_channels=None):
+        if self.nhwc:
+            return TL.Convolution2D(in_ch, out_ch, ksize, stride=stride, pad=pad, nobias=True,
+                                    initialW=initializers.HeNormal(), pad_channels=pad_channels)
+        return L.Convolution2D(in_ch, out_ch, ksize, stride=stride, pad=pad, nobias=True,
+                               initialW=initializers.HeNormal())
 
     def bn(self, ch, relu, zero_gamma=False):
         gamma = 0 if zero_gamma else None
@@ -116,6 +120,18 @@ class ResNet50(chainer.Chain):
         zero_init_residual (bool): initialise the last BN's gamma of every block to 0, so each
             residual block starts as the identity (Goyal et al. 2017). Default (None): True for
             version '1.5' (NVIDIA's recipe), False for '1' (Chainer's example).
+        pad_channels (int): NHWC only: 4 or 8 pads the images' 3 channels with zeros to that
+            many for the first convolution, whose filter gets the extra input channels, zero
+            (cuDNN's Tensor Core NHWC kernels want 4, or a multiple of 8, channels in float16;
+            3 channels fall back to slower kernels). The model then takes (N, H, W, 3) images,
+            padding them itself (one ``F.pad``: a copy of the input, one memory-bound pass; no
+            warning, since the result is the fast path), or images already padded with zeros
+            (by ``chainer_tc.dali.imagenet_pipeline(..., pad_channels=4)``: no copy). Default
+            (None): 3, no padding (the first convolution's optimizer state in a snapshot has
+            the shape of its filter, so a default that padded would not resume older runs).
+            The padding is invisible: the same logits as the unpadded model with the same
+            weights, the same initial weights for the same random state, and the same ``.npz``
+            files (saved without the padding channels; see ``TL.Convolution2D``).
 
     Precision. The model takes its dtype from ``chainer.config.dtype`` when it is built
     (``CHAINER_DTYPE=float16`` in the environment, or ``chainer.using_config('dtype',
@@ -150,7 +166,7 @@ class ResNet50(chainer.Chain):
     insize = 224
 
     def __init__(self, layout='NHWC', n_classes=1000, width=1, version='1.5',
-                 zero_init_residual=None, fused=None):
+                 zero_init_residual=None, fused=None, pad_channels=None):
         super().__init__()
         if version not in VERSIONS:
             raise ValueError("version must be '1.5' or '1' (a str); got {!r}".format(version))
@@ -174,7 +190,18 @@ class ResNet50(chainer.Chain):
         if fused and layout != 'NHWC':
             raise ValueError("fused=True needs layout='NHWC': the fused BN+Add+ReLU links are "
                              "channels-last; got layout={!r}".format(layout))
+        if pad_channels is None:
+            pad_channels = 3
+        if isinstance(pad_channels, bool) or not isinstance(pad_channels, (int, numpy.integer)) \
+                or pad_channels not in PAD_CHANNELS:
+            raise ValueError('pad_channels must be 3 (no padding), 4 or 8, or None (3); got {!r}'
+                             .format(pad_channels))
+        if pad_channels != 3 and layout == 'NCHW':
+            raise ValueError("pad_channels={} needs layout='NHWC': padding the channels is for "
+                             "cuDNN's channels-last Tensor Core kernels, and Chainer's NCHW "
+                             'links cannot hide it; got layout={!r}'.format(pad_channels, layout))
         self.layout, self.version, self.width = layout, version, int(width)
+        self.pad_channels = int(pad_channels)
         self.fused = fused
         self.n_classes, self.zero_init_residual = int(n_classes), zero_init_residual
         self.dtype = chainer.get_dtype()
@@ -183,7 +210,7 @@ class ResNet50(chainer.Chain):
         ops = self.ops = _Ops(layout, version, fused)
         c = 64 // width
         with self.init_scope():
-            self.conv1 = ops.conv(3, c, 7, stride=2, pad=3)
+            self.conv1 = ops.conv(3, c, 7, stride=2, pad=3, pad_channels=self.pad_channels)
             self.bn1 = ops.bn(c, relu=True)
             blocks, in_ch = [], c
             for stage, (n, ch) in enumerate(STAGES):
@@ -198,7 +225,8 @@ class ResNet50(chainer.Chain):
                                initial_bias=initializers.Zero(dtype=self.head_dtype))
 
     def forward(self, x):
-        """Logits (N, n_classes) of images ``x`` in the model's layout; float32 for float16
+        """Logits (N, n_classes) of images ``x`` in the model's layout (NHWC with
+        ``pad_channels``: 3 channels, or ``pad_channels`` padded with zeros); float32 for float16
         models, else the model's dtype."""
         ops = self.ops
         if x.dtype != self.dtype:           # the one cast of the input

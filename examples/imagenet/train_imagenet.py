@@ -45,6 +45,7 @@ ARCHS = {
 }
 DTYPES = ('float16', 'float32', 'float64')
 SCHEDULES = ('constant', 'step', 'cosine')
+PAD_CHANNELS = (3, 4, 8)
 STEP_MILESTONES = (30 / 90, 60 / 90, 80 / 90)   # x0.1 at epochs 30, 60, 80 of 90
 LOG_EVERY = 1000                                # iterations, at most (Chainer's example)
 
@@ -165,6 +166,11 @@ def make_parser():
     t.add_argument('--static-graph', action='store_true',
                    help='trace the training step once, then replay it (a CUDA graph on a GPU; '
                    'needs --batched-update)')
+    t.add_argument('--pad-channels', type=int, choices=PAD_CHANNELS, default=3,
+                   help="the images' channels as the first convolution reads them: 4 or 8 "
+                   'pads RGB with zeros (cuDNN\'s Tensor Core NHWC kernels want 4 or a multiple '
+                   'of 8 channels in float16); with --dali the pipeline pads, otherwise the '
+                   'model does. Needs --nhwc. Default 3: no padding')
     t.add_argument('--loss-scale', type=_loss_scale, metavar='{dynamic,N}',
                    help='loss scaling: dynamic, or a static scale N. With --batched-update '
                    "chainer_tc's (dynamic: from 2^15, halved on overflow), otherwise Chainer's "
@@ -212,6 +218,9 @@ def check_args(args):
     if args.fused_bn and not args.nhwc:
         raise UsageError('--fused-bn needs --nhwc: the fused BatchNorm+Add+ReLU links work on '
                          'channels-last (NHWC) data')
+    if args.pad_channels != 3 and not args.nhwc:
+        raise UsageError('--pad-channels {} needs --nhwc: padding the channels is for cuDNN\'s '
+                         'channels-last Tensor Core kernels'.format(args.pad_channels))
     if args.static_graph and not args.batched_update:
         raise UsageError('--static-graph needs --batched-update: the replayed step keeps the '
                          "learning rate and the loss scale in device memory, which only "
@@ -305,7 +314,8 @@ def smoothed_cross_entropy(eps):
 def make_model(args, layout):
     version = ARCHS[args.arch][0]
     predictor = ResNet50(layout, n_classes=args.n_classes, width=args.width, version=version,
-                         fused=args.fused_bn if layout == 'NHWC' else None)
+                         fused=args.fused_bn if layout == 'NHWC' else None,
+                         pad_channels=args.pad_channels)
     predictor.insize = args.insize
     lossfun = smoothed_cross_entropy(args.label_smoothing) if args.label_smoothing \
         else F.softmax_cross_entropy
@@ -389,7 +399,7 @@ def make_iterators(args, device, layout, dtype, mean, std, seed):
         common = dict(crop=args.insize, device='gpu' if gpu else 'cpu',
                       device_id=device.device.id if gpu else None, dtype=dtype, layout=layout,
                       num_classes=args.n_classes, seed=seed, num_threads=args.loaderjob or None,
-                      mean=mean, std=std)
+                      mean=mean, std=std, pad_channels=args.pad_channels)
         if args.comm is not None:           # each rank reads its shard (disjoint, complete)
             common.update(shard_id=args.comm.rank, num_shards=args.comm.size)
         its = []
@@ -682,6 +692,7 @@ def describe(args, device, dtype, layout, seed, loader):
     techniques = [name for name, on in (
         ('--nhwc', layout == 'NHWC'), ('--fused-bn', args.fused_bn),
         ('--batched-update', args.batched_update), ('--static-graph', args.static_graph),
+        ('--pad-channels {}'.format(args.pad_channels), args.pad_channels != 3),
         ('--loss-scale {}'.format(args.loss_scale), args.loss_scale is not None),
         ('--dali', args.dali)) if on]
     print('Device: {}'.format(device))
