@@ -8,13 +8,17 @@
 
 Three execution paths share one ``.cu`` source (see docs/kernels.md):
 
-- ``xp is cupy``: ``cupy.RawModule`` compiled by NVRTC (CuPy caches the binary per device);
+- ``xp is cupy``: compiled by NVRTC with the options CuPy's ``RawModule`` would use, the binary
+  and its lowered template names kept in the per-user cache (``chainer_tc._cubin``), so a later
+  process loads it without NVRTC, name expressions or not;
 - ``xp is numpy`` with ``CHAINER_TC_EMULATE=1``: the CPU emulator of ``chainer_tc.testing``, so
   the GPU orchestration code runs in CI on NumPy arrays;
 - otherwise a caller takes its plain NumPy path and never asks for a kernel
   (:func:`backend` tells it which path it is on).
 
-Compiled modules are memoized per (file, defines, backend, device); nothing is compiled at import.
+Compiled modules are memoized per (file, defines, backend, device) and kernels per name as well;
+nothing is compiled at import. :func:`counters` says how much of that work a process did (NVRTC
+compiles, cache hits, modules loaded, functions looked up): after warm-up it stays zero.
 """
 import collections
 import contextlib
@@ -23,11 +27,16 @@ import re
 import sys
 import threading
 
+from chainer_tc import _cubin
+from chainer_tc._cubin import counters  # NOQA
+from chainer_tc._cubin import reset_counters  # NOQA
+
 ENV_EMULATE = 'CHAINER_TC_EMULATE'
 ENV_KERNEL_DIR = 'CHAINER_TC_KERNEL_DIR'
 
 _lock = threading.Lock()
 _modules = {}
+_kernels = {}
 _counts = collections.Counter()
 
 
@@ -151,12 +160,19 @@ class Kernel:
         return '<chainer_tc kernel {}>'.format(self.name)
 
 
+def _nvrtc_options(options):
+    """What the loader passes to NVRTC besides the ``-D`` options (CuPy adds its own, see
+    ``_cubin.compile_options``)."""
+    return options + ('--std=c++17',) + tuple('-I' + d for d in cuda_include_dirs())
+
+
 def _module(family, options, xp, name_expressions=()):
+    where = os.environ.get(ENV_KERNEL_DIR)
     if backend(xp) == 'cuda':
-        import cupy
-        key = (family, options, name_expressions, 'cuda', cupy.cuda.Device().id)
+        device = xp.cuda.Device()
+        key = (family, where, options, name_expressions, 'cuda', device.id)
     elif emulating():
-        key = (family, options, name_expressions, 'emulator')
+        key = (family, where, options, name_expressions, 'emulator')
     else:
         raise RuntimeError('kernel family {!r} asked for NumPy arrays without {}=1: the caller '
                            'should have taken its NumPy path'.format(family, ENV_EMULATE))
@@ -165,20 +181,14 @@ def _module(family, options, xp, name_expressions=()):
         if mod is None:
             path = source_path(family)
             code = source(family)
-            if key[3] == 'cuda':
-                import cupy
-                opts = options + ('--std=c++17',) + tuple('-I' + d for d in cuda_include_dirs())
-                try:
-                    mod = cupy.RawModule(code=code, options=opts,
-                                         name_expressions=list(name_expressions) or None)
-                    mod.compile()
-                except cupy.cuda.compiler.CompileException as e:
-                    from chainer_tc.errors import CompileError
-                    raise CompileError('NVRTC failed to compile {}:\n{}'.format(path, e)) from e
+            if key[4] == 'cuda':
+                mod = _cubin.load_module(code, path, _nvrtc_options(options), name_expressions,
+                                         device.compute_capability)
             else:
                 from chainer_tc.testing import emulator
                 mod = emulator.RawModule(code=code, options=options,
                                          name_expressions=list(name_expressions))
+                _cubin.add('modules_loaded')
             _modules[key] = mod
     return mod
 
@@ -188,10 +198,23 @@ def get_function(family, name, xp, defines=None, name_expressions=()):
 
     ``defines`` become ``-DKEY=VALUE`` options, so launch constants have one source of truth.
     ``name_expressions`` lists template instantiations (``'k<float>'``) to compile, as in CuPy;
-    our own kernels need none (their entry points are ``extern "C"`` wrappers).
+    a templated ``name`` must be one of them. Kernels are memoized per (family, name, defines,
+    name expressions, backend, device): asking again costs a dictionary lookup.
     """
-    mod = _module(family, _define_options(defines), xp, tuple(name_expressions))
-    return Kernel(name, mod.get_function(name))
+    options = _define_options(defines)
+    name_expressions = tuple(name_expressions)
+    path = backend(xp)
+    device = xp.cuda.runtime.getDevice() if path == 'cuda' else None
+    key = (family, name, options, name_expressions, path, device,
+           os.environ.get(ENV_KERNEL_DIR))
+    kernel = _kernels.get(key)
+    if kernel is None:
+        mod = _module(family, options, xp, name_expressions)
+        kernel = Kernel(name, mod.get_function(name))
+        _cubin.add('function_lookups')
+        with _lock:
+            kernel = _kernels.setdefault(key, kernel)
+    return kernel
 
 
 def launch_count():

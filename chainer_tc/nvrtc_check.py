@@ -24,6 +24,7 @@ import subprocess
 import sys
 
 from chainer_tc import _cache
+from chainer_tc import _cubin
 from chainer_tc import kernels
 from chainer_tc.errors import CompileError
 
@@ -37,42 +38,20 @@ _USED = re.compile(r"Used (\d+) registers")
 _SMEM = re.compile(r"(\d+) bytes smem")
 
 
-def _nvrtc():
-    try:
-        from cupy_backends.cuda.libs import nvrtc
-        nvrtc.getVersion()
-    except Exception as e:   # ImportError, or libnvrtc.so.12 missing
-        raise RuntimeError('NVRTC is not available ({}: {}); install the gpu extra: '
-                           "pip install -e '.[gpu]'".format(type(e).__name__, e)) from e
-    return nvrtc
-
-
 def compile_source(code, name, arch, options=()):
     """NVRTC-compile ``code`` for ``arch``; returns (cubin bytes, ptxas log). Cached."""
-    nvrtc = _nvrtc()
     opts = ('--gpu-architecture=' + arch, '--ptxas-options=-v', '--std=c++17') + \
         tuple('-I' + d for d in kernels.cuda_include_dirs()) + tuple(options)
-    version = '{}.{}'.format(*nvrtc.getVersion())
+    version = '{}.{}'.format(*_cubin.nvrtc_version())
     key = _cache.key_of('nvrtc-1', version, '\0'.join(opts), code)
     hit = _cache.load('nvrtc', key)
     if hit is not None:
         entry = json.loads(hit.decode())
         return base64.b64decode(entry['cubin']), entry['log']
-    prog = nvrtc.createProgram(code, os.path.basename(name), [], [])
-    try:
-        try:
-            nvrtc.compileProgram(prog, list(opts))
-        except Exception as e:
-            log = nvrtc.getProgramLog(prog).rstrip('\x00').strip()
-            raise CompileError('NVRTC failed to compile {} for {} ({}):\n{}'
-                               .format(name, arch, e, log)) from e
-        log = nvrtc.getProgramLog(prog).rstrip('\x00')
-        cubin = nvrtc.getCUBIN(prog)
-    finally:
-        nvrtc.destroyProgram(prog)
+    program = _cubin.compile_program(code, name, opts)
     _cache.store('nvrtc', key, json.dumps(
-        {'cubin': base64.b64encode(cubin).decode(), 'log': log}).encode())
-    return cubin, log
+        {'cubin': base64.b64encode(program.binary).decode(), 'log': program.log}).encode())
+    return program.binary, program.log
 
 
 def parse_ptxas_log(log):
