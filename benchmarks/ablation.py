@@ -23,7 +23,8 @@ On a GPU (when CuPy finds one): images/s of ResNet-50 training (224x224, 1000 cl
 configuration at each batch size of --batches (default 32,64,128,256); cuDNN autotune on; warm-up
 iterations excluded; each repeat times --gpu-iters iterations between two CUDA events recorded
 after a device-wide synchronisation (so DALI's stream and the captured graph's are included);
-the median of --gpu-repeats repeats. Two inputs:
+the median of --gpu-repeats repeats. The NHWC configurations feed conv1 an input padded to
+--pad-channels (default 4, zeros; DALI emits it so) for cuDNN's Tensor Core kernels. Two inputs:
   synthetic  the batch already on the device (the +DALI row then does the fp16 row's work);
   pipeline   as the study: fp32 and fp16 fed by Chainer's input pipeline, +DALI and later by the
              DALI GPU pipeline (when DALI's GPU pipeline is available), over generated JPEGs
@@ -424,18 +425,23 @@ def gpu_section(args, data, dali_gpu):
     return {'device': name.decode() if isinstance(name, bytes) else str(name),
             'model': 'ResNet-50 v1.5, 224x224, 1000 classes', 'iters': args.gpu_iters,
             'repeats': args.gpu_repeats, 'warmup': args.gpu_warmup, 'autotune': True,
+            'nhwc_pad_channels': args.pad_channels,
             'rows': rows}
 
 
 def gpu_run(config, batch, mode, args, data, device):
     import cupy
     s = SPECS[config]
-    model, opt = build(config, device=device)
+    # NHWC configurations take conv1's input padded to --pad-channels (cuDNN's Tensor Core
+    # kernels want 4 or 8 channels in float16), made so by the data: DALI emits it padded
+    pad = args.pad_channels if s.nhwc else 3
+    model, opt = build(config, device=device, **({'pad_channels': pad} if s.nhwc else {}))
     dtype = model.dtype
     it = None
     if mode == 'synthetic':
-        shape = (batch, 224, 224, 3) if s.nhwc else (batch, 3, 224, 224)
+        shape = (batch, 224, 224, pad) if s.nhwc else (batch, 3, 224, 224)
         x = cupy.random.standard_normal(shape, dtype=numpy.float32).astype(dtype)
+        x[..., 3:] = 0                                  # padding channels are zeros
         t = cupy.random.randint(0, 1000, batch).astype(numpy.int32)
 
         def next_batch():
@@ -443,7 +449,8 @@ def gpu_run(config, batch, mode, args, data, device):
     elif s.dali:
         it = dali.DaliIterator(dali.imagenet_pipeline(
             data['root'], data['list'], device='gpu', crop=224, dtype=dtype, seed=0,
-            layout='NHWC' if s.nhwc else 'NCHW', num_threads=args.threads), batch)
+            layout='NHWC' if s.nhwc else 'NCHW', num_threads=args.threads,
+            **({'pad_channels': pad} if s.nhwc else {})), batch)
 
         def next_batch():
             return next(it)
@@ -734,6 +741,9 @@ def parse_args(argv):
     p.add_argument('--gpu-iters', type=int, help='GPU: iterations per timed repeat')
     p.add_argument('--gpu-repeats', type=int)
     p.add_argument('--gpu-warmup', type=int)
+    p.add_argument('--pad-channels', type=int, choices=(3, 4, 8), default=4,
+                   help='GPU, NHWC configurations: conv1\'s input channels (default 4; 3: '
+                        'unpadded)')
     p.add_argument('--no-gpu', action='store_true', help='CPU proxies only')
     p.add_argument('--skip', default='', help='comma-separated sections to leave out: '
                                               + ', '.join(SECTIONS))
