@@ -1,7 +1,12 @@
 import os
 
-import numpy
-import pytest
+# float32 cuDNN results are compared with NumPy's at float32 tolerances: no TF32 Tensor Core math
+# (cuDNN 8's default for float32 on an A100/H100). Read when the CUDA libraries start, so here,
+# before anything imports them. docs/functions.md (Convolution) says the same to users.
+os.environ.setdefault('NVIDIA_TF32_OVERRIDE', '0')
+
+import numpy  # noqa: E402
+import pytest  # noqa: E402
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
