@@ -8,7 +8,7 @@
 // double data). invstd = 1 / sqrt(var + eps), correctly rounded as NumPy computes it.
 //
 // Kernels and their launch shapes (templates; the loader names them as name_expressions, e.g.
-// "bn_apply<__half, float>"):
+// "bn_apply<__half, float, 2>"):
 //   bn_stats_partial<T>(x, rows, C, rows_per_block, partial)
 //     grid (ceil(C/BN_TILE_C), ceil(rows/rows_per_block)), block (BN_TILE_C, BN_ROWS).
 //     partial[(by * C + c) * 3 + {0,1,2}] = (count, mean, M2) of channel c over the rows of row
@@ -19,15 +19,22 @@
 //     mean[c], invstd[c] (float buffers of the acc type); when update != 0 also
 //     running_mean = decay * running_mean + (1 - decay) * mean and
 //     running_var = decay * running_var + (1 - decay) * var * rows / max(rows - 1, 1), as Chainer.
-//   bn_apply<T,P>(x, z, gamma, beta, mean, invstd, y, rows, C, relu)
-//     any grid (grid-stride over rows*C), block BN_THREADS. Writes y only.
+//   bn_apply<T,P,V>(x, z, gamma, beta, mean, invstd, y, rows, C, relu)
+//     2-D: thread x of block column blockIdx.x owns channels V*g .. V*g + V - 1 with
+//     g = blockIdx.x * blockDim.x + threadIdx.x < C / V (its gamma, beta, mean, invstd stay in
+//     registers); threadIdx.y + blockIdx.y * blockDim.y is its first row, and it strides over rows
+//     by gridDim.y * blockDim.y (any grid.y; grid.x * blockDim.x >= C / V; block at most
+//     BN_THREADS threads). The flat offset row * C + c is formed once and advanced by an add: no
+//     division. V = 2 (C even, x/z/y aligned to 2 * sizeof(T)): one __half2/float2/double2 access
+//     per two channels, the same values as V = 1. Writes y only.
 //   bn_backward_partial<T>(gy, y, x, mean, invstd, rows, C, rows_per_block, relu, partial)
 //     like bn_stats_partial: partial[(by * C + c) * 2 + {0,1}] = (sum g, sum g * xhat) with
 //     g = gy masked by y > 0 when relu, xhat = (x - mean) * invstd.
 //   bn_backward_finalize<P>(partial, blocks, C, sums, ggamma, gbeta)
 //     sums[c] = sum g, sums[C + c] = sum g * xhat (acc type); gbeta = sums[c], ggamma = sums[C + c].
-//   bn_backward_apply<T,P>(gy, y, x, gamma, mean, invstd, sums, rows, C, relu, gx, gz)
+//   bn_backward_apply<T,P,V>(gy, y, x, gamma, mean, invstd, sums, rows, C, relu, gx, gz)
 //     gx = gamma * invstd * (g - (xhat * sum(g xhat) + sum(g)) / rows);  gz = g (gz may be null).
+//     Launched as bn_apply (V = 2 needs gy, y, x, gx, gz aligned). Writes gx and gz only.
 #include "dtype.cuh"
 
 #ifndef BN_TILE_C
@@ -44,7 +51,9 @@ namespace bn {
 
 using ctc::Acc;
 using ctc::load;
+using ctc::load_v;
 using ctc::store;
+using ctc::store_v;
 
 __device__ __forceinline__ float inv_sqrt(float v) { return __frcp_rn(__fsqrt_rn(v)); }
 __device__ __forceinline__ double inv_sqrt(double v) { return 1.0 / sqrt(v); }
@@ -119,21 +128,34 @@ bn_stats_finalize(const typename bn::Acc<P>::type* __restrict__ partial, int blo
   }
 }
 
-template <typename T, typename P>
+template <typename T, typename P, int V>
 __global__ void __launch_bounds__(BN_THREADS)
 bn_apply(const T* __restrict__ x, const T* __restrict__ z, const P* __restrict__ gamma,
          const P* __restrict__ beta, const typename bn::Acc<T>::type* __restrict__ mean,
          const typename bn::Acc<T>::type* __restrict__ invstd, T* __restrict__ y, long long rows,
          int C, int relu) {
   typedef typename bn::Acc<T>::type A;
-  const long long n = rows * C;
-  for (long long i = blockIdx.x * (long long)BN_THREADS + threadIdx.x; i < n;
-       i += (long long)gridDim.x * BN_THREADS) {
-    const int c = (int)(i % C);
-    A v = A(bn::load(gamma, c)) * ((A(bn::load(x, i)) - mean[c]) * invstd[c]) + A(bn::load(beta, c));
-    if (z) v += A(bn::load(z, i));
-    if (relu && v < A(0)) v = A(0);         // max(v, 0) as NumPy and Chainer: NaN stays NaN
-    bn::store(y, i, v);
+  const unsigned group = blockIdx.x * blockDim.x + threadIdx.x;
+  if (group >= (unsigned)(C / V)) return;
+  const int c = (int)group * V;
+  A g[V], b[V], m[V], s[V];
+  for (int k = 0; k < V; ++k) {
+    g[k] = A(bn::load(gamma, c + k));
+    b[k] = A(bn::load(beta, c + k));
+    m[k] = mean[c + k];
+    s[k] = invstd[c + k];
+  }
+  const long long n = rows * C, step = (long long)(gridDim.y * blockDim.y) * C;
+  for (long long i = (long long)(blockIdx.y * blockDim.y + threadIdx.y) * C + c; i < n; i += step) {
+    A v[V], w[V];
+    bn::load_v<V>(x, i, v);
+    if (z) bn::load_v<V>(z, i, w);
+    for (int k = 0; k < V; ++k) {
+      v[k] = g[k] * ((v[k] - m[k]) * s[k]) + b[k];
+      if (z) v[k] += w[k];
+      if (relu && v[k] < A(0)) v[k] = A(0);   // max(v, 0) as NumPy and Chainer: NaN stays NaN
+    }
+    bn::store_v<V>(y, i, v);
   }
 }
 
@@ -193,7 +215,7 @@ bn_backward_finalize(const typename bn::Acc<P>::type* __restrict__ partial, int 
   bn::store(ggamma, c, sum_gx);
 }
 
-template <typename T, typename P>
+template <typename T, typename P, int V>
 __global__ void __launch_bounds__(BN_THREADS)
 bn_backward_apply(const T* __restrict__ gy, const T* __restrict__ y, const T* __restrict__ x,
                   const P* __restrict__ gamma, const typename bn::Acc<T>::type* __restrict__ mean,
@@ -201,16 +223,31 @@ bn_backward_apply(const T* __restrict__ gy, const T* __restrict__ y, const T* __
                   const typename bn::Acc<T>::type* __restrict__ sums, long long rows, int C,
                   int relu, T* __restrict__ gx, T* __restrict__ gz) {
   typedef typename bn::Acc<T>::type A;
-  const long long n = rows * C;
+  const unsigned group = blockIdx.x * blockDim.x + threadIdx.x;
+  if (group >= (unsigned)(C / V)) return;
+  const int c = (int)group * V;
   const A inv_m = A(1) / A(rows);
-  for (long long i = blockIdx.x * (long long)BN_THREADS + threadIdx.x; i < n;
-       i += (long long)gridDim.x * BN_THREADS) {
-    const int c = (int)(i % C);
-    A g = bn::load(gy, i);
-    if (relu && !(A(bn::load(y, i)) > A(0))) g = A(0);
-    const A xhat = (A(bn::load(x, i)) - mean[c]) * invstd[c];
-    bn::store(gx, i, A(bn::load(gamma, c)) * invstd[c] * (g - (xhat * sums[C + c] + sums[c]) * inv_m));
-    if (gz) bn::store(gz, i, g);
+  A gam[V], m[V], s[V], sum_g[V], sum_gx[V];
+  for (int k = 0; k < V; ++k) {
+    gam[k] = A(bn::load(gamma, c + k));
+    m[k] = mean[c + k];
+    s[k] = invstd[c + k];
+    sum_g[k] = sums[c + k];
+    sum_gx[k] = sums[C + c + k];
+  }
+  const long long n = rows * C, step = (long long)(gridDim.y * blockDim.y) * C;
+  for (long long i = (long long)(blockIdx.y * blockDim.y + threadIdx.y) * C + c; i < n; i += step) {
+    A g[V], yv[V], xv[V], out[V];
+    bn::load_v<V>(gy, i, g);
+    if (relu) bn::load_v<V>(y, i, yv);
+    bn::load_v<V>(x, i, xv);
+    for (int k = 0; k < V; ++k) {
+      if (relu && !(yv[k] > A(0))) g[k] = A(0);
+      const A xhat = (xv[k] - m[k]) * s[k];
+      out[k] = gam[k] * s[k] * (g[k] - (xhat * sum_gx[k] + sum_g[k]) * inv_m);
+    }
+    bn::store_v<V>(gx, i, out);
+    if (gz) bn::store_v<V>(gz, i, g);
   }
 }
 
@@ -224,12 +261,13 @@ bn_backward_apply(const T* __restrict__ gy, const T* __restrict__ y, const T* __
       double, int, P*, P*, bn::Acc<P>::type*, bn::Acc<P>::type*); \
   template __global__ void bn_backward_finalize<P>(const bn::Acc<P>::type*, int, int, bn::Acc<P>::type*, \
       P*, P*);
-#define BN_PAIR(T, P) \
-  template __global__ void bn_apply<T, P>(const T*, const T*, const P*, const P*, const bn::Acc<T>::type*, \
-      const bn::Acc<T>::type*, T*, long long, int, int); \
-  template __global__ void bn_backward_apply<T, P>(const T*, const T*, const T*, const P*, \
+#define BN_PAIR_V(T, P, V) \
+  template __global__ void bn_apply<T, P, V>(const T*, const T*, const P*, const P*, \
+      const bn::Acc<T>::type*, const bn::Acc<T>::type*, T*, long long, int, int); \
+  template __global__ void bn_backward_apply<T, P, V>(const T*, const T*, const T*, const P*, \
       const bn::Acc<T>::type*, const bn::Acc<T>::type*, const bn::Acc<T>::type*, long long, int, int, \
       T*, T*);
+#define BN_PAIR(T, P) BN_PAIR_V(T, P, 1) BN_PAIR_V(T, P, 2)
 BN_DATA(__half)
 BN_DATA(float)
 BN_DATA(double)

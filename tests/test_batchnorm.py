@@ -2,6 +2,7 @@
 (``F.batch_normalization(axis=(0, 1, 2))``), the emulated kernels against the NumPy path,
 gradient checks, the links."""
 import copy
+import warnings
 
 import numpy
 import pytest
@@ -216,7 +217,7 @@ def test_fixed_mode_launches(monkeypatch):
     x, gamma, beta, _ = data((3, 5), numpy.float32, numpy.float32)
     with kernels.count_launches() as c:
         TF.fixed_batch_normalization(x, gamma, beta, numpy.zeros(5, 'f'), numpy.ones(5, 'f'))
-    assert c.per_kernel == {'bn_apply<float, float>': 1}
+    assert c.per_kernel == {'bn_apply<float, float, 1>': 1}     # C = 5: one channel per thread
 
 
 # ---- bad input ----------------------------------------------------------------------------------
@@ -483,3 +484,106 @@ def test_single_sample_batch_statistics_warn_once_per_shape():
                                numpy.zeros(5, 'f'))
     messages = [str(w.message) for w in caught if 'single sample' in str(w.message)]
     assert len(messages) == 2 and '(1, 1, 1, 3)' in messages[0]
+
+
+# ---- the two elementwise kernel paths: two channels per thread (vector accesses) and one ------------
+
+def _offset_copy(a):
+    """``a`` in an array that starts one element past an aligned allocation (a flat slice
+    ``base[1:]``): C-contiguous, not aligned to two elements."""
+    base = numpy.empty(a.size + 1, a.dtype)
+    assert base.ctypes.data % (2 * a.dtype.itemsize) == 0
+    view = base[1:].reshape(a.shape)
+    view[...] = a
+    return view
+
+
+def _apply_widths(counts):
+    """{'bn_apply': width, 'bn_backward_apply': width} of the launches counted."""
+    return {k.split('<')[0]: k.rsplit(', ', 1)[1].rstrip('>') for k in counts
+            if k.split('<')[0] in ('bn_apply', 'bn_backward_apply')}
+
+
+@pytest.mark.parametrize('dtype,pdtype', PAIRS)
+@pytest.mark.parametrize('relu,with_z', [(True, True), (True, False), (False, False)])
+@pytest.mark.parametrize('shape', [(3, 5, 7, 64), (2, 3, 3, 2048), (37, 6), (9, 2)])
+def test_misaligned_data_takes_the_one_channel_path_with_the_same_bits(monkeypatch, dtype, pdtype,
+                                                                       relu, with_z, shape):
+    """An even C takes two channels per thread (one vector access); an offset view of x holds
+    the launches that read it to one, with a warning, and every output is bitwise the same."""
+    from chainer_tc import _tiles
+    monkeypatch.setenv('CHAINER_TC_EMULATE', '1')
+    monkeypatch.setattr(_tiles, '_WARNED', set())
+    x, gamma, beta, z = data(shape, dtype, pdtype, seed=11, with_z=with_z)
+    gy = numpy.random.RandomState(12).randn(*shape).astype(dtype)
+    out = []
+    for inp in (x, _offset_copy(x)):
+        rm, rv = numpy.zeros(shape[-1], pdtype), numpy.ones(shape[-1], pdtype)
+        vs = [chainer.Variable(a) for a in (inp, gamma, beta) + ((z,) if with_z else ())]
+        with kernels.count_launches() as c, warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter('always')
+            zz = vs[3] if with_z else None
+            if relu:
+                y = TF.batch_normalization_add_relu(vs[0], zz, vs[1], vs[2], running_mean=rm,
+                                                    running_var=rv)
+            else:
+                y = TF.batch_normalization(vs[0], vs[1], vs[2], running_mean=rm, running_var=rv)
+            y.grad = gy
+            y.backward()
+        slow = [str(w.message) for w in caught
+                if issubclass(w.category, chainer.warnings.PerformanceWarning)]
+        out.append(([y.array, rm, rv] + [v.grad for v in vs], _apply_widths(c.per_kernel), slow))
+    (r0, k0, w0), (r1, k1, w1) = out
+    assert k0 == {'bn_apply': '2', 'bn_backward_apply': '2'} and not w0
+    assert k1 == {'bn_apply': '1', 'bn_backward_apply': '1'}
+    assert [m.split(' takes')[0] for m in w1] == ['chainer_tc: bn_apply',
+                                                 'chainer_tc: bn_backward_apply']
+    assert all('x starts at an address that is not a multiple of {} bytes'.format(
+        2 * numpy.dtype(dtype).itemsize) in m for m in w1)
+    for a, b in zip(r0, r1):
+        numpy.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize('C,width', [(3, '1'), (33, '1'), (2, '2'), (64, '2'), (2048, '2')])
+def test_channel_count_chooses_the_path_and_matches_numpy(monkeypatch, C, width):
+    """Odd C: one channel per thread, silently (the only path there); even C: two. Both match the
+    NumPy path; the fixed (inference) launch too."""
+    x, gamma, beta, z = data((7, C), numpy.float32, numpy.float32, seed=C)
+    mean, var = numpy.linspace(-1, 1, C).astype('f'), numpy.linspace(0.5, 2, C).astype('f')
+    out = []
+    for emulate in ('0', '1'):
+        monkeypatch.setenv('CHAINER_TC_EMULATE', emulate)
+        with kernels.count_launches() as c, warnings.catch_warnings():
+            warnings.simplefilter('error', chainer.warnings.PerformanceWarning)
+            y = TF.batch_normalization_add_relu(x, z, gamma, beta).array
+            yf = TF.fixed_batch_normalization(x, gamma, beta, mean, var).array
+        out.append((y, yf))
+    assert _apply_widths(c.per_kernel) == {'bn_apply': width}
+    for a, b in zip(*out):
+        numpy.testing.assert_allclose(b, a, rtol=1e-5, atol=2e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('dtype,pdtype', PAIRS)
+def test_gpu_aligned_and_offset_data_give_the_same_bits(dtype, pdtype):
+    import cupy
+    x, gamma, beta, z = data((4, 7, 7, 64), dtype, pdtype)
+    gy = numpy.random.RandomState(2).randn(*x.shape).astype(dtype)
+    base = cupy.empty(x.size + 1, dtype)
+    view = base[1:].reshape(x.shape)          # data.ptr one element past an aligned allocation
+    view[...] = cupy.asarray(x)
+    out = []
+    for inp in (cupy.asarray(x), view):
+        vs = [chainer.Variable(a) for a in (inp, cupy.asarray(gamma), cupy.asarray(beta))]
+        with kernels.count_launches() as c:
+            # fixed statistics: our kernels on every path (training float16 may go to cuDNN)
+            y = TF.fixed_batch_normalization(vs[0], vs[1], vs[2], cupy.zeros(64, pdtype),
+                                             cupy.ones(64, pdtype))
+            y.grad = cupy.asarray(gy)
+            y.backward()
+        out.append(([cupy.asnumpy(a) for a in [y.array] + [v.grad for v in vs]],
+                    _apply_widths(c.per_kernel)))
+    assert out[0][1] == {'bn_apply': '2', 'bn_backward_apply': '2'}
+    assert out[1][1] == {'bn_apply': '1', 'bn_backward_apply': '1'}
+    for a, b in zip(out[0][0], out[1][0]):
+        numpy.testing.assert_array_equal(a, b)

@@ -55,3 +55,66 @@ def test_every_kernel_has_a_case():
         names |= {n.split('<')[0] for c in CASES if c.family == family for n in c.name_expressions}
         missing = sorted(n for n in names if (family, n) not in launched)
         assert not missing, 'kernels/{}.cu: no case launches {}'.format(family, missing)
+
+
+# ---- the channels-last launches: tiles, vector width, and both paths' results ------------------
+
+def _both_widths():
+    """(id, build(width)) of cases that exist with one and with two channels per thread."""
+    f16, f32, f64 = numpy.float16, numpy.float32, numpy.float64
+    out = []
+    for t, p in [(f16, f16), (f16, f32), (f32, f32), (f64, f64)]:
+        out.append(('bn {} {} C70'.format(t.__name__, p.__name__),
+                    lambda w, t=t, p=p: kernel_cases._batchnorm(45, 70, t, p, grid_cap=2, width=w)))
+        out.append(('bn {} {} C6 no-relu no-z'.format(t.__name__, p.__name__),
+                    lambda w, t=t, p=p: kernel_cases._batchnorm(23, 6, t, p, relu=0, with_z=False,
+                                                                width=w)))
+    for t in (f16, f32, f64):
+        out.append(('pool {} C70'.format(t.__name__),
+                    lambda w, t=t: kernel_cases._pooling(2, 7, 8, 70, 3, 2, 1, t, grid_cap=1,
+                                                         width=w)))
+        out.append(('pool {} C4'.format(t.__name__),
+                    lambda w, t=t: kernel_cases._pooling(3, 5, 5, 4, 2, 1, 0, t, width=w)))
+    return out
+
+
+@pytest.mark.parametrize('build', [b for _, b in _both_widths()],
+                         ids=[i for i, _ in _both_widths()])
+def test_two_channels_per_thread_give_the_bits_of_one(backend, build):
+    """V = 2 (one __half2/float2/double2 access per two channels) computes each channel as V = 1
+    does: every output, bit for bit, with the launches the callers make for each width."""
+    out = {}
+    for w in (1, 2):
+        case = build(w)
+        widths = {k.kernel.rsplit(', ', 1)[1] for k in case.launches
+                  if k.kernel.startswith(('bn_apply', 'bn_backward_apply', 'max_pool', 'avg_pool'))}
+        assert widths == {'{}>'.format(w)}
+        out[w], _ = kernel_cases.run(case, backend)
+    for name in out[1]:
+        numpy.testing.assert_array_equal(out[2][name], out[1][name], err_msg=name)
+
+
+@pytest.mark.parametrize('groups', [0, 1, 3, 17, 32, 33, 35, 64, 1024, 1025, 300000])
+@pytest.mark.parametrize('positions', [0, 1, 7, 255, 802816, 10 ** 9])
+def test_channel_tiles_cover_every_group_and_position(groups, positions):
+    from chainer_tc import _tiles
+    (tiles, gy), (tx, ty) = _tiles.channel_tiles(groups, positions, 256)
+    assert 1 <= tx <= 32 and tx * ty <= 256 and ty >= 1
+    assert tiles * tx >= groups and (groups == 0 or (tiles - 1) * tx < groups), \
+        'every group covered, no tile without work'
+    assert (tx - 1) * tiles < max(groups, 1), 'balanced tiles: 33 groups are 17 + 16, not 32 + 1'
+    assert 1 <= gy <= 65535 and (gy * ty >= positions or tiles * gy > 8192 - tiles), \
+        'one row of threads per position, or the block budget is spent (the kernels stride)'
+
+
+def test_vector_width_names_what_holds_it_back():
+    from chainer_tc import _tiles
+    a = numpy.zeros(10, numpy.float16)
+    assert _tiles.vector_width(4, {'x': a, 'z': None}) == (2, None)
+    assert _tiles.vector_width(3, {'x': a}) == (1, None), 'odd C: the only path, no complaint'
+    width, why = _tiles.vector_width(4, {'x': a, 'gy': a[1:]})
+    assert width == 1 and why.startswith('gy starts at an address that is not a multiple of 4 '
+                                         'bytes (two float16 elements')
+    d = numpy.zeros(10, numpy.float64)
+    assert _tiles.vector_width(2, {'x': d[2:]})[0] == 2
+    assert _tiles.vector_width(2, {'x': d[1:]})[0] == 1, 'double2 needs 16 bytes'

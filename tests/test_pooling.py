@@ -1,5 +1,7 @@
 """NHWC max/average pooling against Chainer's NCHW functions on transposed data, the emulated
 kernels against the NumPy path, gradient checks."""
+import warnings
+
 import numpy
 import pytest
 
@@ -154,3 +156,141 @@ def test_gpu_equals_numpy_path(case, dtype):
             numpy.testing.assert_allclose(cupy.asnumpy(w).astype('f8'), u.astype('f8'),
                                           rtol=2e-3 if dtype == numpy.float16 else 1e-6,
                                           atol=1e-7)
+
+
+# ---- the two kernel paths: two channels per thread (vector loads) and one -----------------------
+
+def _launched(c):
+    """The pooling kernels a count_launches() block ran, as {name without template: width}."""
+    return {k.split('<')[0]: k.split(', ')[1].rstrip('>') for k in c.per_kernel}
+
+
+def offset_view(a):
+    """``a`` copied into an array that starts one element after an aligned allocation: C-contiguous,
+    but not aligned to two elements (what a flat slice ``base[1:]`` gives)."""
+    base = numpy.empty(a.size + 1, a.dtype)
+    assert base.ctypes.data % (2 * a.dtype.itemsize) == 0
+    view = base[1:].reshape(a.shape)
+    view[...] = a
+    return view
+
+
+@pytest.mark.parametrize('dtype', [numpy.float64, numpy.float32, numpy.float16])
+@pytest.mark.parametrize('shape,width', [((2, 7, 9, 6), '2'), ((2, 7, 9, 64), '2'),
+                                         ((2, 7, 9, 5), '1'), ((1, 3, 4, 2), '2')])
+def test_vector_path_is_chosen_by_the_channel_count_and_equals_numpy(monkeypatch, dtype, shape,
+                                                                     width):
+    x = distinct(shape, numpy.float64).astype(dtype)
+    out = {}
+    for emulate in ('0', '1'):
+        monkeypatch.setenv('CHAINER_TC_EMULATE', emulate)
+        with kernels.count_launches() as c:
+            v = chainer.Variable(x)
+            y = TF.max_pooling_2d(v, 3, 2, 1)
+            y.grad = numpy.random.RandomState(2).randn(*y.shape).astype(dtype)
+            y.backward()
+            va = chainer.Variable(x)
+            ya = TF.average_pooling_2d(va, 3, 2, 1)
+            ya.grad = numpy.ones_like(ya.array)
+            ya.backward()
+        out[emulate] = (y.array, v.grad, ya.array, va.grad)
+        if emulate == '1':
+            assert _launched(c) == {k: width for k in ('max_pool_forward', 'max_pool_backward',
+                                                       'avg_pool_forward', 'avg_pool_backward')}
+    # the max and the average (the same additions in the same order; padding adds nothing) are
+    # bitwise the NumPy path's; gradients add the outputs of overlapping windows in another order
+    for i in (0, 2):
+        numpy.testing.assert_array_equal(out['1'][i], out['0'][i])
+    for i in (1, 3):
+        numpy.testing.assert_allclose(out['1'][i].astype('f8'), out['0'][i].astype('f8'),
+                                      rtol=2e-3 if dtype == numpy.float16 else 1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize('dtype', [numpy.float32, numpy.float16])
+def test_misaligned_input_takes_the_one_channel_path_once_warned(monkeypatch, dtype):
+    from chainer_tc import _tiles
+    monkeypatch.setenv('CHAINER_TC_EMULATE', '1')
+    monkeypatch.setattr(_tiles, '_WARNED', set())
+    x = distinct((2, 5, 6, 8), numpy.float64).astype(dtype)
+    gy = numpy.random.RandomState(3).randn(2, 3, 4, 8).astype(dtype)
+    results = []
+    for inp in (x, offset_view(x)):
+        with kernels.count_launches() as c, warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter('always')
+            v = chainer.Variable(inp)
+            y = TF.max_pooling_2d(v, 3, 2, 1)
+            y.grad = gy
+            y.backward()
+        results.append((y.array, v.grad, _launched(c),
+                        [str(w.message) for w in caught
+                         if issubclass(w.category, chainer.warnings.PerformanceWarning)]))
+    (y0, g0, k0, w0), (y1, g1, k1, w1) = results
+    assert k0 == {'max_pool_forward': '2', 'max_pool_backward': '2'} and not w0
+    # only the launch that reads the misaligned array is held back; gy, argmax, gx are ours
+    assert k1 == {'max_pool_forward': '1', 'max_pool_backward': '2'}
+    assert len(w1) == 1 and 'max_pool_forward takes one channel per thread' in w1[0]
+    assert 'x starts at an address that is not a multiple of {} bytes'.format(
+        2 * numpy.dtype(dtype).itemsize) in w1[0]
+    numpy.testing.assert_array_equal(y0, y1)
+    numpy.testing.assert_array_equal(g0, g1)
+    with warnings.catch_warnings(record=True) as again:       # once per kernel and reason
+        warnings.simplefilter('always')
+        TF.max_pooling_2d(offset_view(x), 3, 2, 1)
+    assert not [w for w in again if 'one channel per thread' in str(w.message)]
+
+
+@pytest.mark.parametrize('dtype', [numpy.float16, numpy.float32, numpy.float64])
+def test_nan_in_one_channel_of_a_pair(monkeypatch, dtype):
+    """Two channels per thread keep each channel's own max, argmax and first NaN."""
+    r = numpy.random.RandomState(4)
+    x = r.randn(2, 6, 7, 4).astype(dtype)
+    x[0, 1, 2, 0] = numpy.nan           # channel 0 of pair (0, 1)
+    x[1, 3, 3, 3] = numpy.nan           # channel 3 of pair (2, 3)
+    x[1, 3, 4, 3] = numpy.nan           # a second NaN in the same window: the first one wins
+    x[1, 4, 4, 2] = numpy.inf           # its pair partner: a maximum, not a NaN
+    gy = r.randn(2, 4, 4, 4).astype(dtype)
+    t = {numpy.float16: '__half', numpy.float32: 'float', numpy.float64: 'double'}[dtype]
+    out = []
+    for emulate in ('0', '1'):
+        monkeypatch.setenv('CHAINER_TC_EMULATE', emulate)
+        with kernels.count_launches() as c:
+            v = chainer.Variable(x)
+            y = TF.max_pooling_2d(v, 3, 2, 1)
+            y.grad = gy
+            y.backward()
+        out.append((y.array, v.grad, y.creator.argmax))
+    assert c.per_kernel == {'max_pool_forward<{}, 2>'.format(t): 1,
+                            'max_pool_backward<{}, 2>'.format(t): 1}
+    (y0, g0, a0), (y1, g1, a1) = out
+    assert numpy.isnan(y1[..., 0]).any() and numpy.isnan(y1[..., 3]).any()
+    assert not numpy.isnan(y1[..., 1]).any() and not numpy.isnan(y1[..., 2]).any()
+    assert numpy.isinf(y1[..., 2]).any()
+    numpy.testing.assert_array_equal(y1, y0)                  # NaN where NaN, exact elsewhere
+    numpy.testing.assert_array_equal(a1, a0)                  # the first NaN's window offset
+    # overlapping windows add gradients in another order: a rounding apart
+    numpy.testing.assert_allclose(g1.astype('f8'), g0.astype('f8'),
+                                  rtol=2e-3 if dtype == numpy.float16 else 1e-6, atol=1e-7)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('dtype', [numpy.float32, numpy.float16])
+def test_gpu_vector_and_scalar_paths_equal_numpy(dtype):
+    import cupy
+    from chainer_tc import _tiles
+    x = distinct((2, 7, 9, 64), numpy.float64).astype(dtype)
+    gy = numpy.random.RandomState(8).randn(2, 4, 5, 64).astype(dtype)
+    ref = run(lambda v: TF.max_pooling_2d(v, 3, 2, 1), x, gy)
+    base = cupy.empty(x.size + 1, dtype)
+    view = base[1:].reshape(x.shape)              # data.ptr one element past an aligned one
+    view[...] = cupy.asarray(x)
+    assert _tiles.vector_width(64, {'x': cupy.asarray(x)})[0] == 2
+    assert _tiles.vector_width(64, {'x': view})[0] == 1
+    for inp in (cupy.asarray(x), view):
+        with kernels.count_launches() as c:
+            got = run(lambda v: TF.max_pooling_2d(v, 3, 2, 1), inp, cupy.asarray(gy))
+        assert any(k.startswith('max_pool_forward') and k.endswith(
+            ', {}>'.format(2 if inp is not view else 1)) for k in c.per_kernel)
+        numpy.testing.assert_array_equal(cupy.asnumpy(got[0]), ref[0])      # the max: exact
+        # gradients of overlapping windows are added in another order than the NumPy path's
+        numpy.testing.assert_allclose(cupy.asnumpy(got[1]).astype('f8'), ref[1].astype('f8'),
+                                      rtol=2e-3 if dtype == numpy.float16 else 1e-6, atol=1e-7)

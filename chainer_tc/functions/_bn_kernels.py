@@ -1,7 +1,15 @@
 """BatchNormalization (+ Add + ReLU) over channels-last arrays with kernels/batchnorm.cu: the GPU
-path (CuPy) and, under CHAINER_TC_EMULATE=1, the emulated one. Arrays are 2-D (rows, C)."""
+path (CuPy) and, under CHAINER_TC_EMULATE=1, the emulated one. Arrays are 2-D (rows, C).
+
+The elementwise launches (``bn_apply``, ``bn_backward_apply``) take two channels per thread
+(``<T, P, 2>``: one __half2/float2/double2 access) when C is even and every data array is aligned
+to two elements, else one (``<T, P, 1>``); an even C held back by a misaligned array (an offset
+view) says so once, as a PerformanceWarning."""
 import numpy
 
+import chainer
+
+from chainer_tc import _tiles
 from chainer_tc import kernels
 
 TILE_C, ROWS, THREADS = 32, 8, 256
@@ -14,13 +22,19 @@ _NAMES = (['bn_stats_partial<{}>'.format(t) for t in ('__half', 'float', 'double
           + ['bn_backward_partial<{}>'.format(t) for t in ('__half', 'float', 'double')]
           + ['bn_stats_finalize<{}>'.format(t) for t in ('__half', 'float', 'double')]
           + ['bn_backward_finalize<{}>'.format(t) for t in ('__half', 'float', 'double')]
-          + ['{}<{}, {}>'.format(k, _CTYPE[numpy.dtype(t)], _CTYPE[numpy.dtype(p)])
-             for k in ('bn_apply', 'bn_backward_apply') for t, p in PAIRS])
+          + ['{}<{}, {}, {}>'.format(k, _CTYPE[numpy.dtype(t)], _CTYPE[numpy.dtype(p)], v)
+             for k in ('bn_apply', 'bn_backward_apply') for t, p in PAIRS for v in (1, 2)])
 
 
-def _kernel(name, *dtypes, xp):
-    full = '{}<{}>'.format(name, ', '.join(_CTYPE[numpy.dtype(d)] for d in dtypes))
+def _kernel(name, *dtypes, xp, width=None):
+    args = [_CTYPE[numpy.dtype(d)] for d in dtypes] + ([] if width is None else [str(width)])
+    full = '{}<{}>'.format(name, ', '.join(args))
     return kernels.get_function('batchnorm', full, xp, _DEFINES, name_expressions=_NAMES)
+
+
+def _elementwise(name, rows, C, arrays):
+    """(vector width, grid, block) of bn_apply / bn_backward_apply over ``arrays`` (data)."""
+    return _tiles.plan(name, C, rows, THREADS, arrays, chainer.warnings.PerformanceWarning)
 
 
 def acc_dtype(dtype):
@@ -33,10 +47,6 @@ def _row_blocks(rows, C):
     blocks = max(1, min(-(-rows // (4 * ROWS)), max(1, 1024 // tiles)))
     per = -(-rows // blocks)
     return per, -(-rows // per), tiles
-
-
-def _grid_1d(n):
-    return (max(1, min(-(-n // THREADS), 8192)),)
 
 
 def statistics(x, eps, decay, running_mean, running_var, xp):
@@ -61,10 +71,10 @@ def statistics(x, eps, decay, running_mean, running_var, xp):
 def forward(x, z, gamma, beta, mean, invstd, relu, xp):
     rows, C = x.shape
     y = xp.empty_like(x)
-    _kernel('bn_apply', x.dtype, gamma.dtype, xp=xp)(
-        _grid_1d(rows * C), (THREADS,),
-        (x, z, gamma, beta, mean, invstd, y, numpy.int64(rows),
-         numpy.int32(C), numpy.int32(relu)))
+    width, grid, block = _elementwise('bn_apply', rows, C, {'x': x, 'z': z, 'y': y})
+    _kernel('bn_apply', x.dtype, gamma.dtype, xp=xp, width=width)(
+        grid, block, (x, z, gamma, beta, mean, invstd, y, numpy.int64(rows), numpy.int32(C),
+                      numpy.int32(relu)))
     return y
 
 
@@ -89,8 +99,9 @@ def backward(gy, y, x, gamma, mean, invstd, relu, fixed, want_gz, xp):
         sums = xp.zeros(2 * C, a)
     gx = xp.empty_like(x)
     gz = xp.empty_like(x) if want_gz else None
-    _kernel('bn_backward_apply', x.dtype, gamma.dtype, xp=xp)(
-        _grid_1d(rows * C), (THREADS,),
-        (gy, y, x, gamma, mean, invstd, sums, numpy.int64(rows), numpy.int32(C),
-         numpy.int32(relu), gx, gz))
+    width, grid, block = _elementwise('bn_backward_apply', rows, C,
+                                      {'gy': gy, 'y': y, 'x': x, 'gx': gx, 'gz': gz})
+    _kernel('bn_backward_apply', x.dtype, gamma.dtype, xp=xp, width=width)(
+        grid, block, (gy, y, x, gamma, mean, invstd, sums, numpy.int64(rows), numpy.int32(C),
+                      numpy.int32(relu), gx, gz))
     return gx, ggamma, gbeta, gz

@@ -17,15 +17,16 @@ from chainer import function_node
 from chainer.utils import conv
 from chainer.utils import type_check
 
+from chainer_tc import _tiles
 from chainer_tc import kernels
 from chainer_tc.functions import _util
 
 THREADS = 256
 _CTYPE = {numpy.dtype(numpy.float16): '__half', numpy.dtype(numpy.float32): 'float',
           numpy.dtype(numpy.float64): 'double'}
-_NAMES = ['{}<{}>'.format(k, t) for k in ('max_pool_forward', 'max_pool_backward',
-                                          'avg_pool_forward', 'avg_pool_backward')
-          for t in ('__half', 'float', 'double')]
+_NAMES = ['{}<{}, {}>'.format(k, t, v) for k in ('max_pool_forward', 'max_pool_backward',
+                                                  'avg_pool_forward', 'avg_pool_backward')
+          for t in ('__half', 'float', 'double') for v in (1, 2)]
 SHAPE = numpy.dtype([(f, '<i4') for f in ('N', 'H', 'W', 'C', 'OH', 'OW', 'kh', 'kw', 'sy', 'sx',
                                           'ph', 'pw')])
 INT_MAX = 2 ** 31 - 1       # the kernels' geometry is 32-bit int (PoolShape, window offsets)
@@ -86,9 +87,20 @@ class _Pooling2D(function_node.FunctionNode):
             s[f] = v
         return s
 
-    def _kernel(self, name, dtype, xp):
-        return kernels.get_function('pooling', '{}<{}>'.format(name, _CTYPE[numpy.dtype(dtype)]),
-                                    xp, {'POOL_THREADS': THREADS}, name_expressions=_NAMES)
+    def _launch(self, name, s, arrays, xp):
+        """Launch kernel ``name`` on ``arrays`` (its array arguments in order, by name; the first
+        holds the data type): one row of threads per output position (forward) or input position
+        (backward), two channels per thread where C is even and every array is aligned to two of
+        its elements, else one (an even C held back by a misaligned array says so once)."""
+        rows, cols = ('OH', 'OW') if name.endswith('forward') else ('H', 'W')
+        positions = int(s['N']) * int(s[rows]) * int(s[cols])
+        width, grid, block = _tiles.plan(name, int(s['C']), positions, THREADS, arrays,
+                                         chainer.warnings.PerformanceWarning)
+        dtype = next(iter(arrays.values())).dtype
+        f = kernels.get_function('pooling', '{}<{}, {}>'.format(
+            name, _CTYPE[numpy.dtype(dtype)], width), xp, {'POOL_THREADS': THREADS},
+            name_expressions=_NAMES)
+        f(grid, block, (s,) + tuple(arrays.values()))
 
     def _windows(self, s):
         """(i, j, slice of the padded array) for every window offset (the NumPy path)."""
@@ -114,10 +126,6 @@ class _Pooling2D(function_node.FunctionNode):
         return gp[:, self.ph:self.ph + int(s['H']), self.pw:self.pw + int(s['W']), :]
 
 
-def _grid(n):
-    return (max(1, min(-(-n // THREADS), 8192)),)
-
-
 class MaxPooling2D(_Pooling2D):
 
     def forward(self, inputs):
@@ -140,8 +148,7 @@ class MaxPooling2D(_Pooling2D):
             x = xp.ascontiguousarray(x)
             y = xp.empty((int(s['N']), int(s['OH']), int(s['OW']), int(s['C'])), x.dtype)
             argmax = xp.empty(y.shape, numpy.int32)
-            self._kernel('max_pool_forward', x.dtype, xp)(_grid(y.size), (THREADS,),
-                                                          (s, x, y, argmax))
+            self._launch('max_pool_forward', s, {'x': x, 'y': y, 'argmax': argmax}, xp)
         self.argmax = argmax
         return y,
 
@@ -162,7 +169,7 @@ class AveragePooling2D(_Pooling2D):
             return (total / a(self.kh * self.kw)).astype(x.dtype),
         x = xp.ascontiguousarray(x)
         y = xp.empty((int(s['N']), int(s['OH']), int(s['OW']), int(s['C'])), x.dtype)
-        self._kernel('avg_pool_forward', x.dtype, xp)(_grid(y.size), (THREADS,), (s, x, y))
+        self._launch('avg_pool_forward', s, {'x': x, 'y': y}, xp)
         return y,
 
     def backward(self, indexes, grad_outputs):
@@ -193,10 +200,9 @@ class _PoolingGrad(function_node.FunctionNode):
         gx = xp.empty(in_shape, gy.dtype)
         gy = xp.ascontiguousarray(gy)
         if self.is_max:
-            f._kernel('max_pool_backward', gy.dtype, xp)(_grid(gx.size), (THREADS,),
-                                                         (s, gy, f.argmax, gx))
+            f._launch('max_pool_backward', s, {'gy': gy, 'argmax': f.argmax, 'gx': gx}, xp)
         else:
-            f._kernel('avg_pool_backward', gy.dtype, xp)(_grid(gx.size), (THREADS,), (s, gy, gx))
+            f._launch('avg_pool_backward', s, {'gy': gy, 'gx': gx}, xp)
         return gx,
 
     def backward(self, indexes, grad_outputs):

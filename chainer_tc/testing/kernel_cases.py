@@ -11,10 +11,13 @@ does, so this runs where the project's full stack cannot be installed.
 """
 import numpy
 
+from chainer_tc import _tiles
 from chainer_tc import kernels
 
 # The launch constants the callers use (chainer_tc/layout.py, functions/_bn_kernels.py,
-# functions/pooling.py, optimizers/momentum_sgd.py), restated: those modules import Chainer.
+# functions/pooling.py, optimizers/momentum_sgd.py), restated: those modules import Chainer. The
+# channels-last elementwise launches (bn_apply, bn_backward_apply, pooling) are shaped by
+# chainer_tc._tiles, the callers' own functions.
 LAYOUT = {'LAYOUT_TILE': 32, 'LAYOUT_BLOCK_ROWS': 8}
 BN = {'BN_TILE_C': 32, 'BN_ROWS': 8, 'BN_THREADS': 256}
 POOL = {'POOL_THREADS': 256}
@@ -99,43 +102,57 @@ def _layout(n, c, h, w, tin, tout, big=False, grid_cap=None, seed=0):
 
 POOL_SHAPE = numpy.dtype([(f, '<i4') for f in ('N', 'H', 'W', 'C', 'OH', 'OW', 'kh', 'kw', 'sy',
                                                'sx', 'ph', 'pw')])
-_POOL_NAMES = ['{}<{}>'.format(k, t) for k in ('max_pool_forward', 'max_pool_backward',
-                                               'avg_pool_forward', 'avg_pool_backward')
-               for t in ('__half', 'float', 'double')]
+_POOL_NAMES = ['{}<{}, {}>'.format(k, t, v) for k in ('max_pool_forward', 'max_pool_backward',
+                                                       'avg_pool_forward', 'avg_pool_backward')
+               for t in ('__half', 'float', 'double') for v in (1, 2)]
 
 
 def _out(size, k, s, p):
     return (size + 2 * p - k) // s + 1
 
 
-def _pooling(n, h, w, c, k, s, p, dtype, big=False, grid_cap=None, seed=0):
+def _width(c, width):
+    """The vector width of a case: as the callers choose it for fresh (aligned) arrays, or
+    ``width`` (1: the one-channel path on an even C, as a misaligned array would make it)."""
+    if width is None:
+        return 2 if c % 2 == 0 else 1
+    if width == 2 and c % 2:
+        raise ValueError('two channels per thread need an even C; got C = {}'.format(c))
+    return width
+
+
+def _tile_launch(groups, positions, threads, grid_cap):
+    """channel_tiles, with at most ``grid_cap`` row tiles (the kernels' strided loops run)."""
+    grid, block = _tiles.channel_tiles(groups, positions, threads)
+    return (grid[0], min(grid[1], grid_cap) if grid_cap else grid[1]), block
+
+
+def _pooling(n, h, w, c, k, s, p, dtype, big=False, grid_cap=None, seed=0, width=None):
     oh, ow = _out(h, k, s, p), _out(w, k, s, p)
+    v = _width(c, width)
     shape = numpy.zeros(1, POOL_SHAPE)
-    for f, v in zip(POOL_SHAPE.names, (n, h, w, c, oh, ow, k, k, s, s, p, p)):
-        shape[f] = v
+    for f, val in zip(POOL_SHAPE.names, (n, h, w, c, oh, ow, k, k, s, s, p, p)):
+        shape[f] = val
     r = _rng(seed)
     x = r.randn(n, h, w, c).astype(dtype)
     gy = r.randn(n, oh, ow, c).astype(dtype)
     t = _CTYPE[numpy.dtype(dtype)]
-
-    def grid(total):
-        g = max(1, min(-(-total // POOL['POOL_THREADS']), 8192))
-        return (min(g, grid_cap) if grid_cap else g,)
-
-    block = (POOL['POOL_THREADS'],)
+    fwd = _tile_launch(c // v, n * oh * ow, POOL['POOL_THREADS'], grid_cap)
+    bwd = _tile_launch(c // v, n * h * w, POOL['POOL_THREADS'], grid_cap)
     arrays = {'x': x, 'gy': gy, 'y': numpy.full(gy.shape, numpy.nan, dtype),
               'argmax': numpy.full(gy.shape, -1, numpy.int32),
               'gx': numpy.full(x.shape, numpy.nan, dtype),
               'ya': numpy.full(gy.shape, numpy.nan, dtype),
               'gxa': numpy.full(x.shape, numpy.nan, dtype)}
     launches = [
-        Launch('max_pool_forward<{}>'.format(t), grid(gy.size), block, (shape, 'x', 'y', 'argmax')),
-        Launch('max_pool_backward<{}>'.format(t), grid(x.size), block, (shape, 'gy', 'argmax', 'gx')),
-        Launch('avg_pool_forward<{}>'.format(t), grid(gy.size), block, (shape, 'x', 'ya')),
-        Launch('avg_pool_backward<{}>'.format(t), grid(x.size), block, (shape, 'gy', 'gxa')),
+        Launch('max_pool_forward<{}, {}>'.format(t, v), *fwd, (shape, 'x', 'y', 'argmax')),
+        Launch('max_pool_backward<{}, {}>'.format(t, v), *bwd, (shape, 'gy', 'argmax', 'gx')),
+        Launch('avg_pool_forward<{}, {}>'.format(t, v), *fwd, (shape, 'x', 'ya')),
+        Launch('avg_pool_backward<{}, {}>'.format(t, v), *bwd, (shape, 'gy', 'gxa')),
     ]
-    label = 'pool {} N{}H{}W{}C{} k{}s{}p{}{}'.format(
-        _SHORT[numpy.dtype(dtype)], n, h, w, c, k, s, p, ' grid<=' + str(grid_cap) if grid_cap else '')
+    label = 'pool {} N{}H{}W{}C{} k{}s{}p{} x{}{}'.format(
+        _SHORT[numpy.dtype(dtype)], n, h, w, c, k, s, p, v,
+        ' grid<=' + str(grid_cap) if grid_cap else '')
 
     def reference(arrays):
         xp = numpy.full((n, h + 2 * p + k, w + 2 * p + k, c), -numpy.inf)
@@ -147,8 +164,19 @@ def _pooling(n, h, w, c, k, s, p, dtype, big=False, grid_cap=None, seed=0):
                              for i, j in win])
         sums = sum(zp[:, i:i + s * (oh - 1) + 1:s, j:j + s * (ow - 1) + 1:s] for i, j in win)
         tol = 1e-3 if dtype == numpy.float16 else 1e-6
-        return {'y': (views.max(0).astype(dtype), 0, 0), 'argmax': (views.argmax(0), 0, 0),
-                'ya': ((sums / (k * k)).astype(dtype), tol, tol)}
+        argmax = views.argmax(0)
+        # gradients: every output's gy goes to its argmax (max) or to its whole window (average)
+        gxp = numpy.zeros_like(xp)
+        gxa = numpy.zeros_like(xp)
+        g = arrays['gy'].astype(numpy.float64)
+        for a, (i, j) in enumerate(win):
+            sl = (slice(None), slice(i, i + s * (oh - 1) + 1, s), slice(j, j + s * (ow - 1) + 1, s))
+            gxp[sl] += numpy.where(argmax == a, g, 0)
+            gxa[sl] += g / (k * k)
+        crop = (slice(None), slice(p, p + h), slice(p, p + w))
+        return {'y': (views.max(0).astype(dtype), 0, 0), 'argmax': (argmax, 0, 0),
+                'ya': ((sums / (k * k)).astype(dtype), tol, tol),
+                'gx': (gxp[crop], tol, tol), 'gxa': (gxa[crop], tol, tol)}
 
     return Case('pooling', label, POOL, _POOL_NAMES, arrays, launches,
                 ['y', 'argmax', 'gx', 'ya', 'gxa'], big, reference=reference)
@@ -162,12 +190,14 @@ _BN_NAMES = (['bn_stats_partial<{}>'.format(t) for t in ('__half', 'float', 'dou
              + ['bn_backward_partial<{}>'.format(t) for t in ('__half', 'float', 'double')]
              + ['bn_stats_finalize<{}>'.format(t) for t in ('__half', 'float', 'double')]
              + ['bn_backward_finalize<{}>'.format(t) for t in ('__half', 'float', 'double')]
-             + ['{}<{}, {}>'.format(k, _CTYPE[numpy.dtype(t)], _CTYPE[numpy.dtype(p)])
-                for k in ('bn_apply', 'bn_backward_apply') for t, p in _BN_PAIRS])
+             + ['{}<{}, {}, {}>'.format(k, _CTYPE[numpy.dtype(t)], _CTYPE[numpy.dtype(p)], v)
+                for k in ('bn_apply', 'bn_backward_apply') for t, p in _BN_PAIRS for v in (1, 2)])
 
 
-def _batchnorm(rows, c, dtype, pdtype, relu=1, with_z=True, big=False, grid_cap=None, seed=0):
+def _batchnorm(rows, c, dtype, pdtype, relu=1, with_z=True, big=False, grid_cap=None, seed=0,
+               width=None):
     tile, nrows, threads = BN['BN_TILE_C'], BN['BN_ROWS'], BN['BN_THREADS']
+    v = _width(c, width)
     a = numpy.float64 if dtype == numpy.float64 else numpy.float32
     tiles = -(-c // tile)
     blocks = max(1, min(-(-rows // (4 * nrows)), max(1, 1024 // tiles)))
@@ -189,8 +219,7 @@ def _batchnorm(rows, c, dtype, pdtype, relu=1, with_z=True, big=False, grid_cap=
         'ggamma': numpy.full(c, numpy.nan, pdtype), 'gbeta': numpy.full(c, numpy.nan, pdtype),
         'gx': numpy.full((rows, c), numpy.nan, dtype), 'gz': numpy.full((rows, c), numpy.nan, dtype),
     }
-    g1 = max(1, min(-(-(rows * c) // threads), 8192))
-    g1 = (min(g1, grid_cap) if grid_cap else g1,)
+    elementwise = _tile_launch(c // v, rows, threads, grid_cap)
     gc = (-(-c // threads),)
     z = 'z' if with_z else None
     gz = 'gz' if with_z else None
@@ -201,7 +230,7 @@ def _batchnorm(rows, c, dtype, pdtype, relu=1, with_z=True, big=False, grid_cap=
                ('partial', numpy.int32(blocks), numpy.int32(c), numpy.int64(rows),
                 numpy.float64(2e-5), numpy.float64(0.9), numpy.int32(1), 'running_mean',
                 'running_var', 'mean', 'invstd')),
-        Launch('bn_apply<{}, {}>'.format(t, p), g1, (threads,),
+        Launch('bn_apply<{}, {}, {}>'.format(t, p, v), *elementwise,
                ('x', z, 'gamma', 'beta', 'mean', 'invstd', 'y', numpy.int64(rows), numpy.int32(c),
                 numpy.int32(relu))),
         Launch('bn_backward_partial<{}>'.format(t), (tiles, blocks), (tile, nrows),
@@ -209,14 +238,16 @@ def _batchnorm(rows, c, dtype, pdtype, relu=1, with_z=True, big=False, grid_cap=
                 numpy.int64(per), numpy.int32(relu), 'bpartial')),
         Launch('bn_backward_finalize<{}>'.format(p), gc, (threads,),
                ('bpartial', numpy.int32(blocks), numpy.int32(c), 'sums', 'ggamma', 'gbeta')),
-        Launch('bn_backward_apply<{}, {}>'.format(t, p), g1, (threads,),
+        Launch('bn_backward_apply<{}, {}, {}>'.format(t, p, v), *elementwise,
                ('gy', 'y', 'x', 'gamma', 'mean', 'invstd', 'sums', numpy.int64(rows),
                 numpy.int32(c), numpy.int32(relu), 'gx', gz)),
     ]
     if not with_z:
         del arrays['z'], arrays['gz']
-    label = 'bn {}/{} rows{} C{}{}'.format(_SHORT[numpy.dtype(dtype)], _SHORT[numpy.dtype(pdtype)],
-                                           rows, c, ' grid<=' + str(grid_cap) if grid_cap else '')
+    label = 'bn {}/{} rows{} C{} x{}{}{}{}'.format(
+        _SHORT[numpy.dtype(dtype)], _SHORT[numpy.dtype(pdtype)], rows, c, v,
+        '' if relu else ' no-relu', '' if with_z else ' no-z',
+        ' grid<=' + str(grid_cap) if grid_cap else '')
     outputs = ['partial', 'mean', 'invstd', 'running_mean', 'running_var', 'y', 'bpartial', 'sums',
                'ggamma', 'gbeta', 'gx'] + (['gz'] if with_z else [])
 
@@ -231,8 +262,21 @@ def _batchnorm(rows, c, dtype, pdtype, relu=1, with_z=True, big=False, grid_cap=
             v = numpy.maximum(v, 0)
         tol = {numpy.dtype(numpy.float16): 2e-3, numpy.dtype(numpy.float32): 2e-5}.get(
             numpy.dtype(dtype), 1e-10)
-        return {'mean': (mean, tol, tol), 'invstd': (invstd, tol, tol),
-                'y': (v.astype(dtype), tol, 2 * tol)}
+        # backward: g = gy where y > 0 (relu), gx = gamma * invstd * (g - mean(g) - xhat *
+        # mean(g * xhat)); the sums over rows carry rounding ~ sqrt(rows) times a term's
+        g = arrays['gy'].astype(numpy.float64)
+        if relu:
+            g = numpy.where(v > 0, g, 0)
+        xhat = (x - mean) * invstd
+        sum_g, sum_gx = g.sum(0), (g * xhat).sum(0)
+        gx = arrays['gamma'] * invstd * (g - (xhat * sum_gx + sum_g) / rows)
+        out = {'mean': (mean, tol, tol), 'invstd': (invstd, tol, tol),
+               'y': (v.astype(dtype), tol, 2 * tol), 'gx': (gx, tol, 2 * tol),
+               'ggamma': (sum_gx, tol, tol * numpy.sqrt(rows)),
+               'gbeta': (sum_g, tol, tol * numpy.sqrt(rows))}
+        if with_z:
+            out['gz'] = (g.astype(dtype), 0, 0)
+        return out
 
     return Case('batchnorm', label, BN, _BN_NAMES, arrays, launches, outputs, big,
                 reference=reference)
@@ -351,12 +395,25 @@ def cases(big=True, awkward=True):
         out.append(_layout(3, 70, 5, 13, numpy.float16, numpy.float32, grid_cap=1))
         out.append(_layout(1, 1, 1, 1, numpy.float16, numpy.float16))
         for d in (numpy.float16, numpy.float32, numpy.float64):
-            out.append(_pooling(2, 7, 9, 3, 3, 2, 1, d))
+            out.append(_pooling(2, 7, 9, 3, 3, 2, 1, d))            # odd C: one channel
+            out.append(_pooling(2, 7, 9, 6, 3, 2, 1, d))            # even C: two channels
         out.append(_pooling(3, 5, 6, 33, 2, 2, 0, numpy.float32, grid_cap=2))
+        # fewer row tiles than positions: each thread walks many positions, its steps carrying
+        # across columns, rows and images (85 positions a step over planes of 63)
+        out.append(_pooling(3, 7, 9, 6, 3, 1, 1, numpy.float16, grid_cap=1))
+        for w in (2, 1):          # the same shape on both paths: 8 positions a step
+            out.append(_pooling(3, 6, 6, 64, 2, 1, 0, numpy.float16, grid_cap=1, width=w))
+        out.append(_pooling(2, 4, 5, 70, 2, 2, 1, numpy.float64))  # 35 pairs: tiles of 18
+        out.append(_pooling(2, 4, 4, 2, 2, 2, 0, numpy.float32))   # one pair per position
         for t, p in _BN_PAIRS:
-            out.append(_batchnorm(37, 33, t, p))
+            out.append(_batchnorm(37, 33, t, p))                    # odd C: one channel
+            out.append(_batchnorm(37, 34, t, p))                    # even C: two channels
         out.append(_batchnorm(1, 3, numpy.float32, numpy.float32, relu=0, with_z=False))
-        out.append(_batchnorm(300, 40, numpy.float16, numpy.float32, grid_cap=3))
+        for w in (2, 1):          # the same shape on both paths, rows strided (36 a step)
+            out.append(_batchnorm(300, 40, numpy.float16, numpy.float32, grid_cap=3, width=w))
+        out.append(_batchnorm(29, 70, numpy.float16, numpy.float16, relu=1, with_z=False))
+        out.append(_batchnorm(50, 2, numpy.float64, numpy.float64, relu=0, with_z=True))
+        out.append(_batchnorm(9, 2048, numpy.float16, numpy.float32))   # rows 9, tiles of 8
         sizes = [1, 31, 2049, 5000, 7, 300]
         dtypes = [numpy.float32, numpy.float16, numpy.float32, numpy.float16, numpy.float64,
                   numpy.float32]
@@ -370,12 +427,25 @@ def cases(big=True, awkward=True):
                      lambda: _layout(256, 64, 56, 56, numpy.float32, numpy.float16, big=True)),
             LazyCase('layout', 'batched_transpose_f16_f32 N256C64H56W56',
                      lambda: _layout(256, 64, 56, 56, numpy.float16, numpy.float32, big=True)),
-            LazyCase('pooling', 'pool f16 N256H112W112C64 k3s2p1',
-                     lambda: _pooling(256, 112, 112, 64, 3, 2, 1, numpy.float16, big=True)),
-            LazyCase('batchnorm', 'bn f16/f32 rows802816 C64',
-                     lambda: _batchnorm(256 * 56 * 56, 64, numpy.float16, numpy.float32, big=True)),
-            LazyCase('batchnorm', 'bn f16/f32 rows12544 C2048',
-                     lambda: _batchnorm(256 * 7 * 7, 2048, numpy.float16, numpy.float32, big=True)),
+        ]
+        # each ResNet-50 shape on both paths: two channels per thread (x2, the path fresh arrays
+        # take) and one (x1, the path of an odd C or a misaligned array), for the timing columns
+        for w in (2, 1):
+            out += [
+                LazyCase('pooling', 'pool f16 N256H112W112C64 k3s2p1 x{}'.format(w),
+                         lambda w=w: _pooling(256, 112, 112, 64, 3, 2, 1, numpy.float16, big=True,
+                                              width=w)),
+                LazyCase('pooling', 'pool f16 N256H7W7C2048 k7s1p0 x{}'.format(w),
+                         lambda w=w: _pooling(256, 7, 7, 2048, 7, 1, 0, numpy.float16, big=True,
+                                              width=w)),
+                LazyCase('batchnorm', 'bn f16/f32 rows802816 C64 x{}'.format(w),
+                         lambda w=w: _batchnorm(256 * 56 * 56, 64, numpy.float16, numpy.float32,
+                                                big=True, width=w)),
+                LazyCase('batchnorm', 'bn f16/f32 rows12544 C2048 x{}'.format(w),
+                         lambda w=w: _batchnorm(256 * 7 * 7, 2048, numpy.float16, numpy.float32,
+                                                big=True, width=w)),
+            ]
+        out += [
             LazyCase('optimizer', 'optimizer ResNet-50: 161 float16 params, 25557032 elements',
                      lambda: _optimizer(sizes, [numpy.float16] * len(sizes), big=True)),
         ]
