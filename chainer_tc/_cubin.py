@@ -21,17 +21,12 @@ import threading
 import warnings
 
 from chainer_tc import _cache
+from chainer_tc import _tally
 from chainer_tc.errors import CompileError
 
 KIND = 'cubin'          # the cache's sub-directory
 FORMAT = 1              # bump when the entry layout or the key changes meaning
 
-_counts = {
-    'nvrtc_compiles': 0,    # NVRTC programs compiled (the loader, `python -m chainer_tc kernels`)
-    'cache_hits': 0,        # binaries the loader took from the per-user cache instead of NVRTC
-    'modules_loaded': 0,    # kernel modules loaded (into a CUDA context, or emulator modules)
-    'function_lookups': 0,  # kernels looked up in a loaded module (chainer_tc.kernels)
-}
 
 _lock = threading.Lock()
 _memo = {}              # (what, args) -> value, for facts fixed in a process (arch, identity)
@@ -45,18 +40,15 @@ Program = collections.namedtuple('Program', 'binary lowered log')
 Entry = collections.namedtuple('Entry', 'binary lowered from_cache')
 
 
-def add(name, n=1):
-    _counts[name] += n
-
-
-def counters():
-    """A copy of the counts since the last :func:`reset_counters`."""
-    return dict(_counts)
-
-
-def reset_counters():
-    for name in _counts:
-        _counts[name] = 0
+_counts = _tally.Tally(
+    'nvrtc_compiles',       # NVRTC programs compiled (the loader, `python -m chainer_tc kernels`)
+    'cache_hits',           # binaries the loader took from the per-user cache instead of NVRTC
+    'modules_loaded',       # kernel modules loaded (into a CUDA context, or emulator modules)
+    'function_lookups',     # kernels looked up in a loaded module (chainer_tc.kernels)
+)
+add = _counts.add
+counters = _counts.counters
+reset_counters = _counts.reset
 
 
 def _warn_once(what, message, category=RuntimeWarning):

@@ -542,7 +542,7 @@ def test_gpu_pipeline_gives_cupy_arrays_without_a_copy_on_the_consumer_stream(da
 def test_gpu_pipeline_on_another_device_than_the_current_one(data):
     import cupy
     if cupy.cuda.runtime.getDeviceCount() < 2:
-        pytest.skip('needs two GPUs')
+        pytest.skip('needs two gpus')
     it = dali.DaliIterator(pipeline(data, train=False, device='gpu', device_id=1, crop=CROP,
                                     dtype=numpy.float16), batch_size=8, repeat=False)
     cpu = dali.DaliIterator(pipeline(data, train=False, crop=CROP), batch_size=8, repeat=False)

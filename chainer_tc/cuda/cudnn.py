@@ -107,7 +107,7 @@ class Binding:
         return s.decode() if isinstance(s, bytes) else str(s)
 
     def _call(self, name, *args):
-        _counters._counts['cudnn_calls'] += 1
+        _counters.add('cudnn_calls')
         status = self._fn[name](*args)
         if status:
             raise CuDNNError(name, status, self.error_string(status))

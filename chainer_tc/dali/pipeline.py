@@ -28,6 +28,7 @@ import numpy
 
 import chainer
 
+from chainer_tc import input_channels
 from chainer_tc.dali import dataset as dataset_module
 from chainer_tc.dali import normalisation
 
@@ -35,7 +36,6 @@ IMAGENET_MEAN = normalisation.IMAGENET_MEAN      # RGB, as fractions of 255
 IMAGENET_STD = normalisation.IMAGENET_STD
 DEVICES = ('gpu', 'cpu')
 LAYOUTS = ('NHWC', 'NCHW')
-PAD_CHANNELS = (3, 4, 8)            # 3: no padding
 # Buffers the mixed decoder reserves up front, as in DALI's ResNet-50 example: no reallocation
 # during the first epoch on ImageNet-sized images.
 _DEVICE_MEMORY_PADDING = 211025920
@@ -136,12 +136,7 @@ class ImagenetPipeline(object):
         std = normalisation.channel_std(std)
         if layout not in LAYOUTS:
             raise ValueError('layout must be one of {}; got {!r}'.format(LAYOUTS, layout))
-        if pad_channels is None:
-            pad_channels = 3
-        if isinstance(pad_channels, bool) or not isinstance(pad_channels, (int, numpy.integer)) \
-                or pad_channels not in PAD_CHANNELS:
-            raise ValueError('pad_channels must be 3 (no padding), 4 or 8, or None (3); got {!r}'
-                             .format(pad_channels))
+        pad_channels = input_channels.check(pad_channels)
         if num_threads is None:
             num_threads = len(os.sched_getaffinity(0))
         _positive_int('num_threads', num_threads)

@@ -18,11 +18,11 @@ import chainer.links as L
 from chainer import initializers
 
 from chainer_tc import functions as TF
+from chainer_tc import input_channels
 from chainer_tc import links as TL
 
 STAGES = ((3, 64), (4, 128), (6, 256), (3, 512))     # (blocks, bottleneck channels)
 VERSIONS = ('1', '1.5')
-PAD_CHANNELS = (3, 4, 8)        # the images' channels as conv1 reads them: 3 is no padding
 
 
 class _Ops:
@@ -190,12 +190,7 @@ class ResNet50(chainer.Chain):
         if fused and layout != 'NHWC':
             raise ValueError("fused=True needs layout='NHWC': the fused BN+Add+ReLU links are "
                              "channels-last; got layout={!r}".format(layout))
-        if pad_channels is None:
-            pad_channels = 3
-        if isinstance(pad_channels, bool) or not isinstance(pad_channels, (int, numpy.integer)) \
-                or pad_channels not in PAD_CHANNELS:
-            raise ValueError('pad_channels must be 3 (no padding), 4 or 8, or None (3); got {!r}'
-                             .format(pad_channels))
+        pad_channels = input_channels.check(pad_channels)
         if pad_channels != 3 and layout == 'NCHW':
             raise ValueError("pad_channels={} needs layout='NHWC': padding the channels is for "
                              "cuDNN's channels-last Tensor Core kernels, and Chainer's NCHW "

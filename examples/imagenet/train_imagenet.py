@@ -25,6 +25,7 @@ from chainer import training
 from chainer.training import extensions
 
 from chainer_tc import dali
+from chainer_tc import input_channels
 from chainer_tc import optimizers
 from chainer_tc import serializers
 from chainer_tc.dali import normalisation
@@ -45,7 +46,6 @@ ARCHS = {
 }
 DTYPES = ('float16', 'float32', 'float64')
 SCHEDULES = ('constant', 'step', 'cosine')
-PAD_CHANNELS = (3, 4, 8)
 STEP_MILESTONES = (30 / 90, 60 / 90, 80 / 90)   # x0.1 at epochs 30, 60, 80 of 90
 LOG_EVERY = 1000                                # iterations, at most (Chainer's example)
 
@@ -166,7 +166,7 @@ def make_parser():
     t.add_argument('--static-graph', action='store_true',
                    help='trace the training step once, then replay it (a CUDA graph on a GPU; '
                    'needs --batched-update)')
-    t.add_argument('--pad-channels', type=int, choices=PAD_CHANNELS, default=3,
+    t.add_argument('--pad-channels', type=int, choices=input_channels.CHOICES, default=3,
                    help="the images' channels as the first convolution reads them: 4 or 8 "
                    'pads RGB with zeros (cuDNN\'s Tensor Core NHWC kernels want 4 or a multiple '
                    'of 8 channels in float16); with --dali the pipeline pads, otherwise the '
