@@ -9,22 +9,7 @@ import chainer.links as L
 
 from chainer_tc import links as TL
 
-
-class Net(chainer.Chain):
-    def __init__(self):
-        super().__init__()
-        with self.init_scope():
-            self.conv = L.Convolution2D(3, 8, 3, pad=1)
-            self.bn = L.BatchNormalization(8)
-            self.blocks = chainer.ChainList(L.Convolution2D(8, 8, 1, nobias=True, groups=2),
-                                            L.BatchNormalization(8, use_gamma=False))
-            self.fc = L.Linear(8, 4)
-
-    def forward(self, x, nhwc=False):
-        h = F.relu(self.bn(self.conv(x)))
-        h = self.blocks[1](self.blocks[0](h))
-        h = F.mean(h, axis=(1, 2) if nhwc else (2, 3))
-        return self.fc(h)
+from nets import ConvertibleNet as Net
 
 
 def test_to_nhwc_and_back():

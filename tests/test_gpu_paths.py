@@ -45,6 +45,7 @@ from chainer_tc.models import ResNet50
 from chainer_tc.optimizers import _flat
 
 import dali_data
+import nets
 
 host = chainer.backends.cuda.to_cpu
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -305,17 +306,6 @@ def test_no_rows_on_cupy_is_refused_before_any_path():
 
 # ==== the optimizer ================================================================================
 
-class ParamsLink(chainer.Link):
-    """1-D parameters of the given sizes (chunk and alignment boundaries: 2048, 128)."""
-
-    def __init__(self, sizes, dtype, seed=0):
-        super().__init__()
-        r = numpy.random.RandomState(seed)
-        with self.init_scope():
-            for i, n in enumerate(sizes):
-                setattr(self, 'p{}'.format(i), chainer.Parameter(r.randn(n).astype(dtype)))
-
-
 def give_grads(model, seed, scale=1.0, inject=None):
     """Gradients drawn on the host (the same on every device), times ``scale``; ``inject`` =
     (parameter name, flat index, value) overwrites one element."""
@@ -364,7 +354,7 @@ def test_optimizer_on_gpu_equals_numpy_path(monkeypatch, case, dtype):
     sizes, kwargs, scaling, grad_scale, inject = OPT_CASES[case]
     results = []
     for device in ('@numpy', '@cupy:0'):
-        model = ParamsLink(sizes, dtype)
+        model = nets.SizesNet(sizes, dtype)
         model.to_device(device)
         opt = optimizers.MomentumSGD(lr=0.01, momentum=0.9, **kwargs).setup(model)
         if scaling is not None:
@@ -408,7 +398,7 @@ def test_overflow_on_gpu_skips_the_step_exactly_and_halves_the_scale():
     scale, which halved. Each run's gradients carry its own scale (256, then 128 after the
     overflow for the first run), so the unscaled gradients are the same."""
     def make():
-        model = ParamsLink([40, 2100, 5000], numpy.float16)
+        model = nets.SizesNet([40, 2100, 5000], numpy.float16)
         model.to_device('@cupy:0')
         opt = optimizers.MomentumSGD(lr=0.01, momentum=0.9, weight_decay=1e-4).setup(model)
         opt.loss_scaling(interval=1000, initial_scale=256.0)
@@ -429,23 +419,6 @@ def test_overflow_on_gpu_skips_the_step_exactly_and_halves_the_scale():
     assert opt.t == 6 and copt.t == 5
 
 
-class SmallNet(chainer.Chain):
-    """conv (cuDNN), BN, linear: a real backward pass on the GPU."""
-
-    def __init__(self, dtype=numpy.float32):
-        super().__init__()
-        init = chainer.initializers.Normal(0.3, dtype=dtype, rng=numpy.random.RandomState(0))
-        with self.init_scope():
-            self.conv = L.Convolution2D(3, 4, 3, initialW=init,
-                                        initial_bias=chainer.initializers.Zero(dtype))
-            self.bn = L.BatchNormalization(4, dtype=dtype)
-            self.fc = L.Linear(4 * 4 * 4, 5, initialW=init,
-                               initial_bias=chainer.initializers.Zero(dtype))
-
-    def forward(self, x):
-        return self.fc(F.relu(self.bn(self.conv(x))))
-
-
 def small_batch(dtype, n=8, seed=0):
     r = numpy.random.RandomState(seed)
     return r.randn(n, 3, 6, 6).astype(dtype), r.randint(0, 5, n).astype(numpy.int32)
@@ -459,7 +432,7 @@ def test_scaled_backward_on_gpu_seeds_the_device_scale_and_unscales(cudnn_stack)
     import cupy
     x, t = (cupy.asarray(a) for a in small_batch(numpy.float32))
     with chainer.using_config('cudnn_deterministic', True):
-        a, b, plain = SmallNet(), SmallNet(), SmallNet()
+        a, b, plain = nets.ConvBNLinear(), nets.ConvBNLinear(), nets.ConvBNLinear()
         for m in (a, b, plain):
             m.to_device('@cupy:0')
         oa = optimizers.MomentumSGD(lr=0.05).setup(a)
@@ -492,7 +465,7 @@ def test_optimizer_snapshot_from_gpu_resumes_bit_identically(tmp_path, monkeypat
     monkeypatch.delenv(kernels.ENV_EMULATE, raising=False)
 
     def make(device):
-        model = ParamsLink([33, 2049, 7], numpy.float16)
+        model = nets.SizesNet([33, 2049, 7], numpy.float16)
         model.to_device(device)
         opt = optimizers.MomentumSGD(lr=0.01, weight_decay=1e-3).setup(model)
         opt.loss_scaling(interval=2, initial_scale=4.0)
@@ -654,22 +627,6 @@ def test_resnet50_nhwc_float16_trains_on_gpu_through_fused_cudnn_bn(cudnn_stack,
 
 # ==== links on the GPU: to_nhwc / to_nchw, the convolution link's npz files ==========================
 
-class ConvNet(chainer.Chain):
-    def __init__(self, bn_dtype=None):
-        super().__init__()
-        with self.init_scope():
-            self.conv = L.Convolution2D(3, 8, 3, pad=1)
-            self.bn = L.BatchNormalization(8, dtype=bn_dtype)
-            self.blocks = chainer.ChainList(L.Convolution2D(8, 8, 1, nobias=True, groups=2),
-                                            L.BatchNormalization(8, use_gamma=False))
-            self.fc = L.Linear(8, 4)
-
-    def forward(self, x, nhwc=False):
-        h = F.relu(self.bn(self.conv(x)))
-        h = self.blocks[1](self.blocks[0](h))
-        return self.fc(F.mean(h, axis=(1, 2) if nhwc else (2, 3)))
-
-
 @pytest.mark.gpu
 def test_to_nhwc_and_back_on_gpu(cudnn_stack):
     """Converted on the GPU: the new links live there (CuPy arrays), compute the function the
@@ -677,7 +634,7 @@ def test_to_nhwc_and_back_on_gpu(cudnn_stack):
     (gradients reach every parameter); back to NCHW computes what the NHWC model computed."""
     import cupy
     numpy.random.seed(0)
-    model = ConvNet()
+    model = nets.ConvertibleNet()
     model.to_device('@cupy:0')
     x = cupy.asarray(numpy.random.RandomState(1).randn(4, 3, 6, 5).astype(numpy.float32))
     model(x)                                            # running statistics move from 0 / 1

@@ -19,23 +19,20 @@ from chainer_tc import kernels
 from chainer_tc import optimizers
 from chainer_tc.optimizers import _flat
 
+from nets import ConvBNLinear
+from nets import SizesNet
 
-class MixedNet(chainer.Chain):
+
+class MixedNet(ConvBNLinear):
     """conv, BN, linear and a 0-d parameter: every shape kind the optimizer sees."""
 
     def __init__(self, dtype=numpy.float32, seed=0):
-        super().__init__()
-        init = chainer.initializers.Normal(0.3, dtype=dtype, rng=numpy.random.RandomState(seed))
+        super().__init__(dtype, seed)
         with self.init_scope():
-            self.conv = L.Convolution2D(3, 4, 3, initialW=init,
-                                        initial_bias=chainer.initializers.Zero(dtype))
-            self.bn = L.BatchNormalization(4, dtype=dtype)
-            self.fc = L.Linear(4 * 4 * 4, 5, initialW=init,
-                               initial_bias=chainer.initializers.Zero(dtype))
             self.gain = chainer.Parameter(numpy.array(1.5, dtype))
 
     def forward(self, x):
-        return self.fc(F.relu(self.bn(self.conv(x)))) * self.gain
+        return super().forward(x) * self.gain
 
 
 def batch(dtype=numpy.float32, seed=0, n=4):
@@ -160,24 +157,6 @@ def test_decay_filter_matches_chainer_per_parameter_hooks(path):
 
 
 # ---- the kernel (emulated) against the NumPy path ---------------------------------------------------
-
-class SizesNet(chainer.Link):
-    """Parameters of awkward sizes, around the chunk (2048) and alignment (128) boundaries."""
-
-    def __init__(self, sizes, dtype, seed=0):
-        super().__init__()
-        r = numpy.random.RandomState(seed)
-        with self.init_scope():
-            for i, n in enumerate(sizes):
-                setattr(self, 'p{}'.format(i), chainer.Parameter(r.randn(n).astype(dtype)))
-
-    def set_grads(self, seed, scale=1.0):
-        """Gradients as a loss scaled by ``scale`` would give them: the unscaled values, rounded
-        to the parameter's dtype, times the scale (exact for a power of two)."""
-        r = numpy.random.RandomState(seed)
-        for _, p in sorted(self.namedparams()):
-            p.grad = r.randn(*p.shape).astype(p.dtype) * p.dtype.type(scale)
-
 
 AWKWARD = [1, 31, 33, 127, 128, 129, 2047, 2048, 2049, 4097]
 

@@ -16,26 +16,13 @@ from chainer import serializers
 from chainer_tc import kernels
 from chainer_tc import optimizers
 
+from nets import ConvBNLinear as Net
+
 
 @pytest.fixture(params=['numpy', 'emulator'])
 def path(request, monkeypatch):
     monkeypatch.setenv('CHAINER_TC_EMULATE', '1' if request.param == 'emulator' else '0')
     return request.param
-
-
-class Net(chainer.Chain):
-    def __init__(self, dtype=numpy.float32, seed=0):
-        super().__init__()
-        init = chainer.initializers.Normal(0.3, dtype=dtype, rng=numpy.random.RandomState(seed))
-        with self.init_scope():
-            self.conv = L.Convolution2D(3, 4, 3, initialW=init,
-                                        initial_bias=chainer.initializers.Zero(dtype))
-            self.bn = L.BatchNormalization(4, dtype=dtype)
-            self.fc = L.Linear(4 * 4 * 4, 5, initialW=init,
-                               initial_bias=chainer.initializers.Zero(dtype))
-
-    def forward(self, x):
-        return self.fc(F.relu(self.bn(self.conv(x))))
 
 
 def data(dtype=numpy.float32, seed=0, n=4):
