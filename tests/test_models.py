@@ -167,6 +167,25 @@ def test_nhwc_model_trains_with_the_batched_optimizer(monkeypatch):
     assert losses[-1] < 0.5 * losses[0]
 
 
+def test_training_step_loads_and_looks_up_no_kernel_after_warm_up(monkeypatch):
+    """Issue 13 item 3 for our kernels: after the first step, a training step of ResNet-50 (BN,
+    pooling, layout-free NHWC, the batched optimizer; emulated) compiles, loads and looks up
+    nothing: every kernel is a dictionary hit. The GPU path shares this memo (kernels.py)."""
+    from chainer_tc import kernels
+    monkeypatch.setenv('CHAINER_TC_EMULATE', '1')
+    model = make('NHWC')
+    opt = optimizers.MomentumSGD(lr=0.05, weight_decay=1e-4).setup(model)
+    opt.loss_scaling()
+    x, t = batch('NHWC', n=2)
+    opt.update(lambda: F.softmax_cross_entropy(model(x), t))
+    kernels.reset_counters()
+    with kernels.count_launches() as launches:
+        opt.update(lambda: F.softmax_cross_entropy(model(x), t))
+    assert launches.total > 100, 'the step ran on the emulated kernels'
+    assert kernels.counters() == dict(nvrtc_compiles=0, cache_hits=0, modules_loaded=0,
+                                      function_lookups=0)
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="layout must be 'NCHW' or 'NHWC'; got 'nhwc'"):
         ResNet50('nhwc')
