@@ -56,6 +56,22 @@ def test_arrays_are_aligned_as_cudamalloc_aligns_them(buggy):
         assert (out % 256 == 0).all(), [hex(int(a)) for a in out]
 
 
+def test_views_keep_their_offset_so_misaligned_vector_loads_fail(buggy):
+    """A view's offset in its array is kept in the emulated copy (mod 256, as a CuPy view of a
+    256-byte aligned block keeps it): a float2 load through a view starting at an odd float fails
+    as it would on a GPU; the same data at an even offset, or whole, runs."""
+    base = numpy.arange(10, dtype=numpy.float32)
+    out = numpy.zeros(4, numpy.float32)
+    k = buggy.get_function('pair_sums')
+    k((1,), (4,), (base[2:], out, numpy.int32(4)))                  # offset 8 bytes: aligned
+    assert out.tolist() == [5, 9, 13, 17]
+    k((1,), (4,), (base[:8].copy(), out, numpy.int32(4)))
+    assert out.tolist() == [1, 5, 9, 13]
+    with pytest.raises(KernelLaunchError, match=r"misaligned .* 'const struct float2', which "
+                                                r'needs 8-byte alignment \(a GPU faults'):
+        k((1,), (4,), (base[1:9], out, numpy.int32(4)))             # offset 4 bytes
+
+
 def test_table_pointer_read_past_a_gradient(buggy):
     # a table of addresses of arrays that are not kernel arguments (the optimizer's gradient table)
     assert emulator.tracking_allocations()

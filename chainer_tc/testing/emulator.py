@@ -639,6 +639,18 @@ def _allocations(words):
 
 # ---- launching ------------------------------------------------------------------------------------
 
+def _offset_in_allocation(a):
+    """Bytes from the start of the memory ``a`` views (its owning array's) to its first byte. The
+    emulator places each array's copy this far (mod 256) past a 256-byte boundary, so a view that
+    would be misaligned on a GPU (CuPy's allocations are 256-byte aligned, a view keeps its
+    offset) is misaligned in the emulator too, and a vector access through it fails as it would
+    there; a whole array starts on the boundary, as cudaMalloc's do."""
+    owner = a
+    while isinstance(owner.base, numpy.ndarray):
+        owner = owner.base
+    return a.ctypes.data - owner.ctypes.data
+
+
 class _LaunchArgs(ctypes.Structure):
     _fields_ = [
         ('grid', ctypes.c_uint * 3), ('block', ctypes.c_uint * 3),
@@ -649,6 +661,7 @@ class _LaunchArgs(ctypes.Structure):
         ('itemsize', ctypes.POINTER(ctypes.c_uint64)),
         ('writeback', ctypes.POINTER(ctypes.c_int)),
         ('alias', ctypes.POINTER(ctypes.c_int)),
+        ('misalign', ctypes.POINTER(ctypes.c_uint64)),
         ('ntargets', ctypes.c_int),
         ('target_host', ctypes.POINTER(ctypes.c_uint64)),
         ('target_nbytes', ctypes.POINTER(ctypes.c_uint64)),
@@ -845,6 +858,7 @@ class Function:
         values, keep = (ctypes.c_void_p * n)(), []
         nbytes, itemsize = (ctypes.c_uint64 * n)(), (ctypes.c_uint64 * n)()
         writeback, alias = (ctypes.c_int * n)(), (ctypes.c_int * n)()
+        misalign = (ctypes.c_uint64 * n)()
         seen, raw_values = {}, {}
         for i, (p, a) in enumerate(zip(self.params, args)):
             alias[i] = -1
@@ -872,6 +886,7 @@ class Function:
                 holder = ctypes.c_void_p(ptr)
                 address = ctypes.addressof(holder)
                 nbytes[i], itemsize[i] = a.nbytes, a.itemsize
+                misalign[i] = _offset_in_allocation(a) % 256
             else:
                 raw = self._scalar(i, p, a)
                 holder, address = _aligned_copy(raw)
@@ -894,7 +909,7 @@ class Function:
             grid=(ctypes.c_uint * 3)(*grid), block=(ctypes.c_uint * 3)(*block),
             shared_mem=shared_mem, max_dyn_shared=int(self.max_dynamic_shared_size_bytes),
             nargs=n, args=values, nbytes=nbytes, itemsize=itemsize, writeback=writeback,
-            alias=alias, ntargets=len(targets),
+            alias=alias, misalign=misalign, ntargets=len(targets),
             target_host=array(ctypes.c_uint64, [t[0] for t in targets]),
             target_nbytes=array(ctypes.c_uint64, [t[1] for t in targets]),
             target_arg=array(ctypes.c_int, [t[2] for t in targets]),

@@ -128,6 +128,15 @@ extern "C" __global__ void addresses(const float* a, const __half* b, const doub
   out[2] = (unsigned long long)c;
 }
 
+// Sums pairs of floats with one 8-byte float2 load each: the caller must pass an array whose
+// address is a multiple of 8 (a GPU faults on a misaligned vector access).
+extern "C" __global__ void pair_sums(const float* x, float* out, int pairs) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= pairs) return;
+  const float2 v = reinterpret_cast<const float2*>(x)[i];
+  out[i] = v.x + v.y;
+}
+
 // Kernels named after C library functions: valid CUDA, which declares none of these names.
 extern "C" __global__ void signal(float* x) { x[threadIdx.x] = 1.0f; }
 extern "C" __global__ void gamma(float* x) { x[threadIdx.x] = 2.0f; }

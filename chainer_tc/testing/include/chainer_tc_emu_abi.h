@@ -43,6 +43,8 @@ struct LaunchArgs {
   const u64* itemsize;         // per parameter: element size of the array
   const int* writeback;        // per parameter: copy the array back after the launch
   const int* alias;            // per parameter: an earlier parameter with the same array, or -1
+  const u64* misalign;         // per parameter: the array's first byte minus its allocation's,
+                               // mod 256 (a view keeps it, as a view of a cudaMalloc'd block does)
   // Pointer tables: words inside arguments that hold addresses of arrays (a struct of gradient
   // addresses, a uint64 array of pointers). Each target is a whole allocation; each slot is a
   // word that points into one, rewritten for the launch to point into the target's copy.

@@ -330,10 +330,11 @@ void alloc_shadow(Region& r) {
   r.shadow = (Cell*)s;
 }
 
-// A new region of `nbytes`, page-aligned, after a PROT_NONE gap; its slack is filled with the
-// canary. Returns its index.
-int new_region(size_t nbytes, size_t itemsize, int kind, int index, int slot) {
-  size_t span = round_up(nbytes ? nbytes : 1, rt.page);
+// A new region of `nbytes` after a PROT_NONE gap, its data `lead` bytes into its first page (an
+// array argument's offset in its allocation: a view misaligned on the host is misaligned here);
+// the slack before and after the data is filled with the canary. Returns its index.
+int new_region(size_t nbytes, size_t itemsize, int kind, int index, int slot, size_t lead = 0) {
+  size_t span = round_up(lead + (nbytes ? nbytes : 1), rt.page);
   size_t start = round_up(rt.arena_used + gap_for(nbytes), rt.page);
   if (start + span + gap_for(0) > rt.arena_size)
     fail("emulator: the launch ran out of its reserved address space (%zu bytes)", rt.arena_size);
@@ -341,14 +342,16 @@ int new_region(size_t nbytes, size_t itemsize, int kind, int index, int slot) {
   if (mprotect(p, span, PROT_READ | PROT_WRITE) != 0) fail("emulator: cannot map %zu bytes", span);
   Region r;
   memset(&r, 0, sizeof r);
-  r.pages = r.data = p;
+  r.pages = p;
+  r.data = p + lead;
   r.span = span;
   r.nbytes = nbytes;
   r.itemsize = itemsize ? itemsize : 1;
   r.kind = kind;
   r.index = index;
   r.slot = slot;
-  memset(p + nbytes, kCanary, span - nbytes);
+  memset(p, kCanary, lead);
+  memset(r.data + nbytes, kCanary, span - lead - nbytes);
   if (rt.race) alloc_shadow(r);
   rt.regions.push_back(r);
   int id = (int)rt.regions.size() - 1;
@@ -364,6 +367,7 @@ void reset_shadow(Region& r) {
 // Bytes after the data, in its last page, that no longer hold the canary (writes no check saw).
 size_t slack_damage(const Region& r) {
   size_t n = 0;
+  for (const char* p = r.pages; p < r.data; ++p) n += (unsigned char)*p != kCanary;
   for (const char* p = r.data + r.nbytes; p < r.pages + r.span; ++p) n += (unsigned char)*p != kCanary;
   return n;
 }
@@ -1197,7 +1201,7 @@ int run_launch(const char* name, const LaunchArgs* la, int nparams, const usize*
     // address space: every array and table target with its gap, dynamic and static shared memory
     size_t need = 64ull << 30;        // static __shared__ variables, registered as they are reached
     for (int i = 0; i < la->nargs; ++i)
-      if (la->nbytes[i] != ~0ull && la->alias[i] < 0) need += region_need(la->nbytes[i]);
+      if (la->nbytes[i] != ~0ull && la->alias[i] < 0) need += region_need(la->nbytes[i] + 256);
     for (int t = 0; t < la->ntargets; ++t)
       if (la->target_arg[t] < 0) need += region_need(la->target_nbytes[t]);
     need += k * region_need(la->shared_mem);
@@ -1214,7 +1218,7 @@ int run_launch(const char* name, const LaunchArgs* la, int nparams, const usize*
         rt.arg_region[i] = rt.arg_region[la->alias[i]];
         continue;
       }
-      int id = new_region(la->nbytes[i], la->itemsize[i], kArg, i, -1);
+      int id = new_region(la->nbytes[i], la->itemsize[i], kArg, i, -1, la->misalign[i] % 256);
       rt.regions[id].host = (u64)(uintptr_t)*(void* const*)la->args[i];
       rt.regions[id].output = la->writeback[i] != 0;
       rt.arg_region[i] = id;
