@@ -58,23 +58,24 @@ def colsum(a):
 
 
 def forward(x, z, gamma, beta, mean, invstd, relu, centered=None):
-    """act(gamma * ((x - mean) * invstd) + beta [+ z]); ``centered``: x - mean as
-    :func:`statistics` returns it (folded), if already computed."""
+    """(y, xhat): y = act(gamma * xhat + beta [+ z]) and xhat = (x - mean) * invstd, folded and
+    in the accumulation dtype (what :func:`backward` needs); ``centered``: x - mean as
+    :func:`statistics` returns it (folded), if already computed (it becomes xhat)."""
     a = acc_dtype(x.dtype)
     rows, c = x.shape
     m = _fold(rows, c)
     if centered is None:
         centered = numpy.subtract(_wide(numpy.ascontiguousarray(x).astype(a, copy=False), m),
                                   _tile(mean, m))
-    y = centered                                          # each step rounded as written, in
-    y *= _tile(invstd, m)                                 # place
-    y *= _tile(gamma.astype(a, copy=False), m)
+    xhat = centered                                       # each step rounded as written
+    xhat *= _tile(invstd, m)
+    y = xhat * _tile(gamma.astype(a, copy=False), m)
     y += _tile(beta.astype(a, copy=False), m)
     if z is not None:
         y += _wide(numpy.ascontiguousarray(z).astype(a, copy=False), m)
     if relu:
         numpy.maximum(y, a(0), out=y)      # as Chainer's relu: NaN stays NaN, -0 stays -0
-    return y.reshape(rows, c).astype(x.dtype, copy=False)
+    return y.reshape(rows, c).astype(x.dtype, copy=False), xhat
 
 
 def statistics(x, eps, keep_centered=False):
@@ -98,29 +99,32 @@ def statistics(x, eps, keep_centered=False):
 def update_running(running_mean, running_var, mean, var, rows, decay):
     a = mean.dtype.type
     d, adjust = a(decay), a(rows) / a(max(rows - 1, 1))
+    w_mean = a(1) - d                   # the batch statistics' weights, rounded as before:
+    w_var = w_mean * adjust             # (1 - d) * mean and ((1 - d) * adjust) * var
     if running_mean.dtype == a and running_var.dtype == a:    # in place: the same roundings
         running_mean *= d
-        running_mean += (a(1) - d) * mean
+        running_mean += w_mean * mean
         running_var *= d
-        running_var += (a(1) - d) * adjust * var
+        running_var += w_var * var
         return
-    running_mean[...] = running_mean.astype(a) * d + (a(1) - d) * mean
-    running_var[...] = running_var.astype(a) * d + (a(1) - d) * adjust * var
+    running_mean[...] = running_mean.astype(a) * d + w_mean * mean
+    running_var[...] = running_var.astype(a) * d + w_var * var
 
 
-def backward(gy, y, x, gamma, mean, invstd, relu, fixed, want_gz):
-    """(gx, ggamma, gbeta, gz): gz is gy through the ReLU mask (the residual's gradient), or
-    None without ``want_gz`` (as the kernels' path: no (rows, C) array made for nobody).
+def backward(gy, y, x, xhat, gamma, invstd, relu, fixed, want_gz):
+    """(gx, ggamma, gbeta, gz) from ``xhat`` as :func:`forward` returned it: gz is gy through
+    the ReLU mask (the residual's gradient), or None without ``want_gz`` (as the kernels' path:
+    no (rows, C) array made for nobody).
 
     With loss scaling, float16 gradients overflow to inf now and then (expected: the optimizer
     skips the step); the arithmetic on them then makes inf and nan without NumPy's warnings."""
     if gy.dtype != numpy.float16:
-        return _backward(gy, y, x, gamma, mean, invstd, relu, fixed, want_gz)
+        return _backward(gy, y, x, xhat, gamma, invstd, relu, fixed, want_gz)
     with numpy.errstate(over='ignore', invalid='ignore'):
-        return _backward(gy, y, x, gamma, mean, invstd, relu, fixed, want_gz)
+        return _backward(gy, y, x, xhat, gamma, invstd, relu, fixed, want_gz)
 
 
-def _backward(gy, y, x, gamma, mean, invstd, relu, fixed, want_gz):
+def _backward(gy, y, x, xhat, gamma, invstd, relu, fixed, want_gz):
     a = acc_dtype(x.dtype)
     rows, c = x.shape
     m = _fold(rows, c)
@@ -128,9 +132,6 @@ def _backward(gy, y, x, gamma, mean, invstd, relu, fixed, want_gz):
     if relu:
         g = numpy.where(_wide(numpy.ascontiguousarray(y), m) > 0, g, a(0))
     coef = gamma.astype(a, copy=False) * invstd
-    xhat = numpy.subtract(_wide(numpy.ascontiguousarray(x).astype(a, copy=False), m),
-                          _tile(mean, m))
-    xhat *= _tile(invstd, m)
     sum_g = colsum(g.reshape(rows, c))
     prod = xhat * g
     sum_gx = colsum(prod.reshape(rows, c))

@@ -124,7 +124,7 @@ def _backward(x, W, gy, g, need_x, need_W, need_b):
     gy2 = gy.reshape(-1, o).astype(dt, copy=False)
     wm = W.astype(dt, copy=False).reshape(o, -1)
     gx = gW = gb = None
-    groups = _group_slices(c, o, g.groups)
+    groups = _group_slices(c, o, g.groups) if g.groups > 1 else None
     if need_W:
         if g.groups == 1:
             gW = gy2.T @ _columns(x, kh, kw, g, dt)

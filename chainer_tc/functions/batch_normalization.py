@@ -197,9 +197,9 @@ class BatchNormAddAct(function_node.FunctionNode):
         else:
             self.mean, self.invstd = _bn_kernels.statistics(
                 x2, self.eps, self.decay, self.running_mean, self.running_var, xp)
-        if self._path == 'numpy':
-            y = _bn_numpy.forward(x2, z2, gamma, beta, self.mean, self.invstd, self.relu,
-                                  centered)
+        if self._path == 'numpy':      # xhat kept for backward: not recomputed from x there
+            y, self.xhat = _bn_numpy.forward(x2, z2, gamma, beta, self.mean, self.invstd,
+                                             self.relu, centered)
         else:
             y = _bn_kernels.forward(x2, z2, gamma, beta, self.mean, self.invstd, self.relu, xp)
         self.retain_outputs((0,))
@@ -230,7 +230,7 @@ class BatchNormAddActGrad(function_node.FunctionNode):
             out = (gx, ggamma, gbeta)
             return out + ((g,) if f.has_z else ())
         if f._path == 'numpy':
-            gx, ggamma, gbeta, g = _bn_numpy.backward(gy2, y2, x2, gamma, f.mean, f.invstd,
+            gx, ggamma, gbeta, g = _bn_numpy.backward(gy2, y2, x2, f.xhat, gamma, f.invstd,
                                                       f.relu, f.fixed, f.has_z)
         else:
             xp = chainer.backend.get_array_module(x)
