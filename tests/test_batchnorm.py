@@ -327,6 +327,38 @@ def test_gpu_kernels_equal_numpy_path(dtype, pdtype):
                                       rtol=t['rtol'] * 10)
 
 
+def test_numpy_path_keeps_xhat_instead_of_x():
+    """The NumPy path's backward reads xhat = (x - mean) * invstd, kept by forward, so x itself is
+    not retained: an intermediate input is freed after forward (memory: xhat replaces x), and the
+    gradients are those of a run that keeps x alive."""
+    import gc
+    import weakref
+    from chainer_tc import functions as TF
+    r = numpy.random.RandomState(3)
+    x0 = r.randn(4, 3, 3, 8).astype(numpy.float32)
+    g, b = r.rand(8).astype(numpy.float32) + 0.5, r.randn(8).astype(numpy.float32)
+    gy = r.randn(*x0.shape).astype(numpy.float32)
+
+    def run(keep):
+        xv = chainer.Variable(x0.copy())
+        h = xv * 2                        # an intermediate: only BN could keep its array alive
+        alive = weakref.ref(h.array)
+        y = TF.batch_normalization_add_relu(h, None, g, b)
+        kept = h if keep else None
+        del h
+        gc.collect()
+        freed = alive() is None
+        y.grad = gy
+        y.backward()
+        del kept
+        return freed, xv.grad
+
+    freed, gx = run(keep=False)
+    _, gx_kept = run(keep=True)
+    assert freed, 'BN kept x alive'
+    assert numpy.array_equal(gx, gx_kept)
+
+
 # ---- the cuDNN fused path: when it applies ----------------------------------------------------------
 
 from chainer_tc.functions import _bn_cudnn  # noqa: E402

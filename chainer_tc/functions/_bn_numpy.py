@@ -111,7 +111,7 @@ def update_running(running_mean, running_var, mean, var, rows, decay):
     running_var[...] = running_var.astype(a) * d + w_var * var
 
 
-def backward(gy, y, x, xhat, gamma, invstd, relu, fixed, want_gz):
+def backward(gy, y, xhat, gamma, invstd, relu, fixed, want_gz):
     """(gx, ggamma, gbeta, gz) from ``xhat`` as :func:`forward` returned it: gz is gy through
     the ReLU mask (the residual's gradient), or None without ``want_gz`` (as the kernels' path:
     no (rows, C) array made for nobody).
@@ -119,14 +119,14 @@ def backward(gy, y, x, xhat, gamma, invstd, relu, fixed, want_gz):
     With loss scaling, float16 gradients overflow to inf now and then (expected: the optimizer
     skips the step); the arithmetic on them then makes inf and nan without NumPy's warnings."""
     if gy.dtype != numpy.float16:
-        return _backward(gy, y, x, xhat, gamma, invstd, relu, fixed, want_gz)
+        return _backward(gy, y, xhat, gamma, invstd, relu, fixed, want_gz)
     with numpy.errstate(over='ignore', invalid='ignore'):
-        return _backward(gy, y, x, xhat, gamma, invstd, relu, fixed, want_gz)
+        return _backward(gy, y, xhat, gamma, invstd, relu, fixed, want_gz)
 
 
-def _backward(gy, y, x, xhat, gamma, invstd, relu, fixed, want_gz):
-    a = acc_dtype(x.dtype)
-    rows, c = x.shape
+def _backward(gy, y, xhat, gamma, invstd, relu, fixed, want_gz):
+    a = acc_dtype(y.dtype)          # y has x's shape and dtype
+    rows, c = y.shape
     m = _fold(rows, c)
     g = _wide(numpy.ascontiguousarray(gy).astype(a, copy=False), m)
     if relu:
@@ -144,9 +144,9 @@ def _backward(gy, y, x, xhat, gamma, invstd, relu, fixed, want_gz):
         gx *= a(1) / a(rows)
         numpy.subtract(g, gx, out=gx)
         gx *= _tile(coef, m)
-    return (gx.reshape(rows, c).astype(x.dtype, copy=False),
+    return (gx.reshape(rows, c).astype(y.dtype, copy=False),
             sum_gx.astype(gamma.dtype, copy=False), sum_g.astype(gamma.dtype, copy=False),
-            _own(g, gy).reshape(rows, c).astype(x.dtype, copy=False) if want_gz else None)
+            _own(g, gy).reshape(rows, c).astype(y.dtype, copy=False) if want_gz else None)
 
 
 def _own(g, gy):

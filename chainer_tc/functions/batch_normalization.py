@@ -165,7 +165,6 @@ class BatchNormAddAct(function_node.FunctionNode):
                                 numpy.dtype(_bn_numpy.acc_dtype(x.dtype)).name))
         if not self.fixed:
             _check_rows(x.shape)
-        self.retain_inputs((0, 1, 2))
         xp = _xp(x)
         running_dtype = None if self.running_mean is None else self.running_mean.dtype
         use_cudnn, self.cudnn_reason = _bn_cudnn.eligibility(
@@ -173,6 +172,7 @@ class BatchNormAddAct(function_node.FunctionNode):
             self.eps, self.fixed)
         if use_cudnn:
             self._path = 'cudnn'
+            self.retain_inputs((0, 1, 2))
             x = xp.ascontiguousarray(x)
             self._fused = _bn_cudnn.FusedBatchNorm(x, self.has_z, self.relu)
             y = self._fused.forward(x, None if z is None else xp.ascontiguousarray(z), gamma, beta,
@@ -180,6 +180,8 @@ class BatchNormAddAct(function_node.FunctionNode):
             self.retain_outputs((0,))
             return y,
         self._path = _backend(x)
+        # the NumPy path keeps xhat for backward (below), so x itself need not be kept
+        self.retain_inputs((1, 2) if self._path == 'numpy' else (0, 1, 2))
         if self._path != 'numpy':          # the kernels index (row, channel) of contiguous data
             x = xp.ascontiguousarray(x)
             z = None if z is None else xp.ascontiguousarray(z)
@@ -206,8 +208,12 @@ class BatchNormAddAct(function_node.FunctionNode):
         return y.reshape(x.shape),
 
     def backward(self, indexes, grad_outputs):
-        x, gamma, beta = self.get_retained_inputs()
         y, = self.get_retained_outputs()
+        retained = self.get_retained_inputs()
+        if len(retained) == 2:      # the NumPy path kept xhat, not x: y (same shape and dtype)
+            (gamma, beta), x = retained, y      # stands in for it, only its shape is read
+        else:
+            x, gamma, beta = retained
         gy, = grad_outputs
         grads = BatchNormAddActGrad(self).apply((x, gamma, beta, y, gy))
         return tuple(grads[i] for i in indexes)
@@ -230,7 +236,7 @@ class BatchNormAddActGrad(function_node.FunctionNode):
             out = (gx, ggamma, gbeta)
             return out + ((g,) if f.has_z else ())
         if f._path == 'numpy':
-            gx, ggamma, gbeta, g = _bn_numpy.backward(gy2, y2, x2, f.xhat, gamma, f.invstd,
+            gx, ggamma, gbeta, g = _bn_numpy.backward(gy2, y2, f.xhat, gamma, f.invstd,
                                                       f.relu, f.fixed, f.has_z)
         else:
             xp = chainer.backend.get_array_module(x)
