@@ -8,8 +8,8 @@ technique on, by running the ImageNet example itself.
    sky, pagoda, lake and trees of one, the petals and leaves of the other; validation images
    from parts of each region that no training image shows) under ``OUT/data``.
 2. Runs examples/imagenet/train_imagenet.py on them: ResNet-50 v1.5 at width/8 and 64x64
-   input, float16, DALI's CPU pipeline, NHWC fused links, the batched update with dynamic loss
-   scaling, the static-graph updater; a warm-up and cosine schedule, label smoothing. Its
+   input, float16, DALI's CPU pipeline padding the RGB images to 4 channels, NHWC fused links,
+   the batched update with dynamic loss scaling, the static-graph updater; a warm-up and cosine schedule, label smoothing. Its
    progress bar, log (``OUT/log``), plots (``OUT/loss.png``, ``OUT/accuracy.png``) and
    snapshots go to ``OUT`` (default result/demo).
 3. Reads the log and says whether the training loss fell and the validation accuracy is
@@ -29,7 +29,7 @@ sys.path.insert(0, HERE)
 import demo_data  # noqa: E402
 
 TECHNIQUES = ['--dali', '--nhwc', '--fused-bn', '--batched-update', '--static-graph',
-              '--loss-scale', 'dynamic']
+              '--loss-scale', 'dynamic', '--pad-channels', '4']
 LOSS_DROP = 0.75        # the last epoch's mean training loss below 75% of the first's
 MIN_ACCURACY = 0.5      # and at least this validation accuracy (3x chance with 6 classes)
 
