@@ -19,8 +19,8 @@ def test_demo_passes(tmp_path):
     last = p.stdout.strip().splitlines()[-1]
     assert last.startswith('demo passed: training loss '), last
     assert 'validation accuracy' in last and '(chance 0.17)' in last
-    assert 'Techniques: --nhwc --fused-bn --batched-update --static-graph --loss-scale dynamic ' \
-           '--dali' in p.stdout
+    assert 'Techniques: --nhwc --fused-bn --batched-update --static-graph --pad-channels 4 ' \
+           '--loss-scale dynamic --dali' in p.stdout
     assert 'Dtype: float16' in p.stdout and 'Input: DALI, CPU pipeline' in p.stdout
     assert 'this epoch' in p.stdout                 # the progress bar
     for name in ('log', 'loss.png', 'accuracy.png', 'snapshot_iter_144', 'model_iter_144'):
