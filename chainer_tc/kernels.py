@@ -141,8 +141,23 @@ def cuda_include_dirs():
     return dirs[:1]
 
 
+_options = {}          # id(defines) -> (defines, a copy of it, its options): callers pass constants
+
+
 def _define_options(defines):
-    return tuple('-D{}={}'.format(k, v) for k, v in sorted((defines or {}).items()))
+    """The ``-DKEY=VALUE`` options of ``defines``; for a dict seen before and unchanged since, a
+    lookup (this runs before every launch, so sorting and formatting each time would cost more
+    than the rest of ``get_function``)."""
+    if not defines:
+        return ()
+    hit = _options.get(id(defines))
+    if hit is not None and hit[0] is defines and hit[1] == defines:
+        return hit[2]
+    options = tuple('-D{}={}'.format(k, v) for k, v in sorted(defines.items()))
+    if len(_options) >= 64:        # callers' throwaway dicts must not pile up
+        _options.clear()
+    _options[id(defines)] = (defines, dict(defines), options)   # kept alive: its id stays its own
+    return options
 
 
 class Kernel:

@@ -42,7 +42,6 @@ namespace pool {
 using ctc::Acc;
 using ctc::load;
 using ctc::load_v;
-using ctc::store;
 using ctc::store_v;
 
 __device__ __forceinline__ void neg_inf(float& v) { v = -__int_as_float(0x7f800000); }

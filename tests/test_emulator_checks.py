@@ -70,6 +70,23 @@ def test_views_keep_their_offset_so_misaligned_vector_loads_fail(buggy):
     with pytest.raises(KernelLaunchError, match=r"misaligned .* 'const struct float2', which "
                                                 r'needs 8-byte alignment \(a GPU faults'):
         k((1,), (4,), (base[1:9], out, numpy.int32(4)))             # offset 4 bytes
+    # the canary around a view's copy (before it too) is refreshed between schedules
+    checked = emulator.RawModule(path=cuda_source('buggy.cu')).get_function('pair_sums')
+    with emulator.checking(schedules=['forward', 'reverse']):
+        checked((1,), (4,), (base[2:], out, numpy.int32(4)))
+    assert out.tolist() == [5, 9, 13, 17]
+    # memory NumPy did not allocate: the buffer's own address counts, as launch code sees it
+    raw = bytearray(64)
+    owner = numpy.frombuffer(raw, numpy.float32, count=12, offset=4)
+    view = owner[1:9]
+    view[...] = numpy.arange(8)
+    aligned = view.ctypes.data % 8 == 0
+    if aligned:
+        k((1,), (4,), (view, out, numpy.int32(4)))
+        assert out.tolist() == [1, 5, 9, 13]
+    else:
+        with pytest.raises(KernelLaunchError, match='misaligned'):
+            k((1,), (4,), (view, out, numpy.int32(4)))
 
 
 def test_table_pointer_read_past_a_gradient(buggy):

@@ -18,7 +18,7 @@ _CTYPE = {numpy.dtype(numpy.float16): '__half', numpy.dtype(numpy.float32): 'flo
           numpy.dtype(numpy.float64): 'double'}
 PAIRS = [(numpy.float16, numpy.float16), (numpy.float16, numpy.float32),
          (numpy.float32, numpy.float32), (numpy.float64, numpy.float64)]
-_NAMES = (['bn_stats_partial<{}>'.format(t) for t in ('__half', 'float', 'double')]
+_NAMES = tuple(['bn_stats_partial<{}>'.format(t) for t in ('__half', 'float', 'double')]
           + ['bn_backward_partial<{}>'.format(t) for t in ('__half', 'float', 'double')]
           + ['bn_stats_finalize<{}>'.format(t) for t in ('__half', 'float', 'double')]
           + ['bn_backward_finalize<{}>'.format(t) for t in ('__half', 'float', 'double')]

@@ -24,9 +24,10 @@ from chainer_tc.functions import _util
 THREADS = 256
 _CTYPE = {numpy.dtype(numpy.float16): '__half', numpy.dtype(numpy.float32): 'float',
           numpy.dtype(numpy.float64): 'double'}
-_NAMES = ['{}<{}, {}>'.format(k, t, v) for k in ('max_pool_forward', 'max_pool_backward',
-                                                  'avg_pool_forward', 'avg_pool_backward')
-          for t in ('__half', 'float', 'double') for v in (1, 2)]
+_DEFINES = {'POOL_THREADS': THREADS}
+_NAMES = tuple('{}<{}, {}>'.format(k, t, v) for k in ('max_pool_forward', 'max_pool_backward',
+                                                      'avg_pool_forward', 'avg_pool_backward')
+               for t in ('__half', 'float', 'double') for v in (1, 2))
 SHAPE = numpy.dtype([(f, '<i4') for f in ('N', 'H', 'W', 'C', 'OH', 'OW', 'kh', 'kw', 'sy', 'sx',
                                           'ph', 'pw')])
 INT_MAX = 2 ** 31 - 1       # the kernels' geometry is 32-bit int (PoolShape, window offsets)
@@ -98,8 +99,7 @@ class _Pooling2D(function_node.FunctionNode):
                                          chainer.warnings.PerformanceWarning)
         dtype = next(iter(arrays.values())).dtype
         f = kernels.get_function('pooling', '{}<{}, {}>'.format(
-            name, _CTYPE[numpy.dtype(dtype)], width), xp, {'POOL_THREADS': THREADS},
-            name_expressions=_NAMES)
+            name, _CTYPE[numpy.dtype(dtype)], width), xp, _DEFINES, name_expressions=_NAMES)
         f(grid, block, (s,) + tuple(arrays.values()))
 
     def _windows(self, s):

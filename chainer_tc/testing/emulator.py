@@ -648,7 +648,10 @@ def _offset_in_allocation(a):
     owner = a
     while isinstance(owner.base, numpy.ndarray):
         owner = owner.base
-    return a.ctypes.data - owner.ctypes.data
+    offset = a.ctypes.data - owner.ctypes.data
+    if owner.base is not None:      # memory NumPy did not allocate (a buffer): its own address
+        offset += owner.ctypes.data  # counts, as launch code that reads the address sees it
+    return offset
 
 
 class _LaunchArgs(ctypes.Structure):

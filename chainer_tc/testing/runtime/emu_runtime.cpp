@@ -16,8 +16,9 @@
 //   and comparing the results shows order-dependent kernels even where the race detector is silent.
 // - Memory: every array argument, every allocation a pointer table points into, every __shared__
 //   variable (per block) and dynamic shared memory is copied into its own page-aligned region of a
-//   per-launch arena (256-byte alignment, as cudaMalloc gives, and more); the gaps between regions
-//   are PROT_NONE. Every instrumented access is checked against its region exactly (memcheck); one
+//   per-launch arena (256-byte alignment, as cudaMalloc gives, and more; an argument that is a view
+//   starts as far past it as the view starts in its array, mod 256, so it is as misaligned as on a
+//   GPU); the gaps between regions are PROT_NONE. Every instrumented access is checked against its region exactly (memcheck); one
 //   outside any region is an error naming the nearest region, the offset and the thread.
 // - Race detector (on request): a shadow cell per byte of every region records the last write and
 //   up to two reads (block, thread, barrier generation, warp-sync count, atomic or not). Two
@@ -110,7 +111,7 @@ enum RegionKind { kArg, kTarget, kShared, kDyn };
 struct Region {
   char* pages;             // first mapped page
   size_t span;             // mapped bytes
-  char* data;              // first byte (= pages: page-aligned)
+  char* data;              // first byte: pages + the array's offset in its allocation (mod 256)
   size_t nbytes, itemsize;
   int kind, index, slot;   // argument / target / variable index; block slot for shared memory
   u64 host;                // host address (arguments and targets)
@@ -330,6 +331,12 @@ void alloc_shadow(Region& r) {
   r.shadow = (Cell*)s;
 }
 
+// The canary in a region's bytes outside its data: before it (a view's lead) and after it.
+void fill_slack(Region& r) {
+  memset(r.pages, kCanary, r.data - r.pages);
+  memset(r.data + r.nbytes, kCanary, r.pages + r.span - (r.data + r.nbytes));
+}
+
 // A new region of `nbytes` after a PROT_NONE gap, its data `lead` bytes into its first page (an
 // array argument's offset in its allocation: a view misaligned on the host is misaligned here);
 // the slack before and after the data is filled with the canary. Returns its index.
@@ -350,8 +357,7 @@ int new_region(size_t nbytes, size_t itemsize, int kind, int index, int slot, si
   r.kind = kind;
   r.index = index;
   r.slot = slot;
-  memset(p, kCanary, lead);
-  memset(r.data + nbytes, kCanary, span - lead - nbytes);
+  fill_slack(r);
   if (rt.race) alloc_shadow(r);
   rt.regions.push_back(r);
   int id = (int)rt.regions.size() - 1;
@@ -1013,15 +1019,16 @@ void check_canaries() {
     if (!bad) continue;
     char what[192];
     describe_region(what, sizeof what, r);
-    fail("kernel '%s': out-of-bounds write to %s: %zu bytes changed after its end (seen after the "
-         "launch: an access the checks did not see, such as a memcpy)", rt.kernel_name, what, bad);
+    fail("kernel '%s': out-of-bounds write to %s: %zu bytes changed before its start or after its "
+         "end (seen after the launch: an access the checks did not see, such as a memcpy)",
+         rt.kernel_name, what, bad);
   }
 }
 
 void reset_for_schedule(const LaunchArgs* la) {
   copy_inputs(la);
   for (Region& r : rt.regions) {
-    memset(r.data + r.nbytes, kCanary, r.span - r.nbytes);
+    fill_slack(r);
     reset_shadow(r);
   }
   free_vcs();
