@@ -1,6 +1,7 @@
 """NHWC convolution_2d and the Convolution2D link against Chainer's NCHW ones on transposed data;
 gradient checks; npz round trips between NCHW and NHWC models."""
 import itertools
+import pickle
 
 import numpy
 import pytest
@@ -102,6 +103,33 @@ def test_link_equals_chainer_link(kwargs):
     numpy.testing.assert_array_equal(ours.W.array, nhwc(ref.W.array))  # same initial filters
     x = numpy.random.RandomState(0).randn(2, 4, 9, 8).astype(numpy.float32)
     numpy.testing.assert_allclose(ours(nhwc(x)).array, nhwc(ref(x).array), atol=1e-5)
+
+
+@pytest.mark.parametrize('pad_channels', [None, 4, 8])
+def test_copy_mode_init_draws_as_chainer_and_keeps_padding_zero(pad_channels):
+    """Link.copy(mode='init') (and repeat) re-initialise W through its initializer: the numbers
+    Chainer's link draws, in its layout, and the padding channels zero again."""
+    numpy.random.seed(1)
+    ref = L.Convolution2D(3, 8, 3)
+    numpy.random.seed(1)
+    ours = TL.Convolution2D(3, 8, 3, pad_channels=pad_channels)
+    numpy.random.seed(2)
+    ref2 = ref.copy(mode='init')
+    numpy.random.seed(2)
+    ours2 = ours.copy(mode='init')
+    w = ours2.W.array
+    assert w.shape == (8, 3, 3, pad_channels or 3)
+    numpy.testing.assert_array_equal(w[..., :3], nhwc(ref2.W.array))
+    assert not w[..., 3:].any() and not numpy.array_equal(w, ours.W.array)
+
+
+def test_links_pickled_before_pad_channels_existed_still_work(tmp_path):
+    link = TL.Convolution2D(3, 4, 3)
+    del link.__dict__['pad_channels']           # as a pickle of the older class has it
+    link = pickle.loads(pickle.dumps(link))
+    assert link.pad_channels is None
+    assert link(numpy.zeros((1, 5, 5, 3), numpy.float32)).shape == (1, 3, 3, 4)
+    serializers.save_npz(str(tmp_path / 'c.npz'), link)
 
 
 def test_link_lazy_in_channels_and_initialW_in_chainers_layout():

@@ -31,7 +31,6 @@ import numpy
 import chainer
 import chainer.functions as F
 import chainer.links as L
-from chainer import initializers
 
 from chainer_tc import functions as TF
 from chainer_tc.links import _messages
@@ -50,6 +49,27 @@ class PaddingWarning(UserWarning):
     saved: the input's padding channels carried data."""
 
 
+class _ChainerLayoutFilter(chainer.Initializer):
+    """Fills a channels-last filter (out, kh, kw, C) with what ``base`` draws for Chainer's
+    (out, in, kh, kw) filter, transposed (the same numbers and fans as ``L.Convolution2D``), and
+    zeros in the input channels past ``channels`` (the padding of ``pad_channels``; None: none).
+    The link's ``W.initializer``, so ``Link.copy(mode='init')`` draws the same way."""
+
+    def __init__(self, base, channels=None):
+        super().__init__(dtype=getattr(base, 'dtype', None))
+        self.base, self.channels = base, channels
+
+    def __call__(self, array):
+        out, kh, kw, c = array.shape
+        n = c if self.channels is None else self.channels
+        xp = chainer.backend.get_array_module(array)
+        oihw = xp.empty((out, n, kh, kw), array.dtype)
+        self.base(oihw)
+        if n < c:
+            array[..., n:] = 0
+        array[..., :n] = _to_nhwc(oihw)
+
+
 class Convolution2D(L.Convolution2D):
     """``L.Convolution2D`` on NHWC input; filter (out, kh, kw, in/groups).
 
@@ -58,6 +78,8 @@ class Convolution2D(L.Convolution2D):
     module's docstring. ``in_channels`` stays the unpadded count; ``W`` has ``pad_channels``
     input channels.
     """
+
+    pad_channels = None     # a class default too: links pickled before pad_channels existed
 
     def __init__(self, in_channels, out_channels, ksize=None, stride=1, pad=0, nobias=False,
                  initialW=None, initial_bias=None, *, pad_channels=None, **kwargs):
@@ -95,16 +117,12 @@ class Convolution2D(L.Convolution2D):
             raise ValueError('the number of input channels ({}) must be divisible by the number '
                              'of groups ({})'.format(in_channels, self.groups))
         kh, kw = self.ksize if hasattr(self.ksize, '__getitem__') else (self.ksize, self.ksize)
-        device = self.W.device
-        oihw = initializers.generate_array(
-            self.W.initializer, (self.out_channels, in_channels // self.groups, kh, kw),
-            device.xp, device=device)
-        w = _to_nhwc(oihw)
-        if self.pad_channels is not None:      # the unpadded filter, zeros appended
-            padded = device.xp.zeros(w.shape[:3] + (self.pad_channels,), w.dtype)
-            padded[..., :in_channels] = w
-            w = padded
-        self.W.array = device.xp.ascontiguousarray(w)
+        # wrapped once, here: L.Convolution2D's __init__ already calls this method
+        if not isinstance(self.W.initializer, _ChainerLayoutFilter):
+            self.W.initializer = _ChainerLayoutFilter(
+                self.W.initializer, in_channels if self.pad_channels else None)
+        self.W.initialize((self.out_channels, kh, kw,
+                           self.pad_channels or in_channels // self.groups))
 
     def forward(self, x):
         if self.W.raw_array is None:

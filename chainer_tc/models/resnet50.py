@@ -163,6 +163,8 @@ class ResNet50(chainer.Chain):
     use :func:`load_chainer_example` for its files.
     """
 
+    pad_channels = 3        # a class default too: models pickled before pad_channels existed
+
     insize = 224
 
     def __init__(self, layout='NHWC', n_classes=1000, width=1, version='1.5',
