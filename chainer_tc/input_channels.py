@@ -8,11 +8,14 @@ CHOICES = (3, 4, 8)        # 3: no padding
 
 
 def check(pad_channels):
-    """``pad_channels`` as an int of :data:`CHOICES` (None means 3), else a ValueError."""
+    """``pad_channels`` as an int of :data:`CHOICES` (None means 3); a TypeError for what is not
+    an int (as ``TL.Convolution2D(pad_channels=)`` says), a ValueError for another int."""
     if pad_channels is None:
         return 3
-    if isinstance(pad_channels, bool) or not isinstance(pad_channels, (int, numpy.integer)) \
-            or pad_channels not in CHOICES:
-        raise ValueError('pad_channels must be 3 (no padding), 4 or 8, or None (3); got {!r}'
-                         .format(pad_channels))
+    message = 'pad_channels must be 3 (no padding), 4 or 8, or None (3); got {!r}'.format(
+        pad_channels)
+    if isinstance(pad_channels, bool) or not isinstance(pad_channels, (int, numpy.integer)):
+        raise TypeError(message)
+    if pad_channels not in CHOICES:
+        raise ValueError(message)
     return int(pad_channels)

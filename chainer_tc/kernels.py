@@ -141,7 +141,7 @@ def cuda_include_dirs():
     return dirs[:1]
 
 
-_options = {}          # id(defines) -> (defines, a copy of it, its options): callers pass constants
+_options = {}      # id(defines) -> (defines, a copy of it, its options): callers pass constants
 
 
 def _define_options(defines):

@@ -329,8 +329,9 @@ def test_gpu_kernels_equal_numpy_path(dtype, pdtype):
 
 def test_numpy_path_keeps_xhat_instead_of_x():
     """The NumPy path's backward reads xhat = (x - mean) * invstd, kept by forward, so x itself is
-    not retained: an intermediate input is freed after forward (memory: xhat replaces x), and the
-    gradients are those of a run that keeps x alive."""
+    not retained: an intermediate input is freed after forward (memory: in float32 xhat takes x's
+    place), and the gradients are those of a run that keeps x alive. Without backprop nothing is
+    kept."""
     import gc
     import weakref
     from chainer_tc import functions as TF
@@ -357,6 +358,11 @@ def test_numpy_path_keeps_xhat_instead_of_x():
     _, gx_kept = run(keep=True)
     assert freed, 'BN kept x alive'
     assert numpy.array_equal(gx, gx_kept)
+    y = TF.batch_normalization_add_relu(x0, None, g, b)
+    with chainer.no_backprop_mode():
+        y_nograd = TF.batch_normalization_add_relu(x0, None, g, b)
+    assert y_nograd.creator is None and numpy.array_equal(y_nograd.array, y.array)
+    assert y.creator.xhat is not None
 
 
 # ---- the cuDNN fused path: when it applies ----------------------------------------------------------

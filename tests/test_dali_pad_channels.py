@@ -58,8 +58,9 @@ def test_pad_channels_setting_and_refusals(data):
     assert dali.imagenet_pipeline(data.root, data.ids_list, pad_channels=8,
                                   **kwargs).pad_channels == 8
     for bad in (5, 16, 2, True, 4.0, '4'):
-        with pytest.raises(ValueError, match=r'pad_channels must be 3 \(no padding\), 4 or 8, '
-                                             r'or None \(3\); got'):
+        error = ValueError if type(bad) is int else TypeError
+        with pytest.raises(error, match=r'pad_channels must be 3 \(no padding\), 4 or 8, '
+                                        r'or None \(3\); got'):
             dali.imagenet_pipeline(data.root, data.ids_list, pad_channels=bad, **kwargs)
 
 

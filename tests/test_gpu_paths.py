@@ -13,8 +13,10 @@ Tolerances, unless a test says otherwise:
   may differ by an ulp before the rounding: 1e-2 relative, 2e-2 absolute (3e-2 / 2e-2 where a
   gradient sums float16-rounded terms).
 - float32 convolutions on cuDNN 8 on an A100/H100: CUDNN_DEFAULT_MATH lets cuDNN use TF32 tensor
-  cores (10-bit mantissa inputs, float32 accumulation), so a float32 convolution on the GPU differs
-  from NumPy's by up to ~2^-10 of the sum of |products|: 5e-3 of the output's scale.
+  cores (10-bit mantissa inputs, float32 accumulation), up to ~2^-10 of the sum of |products|
+  (5e-3 of the output's scale). tests/conftest.py turns TF32 off (NVIDIA_TF32_OVERRIDE=0) for the
+  whole run, so the 5e-3 tolerances below that cite it are generous there; they are kept so
+  that the tests also hold where a user runs them with TF32 on.
 """
 import collections
 import copy
@@ -202,6 +204,8 @@ def test_training_kernels_for_float16_data_float32_gamma(monkeypatch, why, with_
     """(float16 x, float32 gamma) through kernels/batchnorm.cu, not cuDNN: the pair cuDNN takes
     when it can, so it is forced off two ways (config, and a channel count cuDNN refuses)."""
     import cupy
+    if why == 'channels_not_multiple_of_4' and _cudnn_problem():
+        pytest.skip(_cudnn_problem())       # the reason would be cuDNN's absence, not C
     monkeypatch.delenv(kernels.ENV_EMULATE, raising=False)
     monkeypatch.setattr(_bn_cudnn, 'FusedBatchNorm', _no_cudnn)
     C = 64 if why == 'use_cudnn_never' else 66
@@ -550,7 +554,8 @@ def test_resnet50_nhwc_float32_on_gpu_equals_cpu(cudnn_stack, tmp_path):
     summed in float64 instead change this model's gradients by up to 3e-4 of their norm (BN
     gamma/beta of early blocks), and cuDNN's TF32 tensor-core math (the default for float32 on an
     A100/H100, 10-bit mantissa inputs) changes them by more than their size. So the step runs in
-    a process started with NVIDIA_TF32_OVERRIDE=0 (true float32 in cuDNN and cuBLAS) and the
+    a process started with NVIDIA_TF32_OVERRIDE=0 (true float32 in cuDNN and cuBLAS; conftest
+    sets it for the suite too, this holds even when a user exported another value) and the
     tolerances leave 10-50x room over float32's reordering: logits 2e-3 of their scale, loss
     1e-3, each gradient 1e-2 of its norm. A wrong layout, filter orientation or BN axis moves
     them by their whole size."""

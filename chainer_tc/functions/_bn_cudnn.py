@@ -41,7 +41,7 @@ def eligibility(is_cupy, x_dtype, x_shape, gamma_dtype, running_dtype, relu, eps
     if fixed:
         return False, 'inference uses its own single-pass kernel'
     if not chainer.should_use_cudnn('>=auto'):
-        return False, 'cuDNN disabled by chainer.config.use_cudnn'
+        return False, 'cuDNN disabled by chainer.config.use_cudnn, or not available'
     if numpy.dtype(x_dtype) != numpy.float16:
         return False, 'cuDNN fuses BN+Add+ReLU for float16 data only (got {})'.format(x_dtype)
     if len(x_shape) != 4:
@@ -49,7 +49,8 @@ def eligibility(is_cupy, x_dtype, x_shape, gamma_dtype, running_dtype, relu, eps
     if x_shape[0] * x_shape[1] * x_shape[2] < 2:
         # cuDNN updates the running variance with the unbiased variance, var * rows / (rows - 1):
         # a division by zero here, where Chainer (and our kernels) divide by max(rows - 1, 1).
-        return False, 'a single row per channel (cuDNN\'s unbiased running variance would divide by 0)'
+        return False, ('a single row per channel (cuDNN\'s unbiased running variance would '
+                       'divide by 0)')
     if x_shape[-1] % 4:
         return False, 'needs a channel count divisible by 4 (got {})'.format(x_shape[-1])
     if numpy.dtype(gamma_dtype) != numpy.float32:

@@ -57,10 +57,11 @@ def colsum(a):
     return ones @ a
 
 
-def forward(x, z, gamma, beta, mean, invstd, relu, centered=None):
+def forward(x, z, gamma, beta, mean, invstd, relu, centered=None, keep_xhat=True):
     """(y, xhat): y = act(gamma * xhat + beta [+ z]) and xhat = (x - mean) * invstd, folded and
-    in the accumulation dtype (what :func:`backward` needs); ``centered``: x - mean as
-    :func:`statistics` returns it (folded), if already computed (it becomes xhat)."""
+    in the accumulation dtype (what :func:`backward` needs; without ``keep_xhat`` None, and y is
+    computed in its memory); ``centered``: x - mean as :func:`statistics` returns it (folded), if
+    already computed (it becomes xhat)."""
     a = acc_dtype(x.dtype)
     rows, c = x.shape
     m = _fold(rows, c)
@@ -69,7 +70,11 @@ def forward(x, z, gamma, beta, mean, invstd, relu, centered=None):
                                   _tile(mean, m))
     xhat = centered                                       # each step rounded as written
     xhat *= _tile(invstd, m)
-    y = xhat * _tile(gamma.astype(a, copy=False), m)
+    if keep_xhat:
+        y = xhat * _tile(gamma.astype(a, copy=False), m)
+    else:
+        y, xhat = xhat, None
+        y *= _tile(gamma.astype(a, copy=False), m)
     y += _tile(beta.astype(a, copy=False), m)
     if z is not None:
         y += _wide(numpy.ascontiguousarray(z).astype(a, copy=False), m)

@@ -199,9 +199,13 @@ class BatchNormAddAct(function_node.FunctionNode):
         else:
             self.mean, self.invstd = _bn_kernels.statistics(
                 x2, self.eps, self.decay, self.running_mean, self.running_var, xp)
-        if self._path == 'numpy':      # xhat kept for backward: not recomputed from x there
+        if self._path == 'numpy':
+            # xhat kept for backward (not recomputed from x there; x is not retained: in float32
+            # and float64 xhat takes x's place, for float16 data it is float32, twice x's size);
+            # without backprop nothing is kept and y is computed in xhat's memory
             y, self.xhat = _bn_numpy.forward(x2, z2, gamma, beta, self.mean, self.invstd,
-                                             self.relu, centered)
+                                             self.relu, centered,
+                                             keep_xhat=chainer.config.enable_backprop)
         else:
             y = _bn_kernels.forward(x2, z2, gamma, beta, self.mean, self.invstd, self.relu, xp)
         self.retain_outputs((0,))
@@ -241,8 +245,8 @@ class BatchNormAddActGrad(function_node.FunctionNode):
         else:
             xp = chainer.backend.get_array_module(x)
             gx, ggamma, gbeta, g = _bn_kernels.backward(
-                xp.ascontiguousarray(gy2), y2, xp.ascontiguousarray(x2), gamma, f.mean, f.invstd, f.relu, f.fixed,
-                f.has_z, xp)
+                xp.ascontiguousarray(gy2), y2, xp.ascontiguousarray(x2), gamma, f.mean, f.invstd,
+                f.relu, f.fixed, f.has_z, xp)
         out = (gx.reshape(x.shape), ggamma, gbeta)
         if f.has_z:
             out += (g.reshape(x.shape),)

@@ -9,9 +9,9 @@ technique on, by running the ImageNet example itself.
    from parts of each region that no training image shows) under ``OUT/data``.
 2. Runs examples/imagenet/train_imagenet.py on them: ResNet-50 v1.5 at width/8 and 64x64
    input, float16, DALI's CPU pipeline padding the RGB images to 4 channels, NHWC fused links,
-   the batched update with dynamic loss scaling, the static-graph updater; a warm-up and cosine schedule, label smoothing. Its
-   progress bar, log (``OUT/log``), plots (``OUT/loss.png``, ``OUT/accuracy.png``) and
-   snapshots go to ``OUT`` (default result/demo).
+   the batched update with dynamic loss scaling, the static-graph updater; a warm-up and cosine
+   schedule, label smoothing. Its progress bar, log (``OUT/log``), plots (``OUT/loss.png``,
+   ``OUT/accuracy.png``) and snapshots go to ``OUT`` (default result/demo).
 3. Reads the log and says whether the training loss fell and the validation accuracy is
    clearly above chance; the exit status is 0 only then.
 """
