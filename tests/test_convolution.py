@@ -123,6 +123,18 @@ def test_copy_mode_init_draws_as_chainer_and_keeps_padding_zero(pad_channels):
     assert not w[..., 3:].any() and not numpy.array_equal(w, ours.W.array)
 
 
+def test_copyparams_between_paddings_says_why():
+    from chainer_tc.models import ResNet50
+    padded, plain = ResNet50(width=16, pad_channels=4), ResNet50(width=16)
+    with pytest.raises(ValueError, match=r'copyparams: the filter conv1 has shape \(4, 7, 7, 3\) '
+                                         r'and the one copied from has \(4, 7, 7, 4\).*'
+                                         r'pad_channels None and 4.*save_npz and load_npz'):
+        plain.copyparams(padded)
+    twin = ResNet50(width=16, pad_channels=4)
+    twin.copyparams(padded)                        # the same padding: as Chainer's
+    numpy.testing.assert_array_equal(twin.conv1.W.array, padded.conv1.W.array)
+
+
 def test_links_pickled_before_pad_channels_existed_still_work(tmp_path):
     link = TL.Convolution2D(3, 4, 3)
     del link.__dict__['pad_channels']           # as a pickle of the older class has it

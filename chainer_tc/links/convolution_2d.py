@@ -139,6 +139,20 @@ class Convolution2D(L.Convolution2D):
         return TF.convolution_2d(x, self.W, self.b, self.stride, self.pad, self.dilate,
                                  self.groups)
 
+    def copyparams(self, link, copy_persistent=True):
+        """``Link.copyparams``; between links of different ``pad_channels`` (their filters'
+        shapes differ) a ValueError saying so, where NumPy would only say it cannot broadcast."""
+        w, v = self.W.raw_array, getattr(getattr(link, 'W', None), 'raw_array', None)
+        if w is not None and v is not None and w.shape != v.shape and (
+                self.pad_channels is not None or getattr(link, 'pad_channels', None)):
+            raise ValueError(
+                'copyparams: the filter {} has shape {} and the one copied from has {}: their '
+                'input channels are padded differently (pad_channels {} and {}); move the weights '
+                'with serializers.save_npz and load_npz, which unpad and pad them'.format(
+                    self.name or type(self).__name__, tuple(w.shape), tuple(v.shape),
+                    self.pad_channels, getattr(link, 'pad_channels', None)))
+        super().copyparams(link, copy_persistent)
+
     def unpadded_W(self):
         """The filter without its padding channels, (out, kh, kw, in_channels) in this link's
         layout, on its device (``W.array`` itself when it has none). Raises ValueError when the
