@@ -28,6 +28,7 @@ import sys
 import threading
 
 from chainer_tc import _cubin
+from chainer_tc import cuda_headers
 from chainer_tc._cubin import counters  # NOQA
 from chainer_tc._cubin import reset_counters  # NOQA
 
@@ -131,14 +132,13 @@ def backend(xp):
 
 
 def cuda_include_dirs():
-    """Directories holding ``cuda_fp16.h`` for NVRTC: the CUDA runtime wheel's, or CuPy's copy."""
-    dirs = []
-    for p in sys.path:
-        for d in (os.path.join(p, 'nvidia', 'cuda_runtime', 'include'),
-                  os.path.join(p, 'cupy', '_core', 'include', 'cupy', '_cuda', 'cuda-12')):
-            if os.path.isfile(os.path.join(d, 'cuda_fp16.h')) and d not in dirs:
-                dirs.append(d)
-    return dirs[:1]
+    """``[directory]`` holding ``cuda_fp16.h`` for the NVRTC in use (:mod:`chainer_tc.cuda_headers`:
+    the CUDA wheels', CuPy's copy or a toolkit's, preferring NVRTC's major version); ``[]`` if none."""
+    try:
+        major = _cubin.nvrtc_version()[0]
+    except RuntimeError:          # no NVRTC: any header will do for whoever asks
+        major = None
+    return cuda_headers.include_dirs(major)
 
 
 _options = {}      # id(defines) -> (defines, a copy of it, its options): callers pass constants

@@ -19,10 +19,11 @@ class SizesNet(chainer.Link):
 
     def set_grads(self, seed, scale=1.0):
         """Gradients as a loss scaled by ``scale`` would give them: the unscaled values, rounded
-        to the parameter's dtype, times the scale (exact for a power of two)."""
+        to the parameter's dtype, times the scale (exact for a power of two). Drawn by NumPy
+        whatever the device, so a GPU model gets the same numbers as a CPU one, on its device."""
         r = numpy.random.RandomState(seed)
         for _, p in sorted(self.namedparams()):
-            p.grad = r.randn(*p.shape).astype(p.dtype) * p.dtype.type(scale)
+            p.grad = p.device.send(r.randn(*p.shape).astype(p.dtype) * p.dtype.type(scale))
 
 
 class ConvBNLinear(chainer.Chain):

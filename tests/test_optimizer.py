@@ -595,10 +595,7 @@ def test_gpu_equals_numpy_path(monkeypatch, dtype):
         opt = optimizers.MomentumSGD(lr=0.01, weight_decay=1e-3).setup(model)
         opt.loss_scaling(interval=2, initial_scale=8.0)
         for s in range(5):
-            model.set_grads(100 + s)        # NumPy gradients ...
-            if device == 'gpu':             # ... moved to the GPU
-                for p in model.params():
-                    p.grad = chainer.backends.cuda.to_gpu(p.grad)
+            model.set_grads(100 + s)        # NumPy's numbers, on the model's device
             opt.update()
         st = state_of(opt)
         states.append({k: ([chainer.backends.cuda.to_cpu(a) for a in v] if isinstance(v, list)

@@ -51,7 +51,7 @@ from chainer_tc.errors import KernelLaunchError
 HERE = os.path.dirname(os.path.abspath(__file__))
 INCLUDE_DIR = os.path.join(HERE, 'include')
 RUNTIME_DIR = os.path.join(HERE, 'runtime')
-_EMULATOR_VERSION = '4'        # part of the cache key: bump when the g++ commands change
+_EMULATOR_VERSION = '5'        # part of the cache key: bump when the g++ commands change
 _ERR_LEN = 2048
 _SCALAR = 2 ** 64 - 1
 _ALIGN = 64            # by-value arguments are copied to addresses aligned to this (__align__(16) ...)
@@ -404,7 +404,11 @@ def _run_compiler(cmd, what):
                                                   .format(proc.returncode)))
 
 
-_RUNTIME_FLAGS = ('-std=c++17', '-O2', '-fPIC', '-fvisibility=hidden', '-fno-strict-aliasing')
+# -U_FORTIFY_SOURCE: the runtime switches between thread stacks with _longjmp, which a fortified
+# build turns into __longjmp_chk; that aborts ('longjmp causes uninitialized stack frame') when the
+# target is another stack. Ubuntu's g++ fortifies by default at -O2; Debian's does not.
+_RUNTIME_FLAGS = ('-std=c++17', '-O2', '-fPIC', '-fvisibility=hidden', '-fno-strict-aliasing',
+                  '-U_FORTIFY_SOURCE')
 # Every load and store of the kernel calls __tsan_readN/__tsan_writeN (volatile ones their own),
 # with no function entry/exit hooks; array bounds, alignment and integer division by zero call
 # __ubsan_handle_*: all defined by the runtime, no sanitizer library is linked.

@@ -19,9 +19,7 @@ GPU it says so and exits 0.
 Exit status: 0 every output matches (or no GPU), 1 a mismatch, 2 a kernel failed to compile or run.
 """
 import argparse
-import glob
 import json
-import os
 import platform
 import statistics
 import sys
@@ -41,34 +39,6 @@ TOLERANCE = {
 }
 
 
-def cuda_include_dirs():
-    """Directories holding ``cuda_fp16.h`` for NVRTC, whatever installed CUDA: the CUDA toolkit
-    ($CUDA_PATH, $CUDA_HOME, /usr/local/cuda), CuPy's bundled headers, the NVIDIA wheels."""
-    found = list(kernels.cuda_include_dirs())
-    candidates = []
-    for env in ('CUDA_PATH', 'CUDA_HOME'):
-        if os.environ.get(env):
-            candidates.append(os.path.join(os.environ[env], 'include'))
-    try:
-        import cupy
-        path = cupy.cuda.get_cuda_path()
-        if path:
-            candidates.append(os.path.join(path, 'include'))
-        base = os.path.dirname(cupy.__file__)
-        candidates += sorted(glob.glob(os.path.join(base, '_core', 'include', 'cupy', '_cuda',
-                                                    'cuda-*')), reverse=True)
-    except Exception:
-        pass
-    candidates += ['/usr/local/cuda/include'] + sorted(glob.glob('/usr/local/cuda-*/include'),
-                                                       reverse=True)
-    for p in sys.path:
-        candidates += sorted(glob.glob(os.path.join(p, 'nvidia', '*', 'include')))
-    for d in candidates:
-        if os.path.isfile(os.path.join(d, 'cuda_fp16.h')) and d not in found:
-            found.append(d)
-    return found[:1]
-
-
 class CupyBackend:
     """Runs cases on the current CUDA device."""
 
@@ -79,7 +49,7 @@ class CupyBackend:
         self.cupy = cupy
         self.xp = cupy
         self._modules = {}
-        self.includes = cuda_include_dirs()
+        self.includes = kernels.cuda_include_dirs()
 
     def module(self, case):
         key = (case.family, case.options(), case.name_expressions)
