@@ -889,3 +889,30 @@ def test_shared_declarations_of_every_form():
     with emulator.checking(race=True, schedules=['forward', 'reverse']):
         m.get_function('k')((1,), (4,), (out,))
     assert (out == 20).all()
+
+
+def test_runtime_works_under_a_fortifying_compiler(tmp_path):
+    """Ubuntu's g++ defines _FORTIFY_SOURCE at -O2, which turns the runtime's _longjmp between
+    thread stacks into __longjmp_chk: every kernel with a __syncthreads aborted ('longjmp causes
+    uninitialized stack frame'), first seen on the GPU machine. A compiler that fortifies by
+    default, building the runtime afresh, must still run a kernel that syncs its threads."""
+    import os
+    import subprocess
+    import sys
+    cxx = tmp_path / 'g++'
+    cxx.write_text('#!/bin/sh\nexec {} -D_FORTIFY_SOURCE=3 "$@"\n'.format(emulator._compiler()))
+    cxx.chmod(0o755)
+    env = dict(os.environ, CXX=str(cxx), CHAINER_TC_CACHE_DIR=str(tmp_path / 'cache'))
+    code = '\n'.join([
+        'import numpy',
+        'from chainer_tc.testing import emulator',
+        'from conftest import cuda_source',
+        'mod = emulator.RawModule(path=cuda_source("selftest.cu"))',
+        'x, out = numpy.arange(1000, dtype=numpy.float64), numpy.zeros(4)',
+        'mod.get_function("block_sum")((4,), (256,), (x, out, numpy.int32(x.size)),',
+        '                              shared_mem=256 * 8)',
+        'print(float(out.sum()))'])
+    proc = subprocess.run([sys.executable, '-c', code], env=env, capture_output=True, text=True,
+                          cwd=os.path.dirname(os.path.abspath(__file__)), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert float(proc.stdout.split()[-1]) == float(numpy.arange(1000).sum())
