@@ -25,6 +25,50 @@ def _gpu_available():
         return False
 
 
+def _cudnn_problem():
+    """Why cuDNN 8 cannot be used here, or None. The library file is what tests/test_cuda_cudnn.py
+    checks; CuPy must also have its cuDNN bindings (CuPy 14 has none) and Chainer must see cuDNN."""
+    from chainer_tc import _cuda_libs   # (before chainer: CUDA libraries)
+    if _cuda_libs.find_library('cudnn') is None:
+        return 'libcudnn.so.8 is not installed (pip install nvidia-cudnn-cu12==8.9.7.29)'
+    try:
+        from cupy_backends.cuda.libs import cudnn  # noqa: F401  (removed in CuPy 14)
+        from chainer_tc.cuda import cudnn as binding
+        binding.binding()
+    except Exception as e:
+        return 'cuDNN is not usable from CuPy here ({}: {})'.format(type(e).__name__, e)
+    import chainer
+    if not chainer.backends.cuda.cudnn_enabled:
+        return 'chainer.backends.cuda.cudnn_enabled is False (was cupy imported before chainer_tc?)'
+    return None
+
+
+@pytest.fixture
+def cudnn_stack():
+    """Skips the test, with the reason, where cuDNN cannot be used (``_cudnn_problem``). Put it
+    first among a test's arguments, before fixtures that may reach cuDNN."""
+    why = _cudnn_problem()
+    if why:
+        pytest.skip(why)
+
+
+def _dali_problem():
+    """Why NVIDIA DALI cannot be imported here, or None."""
+    try:
+        import nvidia.dali  # noqa: F401
+    except Exception as e:
+        return 'NVIDIA DALI is not installed (pip install nvidia-dali-cuda120): {}'.format(e)
+    return None
+
+
+@pytest.fixture
+def dali_stack():
+    """Skips the test, with the reason, where DALI cannot be imported (``_dali_problem``)."""
+    why = _dali_problem()
+    if why:
+        pytest.skip(why)
+
+
 def pytest_configure(config):
     config.addinivalue_line('markers', 'gpu: needs a CUDA GPU; run with `pytest -m gpu` on one')
 

@@ -199,7 +199,7 @@ def test_link_rejects_nchw_input():
 @pytest.mark.gpu
 @pytest.mark.parametrize('case', GRID)
 @pytest.mark.parametrize('dtype', [numpy.float32, numpy.float16])
-def test_cudnn_path_equals_cpu(case, dtype):
+def test_cudnn_path_equals_cpu(cudnn_stack, case, dtype):
     import cupy
     x, W, b, kw = problem(case, dtype)
     gy = numpy.random.RandomState(1).randn(*TF.convolution_2d(x, W, b, **kw).shape).astype(dtype)

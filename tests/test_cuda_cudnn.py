@@ -764,7 +764,7 @@ def gpu_problem(case, dtype, seed=0):
 @pytest.mark.gpu
 @pytest.mark.parametrize('case', GPU_CASES)
 @pytest.mark.parametrize('dtype', [numpy.float32, numpy.float16])
-def test_driver_equals_cupyx_cudnn_and_chainer_nchw(case, dtype):
+def test_driver_equals_cupyx_cudnn_and_chainer_nchw(cudnn_stack, case, dtype):
     import cupy
     import cupyx.cudnn
     from cupy_backends.cuda.libs import cudnn as lib
@@ -798,7 +798,7 @@ def test_driver_equals_cupyx_cudnn_and_chainer_nchw(case, dtype):
 
 
 @pytest.mark.gpu
-def test_gpu_counters_stay_zero_after_warm_up():
+def test_gpu_counters_stay_zero_after_warm_up(cudnn_stack):
     import cupy
     x, W, gy, g = gpu_problem(GPU_CASES[0], numpy.float16)
     xv, Wv = chainer.Variable(x), chainer.Variable(W)
@@ -814,7 +814,7 @@ def test_gpu_counters_stay_zero_after_warm_up():
 
 
 @pytest.mark.gpu
-def test_gpu_raw_input_gets_no_gx_and_no_backward_data_call(monkeypatch):
+def test_gpu_raw_input_gets_no_gx_and_no_backward_data_call(cudnn_stack, monkeypatch):
     x, W, gy, g = gpu_problem(GPU_CASES[5], numpy.float16)
     names = []
     b = cudnn.binding()
@@ -829,7 +829,7 @@ def test_gpu_raw_input_gets_no_gx_and_no_backward_data_call(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_conv_and_fused_bn_are_captured_and_the_graph_reproduces_the_eager_step():
+def test_conv_and_fused_bn_are_captured_and_the_graph_reproduces_the_eager_step(cudnn_stack):
     import cupy
     r = numpy.random.RandomState(0)
     c = 64

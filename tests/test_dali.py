@@ -516,7 +516,7 @@ def test_trainer_with_evaluator_gives_exact_accuracy(data, tmp_path):
 # ---- GPU -----------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
-def test_gpu_pipeline_gives_cupy_arrays_without_a_copy_on_the_consumer_stream(data):
+def test_gpu_pipeline_gives_cupy_arrays_without_a_copy_on_the_consumer_stream(dali_stack, data):
     import cupy
     it = dali.DaliIterator(pipeline(data, train=False, device='gpu', crop=CROP,
                                     dtype=numpy.float16), batch_size=8, repeat=False)
@@ -539,7 +539,7 @@ def test_gpu_pipeline_gives_cupy_arrays_without_a_copy_on_the_consumer_stream(da
 
 
 @pytest.mark.gpu
-def test_gpu_pipeline_on_another_device_than_the_current_one(data):
+def test_gpu_pipeline_on_another_device_than_the_current_one(dali_stack, data):
     import cupy
     if cupy.cuda.runtime.getDeviceCount() < 2:
         pytest.skip('needs two gpus')
@@ -557,7 +557,7 @@ def test_gpu_pipeline_on_another_device_than_the_current_one(data):
 
 
 @pytest.mark.gpu
-def test_gpu_validation_values_close_to_the_cpu_pipeline(data, references):
+def test_gpu_validation_values_close_to_the_cpu_pipeline(dali_stack, data, references):
     import cupy
     it = dali.DaliIterator(pipeline(data, train=False, device='gpu', crop=CROP,
                                     dtype=numpy.float32), batch_size=8, repeat=False)
@@ -571,7 +571,7 @@ def test_gpu_validation_values_close_to_the_cpu_pipeline(data, references):
 
 
 @pytest.mark.gpu
-def test_gpu_training_steps_with_the_trainer(data, tmp_path):
+def test_gpu_training_steps_with_the_trainer(dali_stack, data, tmp_path):
     import cupy
     train = dali.DaliIterator(pipeline(data, 'classes', device='gpu', layout='NCHW',
                                        dtype=numpy.float32), batch_size=8)

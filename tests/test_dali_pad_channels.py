@@ -77,7 +77,7 @@ def test_a_padded_batch_feeds_the_padded_model_like_the_unpadded_batch(data, pad
 @pytest.mark.gpu
 @pytest.mark.parametrize('pad_channels', [4, 8])
 @pytest.mark.parametrize('layout', ['NHWC', 'NCHW'])
-def test_gpu_pipeline_pads_with_zeros(data, pad_channels, layout):
+def test_gpu_pipeline_pads_with_zeros(dali_stack, data, pad_channels, layout):
     """crop_mirror_normalize(pad_output=True) on the GPU (DALI's HWC uint8 fast kernel), and
     fn.pad for 8: zero channels appended to what the unpadded GPU pipeline gives."""
     import cupy

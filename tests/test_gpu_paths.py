@@ -34,7 +34,6 @@ import chainer.functions as F
 import chainer.links as L
 from chainer import serializers
 
-from chainer_tc import _cuda_libs
 from chainer_tc import dali
 from chainer_tc import functions as TF
 from chainer_tc import kernels
@@ -48,6 +47,8 @@ from chainer_tc.optimizers import _flat
 
 import dali_data
 import nets
+from conftest import _cudnn_problem
+from conftest import _dali_problem
 
 host = chainer.backends.cuda.to_cpu
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -62,37 +63,8 @@ def nhwc(a):
     return numpy.ascontiguousarray(a.transpose(0, 2, 3, 1))
 
 
-# ---- what the stack must have ----------------------------------------------------------------------
-
-def _cudnn_problem():
-    """Why cuDNN 8 cannot be used here, or None. The library file is what tests/test_cuda_cudnn.py
-    checks; CuPy must also have its cuDNN bindings (CuPy 14 has none) and Chainer must see cuDNN."""
-    if _cuda_libs.find_library('cudnn') is None:
-        return 'libcudnn.so.8 is not installed (pip install nvidia-cudnn-cu12==8.9.7.29)'
-    try:
-        from cupy_backends.cuda.libs import cudnn  # noqa: F401  (removed in CuPy 14)
-        from chainer_tc.cuda import cudnn as binding
-        binding.binding()
-    except Exception as e:
-        return 'cuDNN is not usable from CuPy here ({}: {})'.format(type(e).__name__, e)
-    if not chainer.backends.cuda.cudnn_enabled:
-        return 'chainer.backends.cuda.cudnn_enabled is False (was cupy imported before chainer_tc?)'
-    return None
-
-
-@pytest.fixture
-def cudnn_stack():
-    why = _cudnn_problem()
-    if why:
-        pytest.skip(why)
-
-
-def _dali_problem():
-    try:
-        import nvidia.dali  # noqa: F401
-    except Exception as e:
-        return 'NVIDIA DALI is not installed (pip install nvidia-dali-cuda120): {}'.format(e)
-    return None
+# What the stack must have: the cudnn_stack and dali_stack fixtures, and _cudnn_problem() and
+# _dali_problem() that give their reasons, are in tests/conftest.py.
 
 
 def record_calls(monkeypatch, names):
@@ -683,7 +655,7 @@ def test_to_nhwc_on_gpu_gives_float32_statistics_for_float16_bn():
 
 
 @pytest.mark.gpu
-def test_convolution_link_npz_files_move_between_gpu_nhwc_and_cpu_nchw(tmp_path, cudnn_stack):
+def test_convolution_link_npz_files_move_between_gpu_nhwc_and_cpu_nchw(cudnn_stack, tmp_path):
     import cupy
     r = numpy.random.RandomState(0)
     x = r.randn(2, 3, 6, 5).astype(numpy.float32)
@@ -954,8 +926,8 @@ class NHWCNet(chainer.Chain):
 
 
 @pytest.mark.gpu
-def test_dali_gpu_trainer_and_evaluator_accuracy_is_per_image(images, tmp_path, finalize,
-                                                              cudnn_stack):
+def test_dali_gpu_trainer_and_evaluator_accuracy_is_per_image(cudnn_stack, images, tmp_path,
+                                                              finalize):
     """Trainer on the GPU pipeline (NHWC float16); dali.Evaluator on a repeat=False GPU iterator
     reports the mean over the 29 images, Chainer's the mean of the 4 batch means (8, 8, 8, 5)."""
     from chainer import training

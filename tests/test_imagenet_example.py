@@ -593,7 +593,7 @@ def test_pil_training_images(tiny):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize('pad', [[], ['--pad-channels', 4]])
-def test_every_technique_on_the_gpu(tiny, tmp_path, pad):
+def test_every_technique_on_the_gpu(cudnn_stack, dali_stack, tiny, tmp_path, pad):
     """The fast path: DALI's mixed pipeline, the captured step, float16 with loss scaling; and
     the same with the images padded to 4 channels by DALI."""
     flags = ['--iterations', 6, '-d', '@cupy:0', '--dali', '--nhwc', '--fused-bn',

@@ -585,7 +585,7 @@ def test_input_of_another_channel_count_is_an_error_naming_the_padding():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize('dtype', [numpy.float32, numpy.float16])
-def test_padded_conv1_on_the_gpu_equals_the_cpu(dtype):
+def test_padded_conv1_on_the_gpu_equals_the_cpu(cudnn_stack, dtype):
     """The padded conv1 link alone, CuPy (cuDNN NHWC, 4-channel input) against NumPy: output and
     filter gradient within the dtype's rounding (one layer: no amplification; float16 products
     accumulate in float32 on both sides, the outputs round to float16: 2^-11 relative, with
@@ -613,7 +613,7 @@ def test_padded_conv1_on_the_gpu_equals_the_cpu(dtype):
 
 
 @pytest.mark.gpu
-def test_padded_model_inference_on_the_gpu_equals_the_cpu():
+def test_padded_model_inference_on_the_gpu_equals_the_cpu(cudnn_stack):
     """The whole padded model in inference (running statistics: well conditioned, unlike a
     training step whose batch-4 BatchNorm in the last stage amplifies last-place differences):
     float32 logits within 1e-4 of their scale (TF32 is off in the test suite: conftest)."""
@@ -629,7 +629,7 @@ def test_padded_model_inference_on_the_gpu_equals_the_cpu():
 
 
 @pytest.mark.gpu
-def test_padded_float16_conv1_runs_on_tensor_cores():
+def test_padded_float16_conv1_runs_on_tensor_cores(cudnn_stack):
     """The cuDNN plans of the padded float16 conv1 (forward and backward filter: the input needs
     no gradient) use Tensor Core math, and the padding weights get a zero gradient."""
     import cupy
