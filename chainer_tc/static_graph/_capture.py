@@ -11,15 +11,21 @@ kernel). The loss scale and the overflow decision never leave the device.
 
 cuDNN runs under capture through chainer_tc.cuda (CuPy 13's own cuDNN calls refuse to): its
 plans (descriptors, algorithms, workspace sizes) were made by the eager steps of the same
-signature, so inside the capture it only sets the stream and calls cuDNN.
+signature, so inside the capture it only sets the stream and calls cuDNN. CuPy refuses cuBLAS
+under capture too: Chainer's Linear computes its products through a cuBLAS handle of the
+capture's own (chainer_tc.static_graph._linear, chainer_tc.cuda.cublas).
 
 A step that cannot be captured (a host synchronisation inside it, such as ``float(loss)`` or an
 optimizer hook that reads a norm; a cuDNN call through CuPy's own binding) raises
 :class:`~chainer_tc.static_graph._program.NotReplayable` with CUDA's reason, and TrainStep runs
 that signature eagerly.
 """
+import weakref
+
 import chainer
 
+from chainer_tc.cuda import cublas
+from chainer_tc.static_graph import _linear
 from chainer_tc.static_graph import _program
 from chainer_tc.static_graph import _trace
 
@@ -35,6 +41,7 @@ class CapturedStep:
         self.cupy = cupy
         self.pool = cupy.cuda.MemoryPool()
         self.hooks = opt._has_hooks('pre') or opt._has_hooks('post')
+        self.cublas_problem = None
         with flat.device_scope():
             # with a gradient reduction (e.g. NCCL's allreduce, which captures), the gradients
             # are copied into flat buffers made before the capture, reduced, and updated from
@@ -45,11 +52,12 @@ class CapturedStep:
             caller = cupy.cuda.get_current_stream()
             with self.stream, cupy.cuda.using_allocator(self.pool.malloc):
                 self.stream.wait_event(caller.record())     # the batch was loaded there
+                products = self._products(cupy)
                 self.stream.synchronize()
                 self.stream.begin_capture()
                 graph = None
                 try:
-                    with _trace.Recorder() as rec:
+                    with _trace.Recorder() as rec, _linear.products_through(products):
                         loss = step._call_lossfun(entry.buffers)
                         opt.target.cleargrads()
                         opt.scaled_backward(loss)
@@ -69,8 +77,10 @@ class CapturedStep:
                 except Exception as e:
                     _abandon(self.stream)
                     raise _program.NotReplayable(
-                        'capturing the step into a CUDA graph failed: {}: {}'
-                        .format(type(e).__name__, e)) from e
+                        'capturing the step into a CUDA graph failed: {}: {}{}'.format(
+                            type(e).__name__, e, '' if self.cublas_problem is None else
+                            " (no cuBLAS handle for the capture's Linear products: {})"
+                            .format(self.cublas_problem))) from e
                 graph = self.stream.end_capture()
         trace = rec.trace
         trace.grads, trace.loss, trace.inputs = recorded_grads, loss.array, entry.buffers
@@ -84,6 +94,24 @@ class CapturedStep:
         self.graph.upload(self.stream)
         # this step: the reports made while capturing hold the graph's arrays, valid once it ran
         self.first_loss = self._launch(step, report=False)
+
+    def _products(self, cupy):
+        """Chainer's Linear under this capture: a cuBLAS handle of its own on the capture
+        stream, with a workspace from the capture's pool (kept as long as the graph)."""
+        device = cupy.cuda.Device()
+        cc = int(device.compute_capability)
+        self.cublas_workspace = cupy.empty(cublas.workspace_bytes(cc), cupy.uint8)
+        try:
+            self.cublas = cublas.Handle(cublas.binding(), self.stream.ptr,
+                                        self.cublas_workspace.data.ptr,
+                                        self.cublas_workspace.nbytes, cc,
+                                        like=device.cublas_handle)
+        except (cublas.CuBLASUnavailable, cublas.CuBLASError) as e:
+            # a step without Linear still captures; one with it fails in CuPy, said below
+            self.cublas_problem = '{}: {}'.format(type(e).__name__, e)
+            return None
+        weakref.finalize(self, self.cublas.close)
+        return _linear.Products(self.cublas, cupy)
 
     def validate(self, first, externals):
         """The same checks as the CPU replay, on the values this step computed (so after its

@@ -1,0 +1,215 @@
+"""Chainer's Linear inside a capture: its products through our cuBLAS binding (on the CPU, a fake
+libcublas that computes cublasGemmEx from the raw addresses, column-major, as cuBLAS does).
+
+Found on an H100: CuPy refuses cuBLAS during stream capture, so every step with a Linear (the
+ResNet-50 classifier) fell back to eager. The GPU side is tests/test_static_graph.py (gpu).
+"""
+import ctypes
+
+import numpy
+import pytest
+
+from chainer_tc.cuda import _counters
+from chainer_tc.cuda import cublas
+from chainer_tc.static_graph import _linear
+
+import chainer
+import chainer.functions as F
+from chainer import gradient_check
+from chainer.functions.connection import linear as chainer_linear
+
+_NP = {cublas.CUDA_R_16F: numpy.float16, cublas.CUDA_R_32F: numpy.float32,
+       cublas.CUDA_R_64F: numpy.float64}
+
+
+def _matrix(addr, dtype, rows, cols, ld):
+    """The column-major rows x cols matrix at ``addr`` with leading dimension ``ld``, as a
+    writable NumPy view (rows x cols)."""
+    itemsize = numpy.dtype(dtype).itemsize
+    count = ld * (cols - 1) + rows
+    buf = (ctypes.c_char * (count * itemsize)).from_address(addr)
+    flat = numpy.frombuffer(buf, dtype=dtype, count=count)
+    return numpy.lib.stride_tricks.as_strided(flat, (rows, cols), (itemsize, ld * itemsize))
+
+
+class FakeCuBLAS:
+    """Stands in for libcublas: records every call; cublasGemmEx computes in float64."""
+
+    def __init__(self, fail=None):
+        self.calls, self.fail = [], fail
+        self.math_mode = {}
+        for name in cublas.PROTOTYPES:
+            setattr(self, name, self._recorder(name))
+        self.cublasGetStatusString = lambda status: b'CUBLAS_STATUS_FAKE_ERROR'
+
+    def _recorder(self, name):
+        def call(*args):
+            self.calls.append((name, args))
+            if name == self.fail:
+                return 13
+            return getattr(self, '_' + name, lambda *a: 0)(*args)
+        return call
+
+    def _cublasCreate_v2(self, out):
+        out._obj.value = 0x1000 + len(self.calls)
+        return 0
+
+    def _cublasGetMathMode(self, handle, out):
+        out._obj.value = 3
+        return 0
+
+    def _cublasGemmEx(self, handle, ta, tb, m, n, k, alpha, a, at, lda, b, bt, ldb, beta, c,
+                      ct, ldc, compute, algo):
+        assert at == bt == ct
+        dtype = _NP[ct]
+        scalar = ctypes.c_double if compute == cublas.COMPUTE_64F else ctypes.c_float
+        alpha = scalar.from_address(alpha).value
+        beta = scalar.from_address(beta).value
+        A = _matrix(a, dtype, *((m, k) if ta == 0 else (k, m)), lda).astype(numpy.float64)
+        B = _matrix(b, dtype, *((k, n) if tb == 0 else (n, k)), ldb).astype(numpy.float64)
+        C = _matrix(c, dtype, m, n, ldc)
+        A, B = (A if ta == 0 else A.T), (B if tb == 0 else B.T)
+        C[...] = (alpha * A.dot(B) + beta * (C.astype(numpy.float64) if beta else 0)).astype(dtype)
+        return 0
+
+    def gemms(self):
+        return [args for name, args in self.calls if name == 'cublasGemmEx']
+
+
+@pytest.fixture
+def fake():
+    lib = FakeCuBLAS()
+    handle = cublas.Handle(cublas.Binding(lib), stream=0x77, workspace=0x5000,
+                           workspace_size=4 << 20, compute_capability=90, like=0x42)
+    with _linear.products_through(_linear.Products(handle, numpy)):
+        yield lib
+    handle.close()
+
+
+TOL = {numpy.float16: dict(rtol=2e-3, atol=2e-3),    # one float16 rounding of each output
+       numpy.float32: dict(rtol=1e-6, atol=1e-6),    # NumPy's float32 sums vs float64 + rounding
+       numpy.float64: dict(rtol=1e-13, atol=1e-13)}
+
+
+@pytest.mark.parametrize('dtype', [numpy.float16, numpy.float32, numpy.float64])
+@pytest.mark.parametrize('bias', [True, False])
+@pytest.mark.parametrize('shape', [(3, 5, 7), (1, 1, 1), (8, 33, 2)])
+def test_forward_and_backward_equal_chainers_products(fake, dtype, bias, shape):
+    m, k, n = shape
+    r = numpy.random.RandomState(1)
+    x, W = r.randn(m, k).astype(dtype), r.randn(n, k).astype(dtype)
+    b = r.randn(n).astype(dtype) if bias else None
+    gy = r.randn(m, n).astype(dtype)
+
+    def run():
+        xv, Wv = chainer.Variable(x), chainer.Variable(W)
+        bv = chainer.Variable(b) if bias else None
+        y = F.linear(xv, Wv, bv)
+        y.grad = gy
+        y.backward()
+        return y.array, xv.grad, Wv.grad
+    ours = run()
+    assert len(fake.gemms()) == 3, 'forward, grad data, grad weight: one cublasGemmEx each'
+    with _linear.products_through(None):            # Chainer's own ndarray.dot
+        theirs = run()
+    assert len(fake.gemms()) == 3
+    for a, e in zip(ours, theirs):
+        assert a.dtype == e.dtype and a.shape == e.shape
+        numpy.testing.assert_allclose(a.astype('f8'), e.astype('f8'), **TOL[dtype])
+
+
+def test_the_gemm_arguments_are_cupys_choice(fake):
+    x = numpy.ones((4, 6), numpy.float16)
+    W = numpy.ones((5, 6), numpy.float16)
+    F.linear(x, W)
+    (args,) = fake.gemms()
+    handle, ta, tb, m, n, k = args[:6]
+    assert (ta, tb, m, n, k) == (cublas.OP_T, cublas.OP_N, 5, 4, 6)
+    assert args[8] == args[11] == args[15] == cublas.CUDA_R_16F
+    assert args[17] == cublas.COMPUTE_32F and args[18] == cublas.GEMM_DEFAULT_TENSOR_OP
+    names = [name for name, _ in fake.calls]
+    assert names[:4] == ['cublasCreate_v2', 'cublasGetMathMode', 'cublasSetMathMode',
+                         'cublasSetWorkspace_v2']
+    assert fake.calls[2][1][1] == 3, "the math mode of CuPy's handle"
+    assert fake.calls[3][1][1:] == (0x5000, 4 << 20)
+    assert fake.calls[4][1][1] == 0x77, 'the capture stream'
+
+
+def test_mixed_dtypes_and_non_matrices_take_chainers_code(fake):
+    x = numpy.ones((2, 3), numpy.float32)
+    F.linear(x, numpy.ones((4, 3), numpy.float64).astype(numpy.float32))
+    assert len(fake.gemms()) == 1
+    y = F.linear(x, numpy.ones((4, 3), numpy.float16))        # Chainer's mixed-dtype product
+    assert len(fake.gemms()) == 1 and y.dtype == numpy.float32
+    numpy.testing.assert_array_equal(y.array, numpy.full((2, 4), 3, numpy.float32))
+    F.linear(numpy.ones((0, 3), numpy.float32), numpy.ones((4, 3), numpy.float32))
+    assert len(fake.gemms()) == 1, 'an empty batch is not a cuBLAS product'
+
+
+def test_the_classes_are_restored_after_the_block_even_on_an_error():
+    before = {name: getattr(chainer_linear, name).forward for name in _linear._PATCHES}
+    with pytest.raises(KeyError):
+        with _linear.products_through(None):
+            with _linear.products_through(None):
+                assert chainer_linear.LinearFunction.forward is _linear._linear_forward
+            assert chainer_linear.LinearFunction.forward is _linear._linear_forward
+            raise KeyError('inside')
+    after = {name: getattr(chainer_linear, name).forward for name in _linear._PATCHES}
+    assert after == before and _linear._installed[0] == 0
+
+
+@pytest.mark.parametrize('dtype,tol', [
+    (numpy.float64, dict(atol=1e-7, rtol=1e-7)),
+    # float32/16: central differences of a sum of products, relative step 1e-3 (32) and 2e-2 (16)
+    (numpy.float32, dict(atol=1e-3, rtol=1e-3, eps=1e-3)),
+    (numpy.float16, dict(atol=5e-2, rtol=5e-2, eps=2e-2)),
+])
+def test_gradient_check_through_the_products(fake, dtype, tol):
+    r = numpy.random.RandomState(3)
+    x, W, b = r.randn(3, 4).astype(dtype), r.randn(2, 4).astype(dtype), r.randn(2).astype(dtype)
+    gy = r.randn(3, 2).astype(dtype)
+    gradient_check.check_backward(F.linear, (x, W, b), gy, dtype=numpy.float64
+                                  if dtype == numpy.float16 else None, **tol)
+    assert len(fake.gemms()) > 3
+
+
+def test_a_failing_call_names_itself_and_cublas_reason():
+    lib = FakeCuBLAS(fail='cublasSetWorkspace_v2')
+    with pytest.raises(cublas.CuBLASError, match='cublasSetWorkspace_v2 failed: '
+                       'CUBLAS_STATUS_FAKE_ERROR'):
+        cublas.Handle(cublas.Binding(lib), 1, 2, 3, 80)
+    assert lib.calls[-1][0] == 'cublasDestroy_v2', 'the half-made handle is destroyed'
+
+
+def test_handle_close_is_idempotent_and_counted():
+    lib = FakeCuBLAS()
+    before = _counters.counters()['cublas_calls']
+    h = cublas.Handle(cublas.Binding(lib), 1, 2, 3, 80)
+    h.close()
+    h.close()
+    assert [n for n, _ in lib.calls] == ['cublasCreate_v2', 'cublasSetWorkspace_v2',
+                                         'cublasSetStream_v2', 'cublasDestroy_v2']
+    assert _counters.counters()['cublas_calls'] - before == 4
+
+
+def test_cupys_type_choices():
+    assert cublas.compute_type(numpy.float16, {}) == cublas.COMPUTE_32F
+    assert cublas.compute_type(numpy.float32, {}) == cublas.COMPUTE_32F
+    assert cublas.compute_type(numpy.float32, {'CUPY_TF32': '1'}) == cublas.COMPUTE_32F_FAST_TF32
+    assert cublas.compute_type(numpy.float16, {'CUPY_TF32': '1'}) == cublas.COMPUTE_32F
+    assert cublas.compute_type(numpy.float64, {'CUPY_TF32': '1'}) == cublas.COMPUTE_64F
+    assert cublas.algorithm(numpy.float32, 70) == cublas.GEMM_DEFAULT
+    assert cublas.algorithm(numpy.float16, 70) == cublas.GEMM_DEFAULT_TENSOR_OP
+    assert cublas.algorithm(numpy.float64, 90) == cublas.GEMM_DEFAULT_TENSOR_OP
+    assert cublas.workspace_bytes(90) == 32 << 20 and cublas.workspace_bytes(80) == 4 << 20
+    with pytest.raises(TypeError, match='int32'):
+        cublas.Handle(cublas.Binding(FakeCuBLAS()), 1, 2, 3, 80).gemm(
+            0, 0, 1, 1, 1, 0, 1, 0, 1, 0, 1, numpy.int32)
+
+
+def test_library_path_is_the_wheels_or_the_cuda_major_soname(monkeypatch):
+    from chainer_tc import _cuda_libs
+    monkeypatch.setattr(_cuda_libs, 'find_library', lambda name: None)
+    assert cublas.library_path(13) == 'libcublas.so.13'
+    monkeypatch.setattr(_cuda_libs, 'find_library', lambda name: '/w/libcublas.so.12')
+    assert cublas.library_path(13) == '/w/libcublas.so.12'
