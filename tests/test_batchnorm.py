@@ -441,7 +441,7 @@ def test_cudnn_branch_warns_of_a_single_row_like_the_other_paths(cudnn_chosen):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize('with_z', [True, False])
-def test_cudnn_ex_path_is_taken_and_matches(monkeypatch, with_z):
+def test_cudnn_ex_path_is_taken_and_matches(cudnn_stack, monkeypatch, with_z):
     import cupy
     from chainer_tc.cuda import cudnn
     calls = []
@@ -470,7 +470,7 @@ def test_cudnn_ex_path_is_taken_and_matches(monkeypatch, with_z):
 
 
 @pytest.mark.gpu
-def test_cudnn_ex_path_not_taken_for_float32(monkeypatch):
+def test_cudnn_ex_path_not_taken_for_float32(cudnn_stack, monkeypatch):
     import cupy
     from chainer_tc.cuda import cudnn
     monkeypatch.setattr(cudnn.binding(), 'batch_normalization_forward_training_ex',
