@@ -162,8 +162,12 @@ class _Scheduled:
         return call
 
 
-def compare(expected, got):
-    """(ok, worst error, where): outputs of one case, emulator against device."""
+def compare(expected, got, sums=None):
+    """(ok, worst error, where): outputs of one case, emulator against device. ``sums``:
+    (sum of |terms|, number of terms) per element for an output that is a sum (Case.sums); its
+    elements may also differ by 4 * u * sqrt(terms) * sum|terms| (u the accumulation's unit
+    roundoff: 2^-53 for float64 outputs, else 2^-24), the size of the rounding that a term
+    rounded differently (an fma on one backend) leaves in a sum, whatever the sum's own size."""
     if expected.shape != got.shape or expected.dtype != got.dtype:
         return False, None, 'shape/dtype {} {} vs {} {}'.format(expected.shape, expected.dtype,
                                                                  got.shape, got.dtype)
@@ -175,6 +179,11 @@ def compare(expected, got):
                 bad.size, i, expected.reshape(-1)[i], got.reshape(-1)[i])
         return True, 0.0, ''
     rtol, atol = TOLERANCE[expected.dtype]
+    if sums is not None:
+        magnitude, terms = sums
+        u = 2.0 ** -53 if expected.dtype == numpy.float64 else 2.0 ** -24
+        atol = atol + 4 * u * numpy.sqrt(terms) * numpy.asarray(magnitude,
+                                                                numpy.float64).reshape(-1)
     e = expected.astype(numpy.float64).reshape(-1)
     g = got.astype(numpy.float64).reshape(-1)
     same = (e == g) | (numpy.isnan(e) & numpy.isnan(g))
@@ -211,8 +220,9 @@ def run_case(case, device, emulator, repeats):
             return row
         row['outputs'] = {}
         ok = True
+        sums = case.sums(case.arrays) if case.sums else {}
         for name in case.outputs:
-            good, worst, where = compare(expected[name], got[name])
+            good, worst, where = compare(expected[name], got[name], sums.get(name))
             row['outputs'][name] = {'ok': good, 'max_abs_err': worst, 'detail': where}
             ok &= good
         row['ok'] = ok

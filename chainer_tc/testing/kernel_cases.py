@@ -57,10 +57,14 @@ class Case:
     """
 
     def __init__(self, family, name, defines, names, arrays, launches, outputs, big=False,
-                 extra_bytes=0, reference=None):
+                 extra_bytes=0, reference=None, sums=None):
         self.family, self.name, self.defines = family, name, dict(defines)
         #: reference(arrays) -> {output: (expected, rtol, atol)}, the NumPy result of some outputs
         self.reference = reference
+        #: sums(arrays) -> {output: (sum of |terms|, number of terms)} per element, for outputs
+        #: that are sums: backends that round each term differently (NVRTC's fma contraction)
+        #: differ by about (unit roundoff) * sqrt(terms) * sum|terms|, however small the sum
+        self.sums = sums
         self.name_expressions = tuple(names)
         self.arrays, self.launches, self.outputs = arrays, launches, list(outputs)
         self.big = big
@@ -219,6 +223,12 @@ def _batchnorm(rows, c, dtype, pdtype, relu=1, with_z=True, big=False, grid_cap=
         'ggamma': numpy.full(c, numpy.nan, pdtype), 'gbeta': numpy.full(c, numpy.nan, pdtype),
         'gx': numpy.full((rows, c), numpy.nan, dtype), 'gz': numpy.full((rows, c), numpy.nan, dtype),
     }
+    # the backward launches read a forward computed here in float64 (y_fwd, mean_fwd,
+    # invstd_fwd), not the backend's own: where a pre-activation sits within rounding of 0, two
+    # backends' ReLU masks may differ, and one flipped element would carry into every sum
+    fwd = _bn_forward64(arrays, relu, with_z)
+    arrays['y_fwd'] = fwd['y'].astype(dtype)
+    arrays['mean_fwd'], arrays['invstd_fwd'] = fwd['mean'].astype(a), fwd['invstd'].astype(a)
     elementwise = _tile_launch(c // v, rows, threads, grid_cap)
     gc = (-(-c // threads),)
     z = 'z' if with_z else None
@@ -234,12 +244,12 @@ def _batchnorm(rows, c, dtype, pdtype, relu=1, with_z=True, big=False, grid_cap=
                ('x', z, 'gamma', 'beta', 'mean', 'invstd', 'y', numpy.int64(rows), numpy.int32(c),
                 numpy.int32(relu))),
         Launch('bn_backward_partial<{}>'.format(t), (tiles, blocks), (tile, nrows),
-               ('gy', 'y', 'x', 'mean', 'invstd', numpy.int64(rows), numpy.int32(c),
+               ('gy', 'y_fwd', 'x', 'mean_fwd', 'invstd_fwd', numpy.int64(rows), numpy.int32(c),
                 numpy.int64(per), numpy.int32(relu), 'bpartial')),
         Launch('bn_backward_finalize<{}>'.format(p), gc, (threads,),
                ('bpartial', numpy.int32(blocks), numpy.int32(c), 'sums', 'ggamma', 'gbeta')),
         Launch('bn_backward_apply<{}, {}, {}>'.format(t, p, v), *elementwise,
-               ('gy', 'y', 'x', 'gamma', 'mean', 'invstd', 'sums', numpy.int64(rows),
+               ('gy', 'y_fwd', 'x', 'gamma', 'mean_fwd', 'invstd_fwd', 'sums', numpy.int64(rows),
                 numpy.int32(c), numpy.int32(relu), 'gx', gz)),
     ]
     if not with_z:
@@ -251,25 +261,37 @@ def _batchnorm(rows, c, dtype, pdtype, relu=1, with_z=True, big=False, grid_cap=
     outputs = ['partial', 'mean', 'invstd', 'running_mean', 'running_var', 'y', 'bpartial', 'sums',
                'ggamma', 'gbeta', 'gx'] + (['gz'] if with_z else [])
 
-    def reference(arrays):
-        x = arrays['x'].astype(numpy.float64)
-        mean, var = x.mean(0), x.var(0)
-        invstd = 1 / numpy.sqrt(var + 2e-5)
-        v = arrays['gamma'] * (x - mean) * invstd + arrays['beta']
-        if with_z:
-            v = v + arrays['z']
+    def backward_terms(arrays):
+        """g (gy masked as the kernels mask it, by y_fwd) and xhat from the forward given."""
+        g = arrays['gy'].astype(numpy.float64)
         if relu:
-            v = numpy.maximum(v, 0)
+            g = numpy.where(arrays['y_fwd'] > 0, g, 0)
+        xhat = (arrays['x'].astype(numpy.float64) - arrays['mean_fwd']) * arrays['invstd_fwd']
+        return g, xhat
+
+    def sums(arrays):
+        g, xhat = backward_terms(arrays)
+        ag, agx = numpy.abs(g), numpy.abs(g * xhat)
+        pad = blocks * per - rows
+        blockwise = numpy.stack([numpy.pad(t, ((0, pad), (0, 0))).reshape(blocks, per, c).sum(1)
+                                 for t in (ag, agx)], axis=2)
+        total_g, total_gx = ag.sum(0), agx.sum(0)
+        return {'bpartial': (blockwise, per), 'sums': (numpy.concatenate([total_g, total_gx]),
+                                                       rows),
+                'ggamma': (total_gx, rows), 'gbeta': (total_g, rows)}
+
+    def reference(arrays):
+        f = _bn_forward64(arrays, relu, with_z)
+        x, mean, invstd, v = (arrays['x'].astype(numpy.float64), f['mean'], f['invstd'],
+                              f['y'])
         tol = {numpy.dtype(numpy.float16): 2e-3, numpy.dtype(numpy.float32): 2e-5}.get(
             numpy.dtype(dtype), 1e-10)
         # backward: g = gy where y > 0 (relu), gx = gamma * invstd * (g - mean(g) - xhat *
         # mean(g * xhat)); the sums over rows carry rounding ~ sqrt(rows) times a term's
-        g = arrays['gy'].astype(numpy.float64)
-        if relu:
-            g = numpy.where(v > 0, g, 0)
-        xhat = (x - mean) * invstd
+        g, xhat = backward_terms(arrays)
         sum_g, sum_gx = g.sum(0), (g * xhat).sum(0)
-        gx = arrays['gamma'] * invstd * (g - (xhat * sum_gx + sum_g) / rows)
+        gx = (arrays['gamma'].astype(numpy.float64) * arrays['invstd_fwd'] *
+              (g - (xhat * sum_gx + sum_g) / rows))
         out = {'mean': (mean, tol, tol), 'invstd': (invstd, tol, tol),
                'y': (v.astype(dtype), tol, 2 * tol), 'gx': (gx, tol, 2 * tol),
                'ggamma': (sum_gx, tol, tol * numpy.sqrt(rows)),
@@ -279,7 +301,20 @@ def _batchnorm(rows, c, dtype, pdtype, relu=1, with_z=True, big=False, grid_cap=
         return out
 
     return Case('batchnorm', label, BN, _BN_NAMES, arrays, launches, outputs, big,
-                reference=reference)
+                reference=reference, sums=sums)
+
+
+def _bn_forward64(arrays, relu, with_z):
+    """Training-mode BN(+z)(+ReLU) of ``arrays['x']`` in float64: {'mean', 'invstd', 'y'}."""
+    x = arrays['x'].astype(numpy.float64)
+    mean, var = x.mean(0), x.var(0)
+    invstd = 1 / numpy.sqrt(var + 2e-5)
+    y = arrays['gamma'] * (x - mean) * invstd + arrays['beta']
+    if with_z:
+        y = y + arrays['z']
+    if relu:
+        y = numpy.maximum(y, 0)
+    return {'mean': mean, 'invstd': invstd, 'y': y}
 
 
 # ---- optimizer ---------------------------------------------------------------------------------
