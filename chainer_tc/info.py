@@ -172,10 +172,10 @@ def collect():
             has_cupy, has_cudnn, cudnn_at_least(7401, 'BN_ADD_ACTIVATION'),
             (bn_ex, 'CuPy cuDNN binding lacks batchNormalizationForwardTrainingEx'),
             has_gpu, tensor_cores),
-        # a training step with convolutions is capturable only through our own cuDNN binding:
-        # CuPy 13's refuses to run during capture
+        # a training step with convolutions is capturable only through our own cuDNN binding,
+        # one with a Linear only through our own cuBLAS handle: CuPy refuses both under capture
         'cuda_graphs': _feature(has_cupy, (graphs, 'CuPy lacks Stream.begin_capture'),
-                                capture_cudnn, has_gpu),
+                                capture_cudnn, _capture_cublas(), has_gpu),
         'dali_gpu_decode': _feature(has_dali, has_gpu),
         'cuda_emulator': _feature((compiler is not None, 'no C++ compiler (g++) on PATH')),
         'nvrtc_compile_check': _feature(
@@ -205,6 +205,17 @@ def _capture_cudnn():
         return True, None
     except Exception as e:
         return False, 'the capture-safe cuDNN binding (chainer_tc.cuda.cudnn) does not load: ' \
+            '{}'.format(e)
+
+
+def _capture_cublas():
+    """(ok, reason): chainer_tc's capture-safe cuBLAS binding (Linear's products) loads."""
+    try:
+        from chainer_tc.cuda import cublas
+        cublas.binding()
+        return True, None
+    except Exception as e:
+        return False, 'the capture-safe cuBLAS binding (chainer_tc.cuda.cublas) does not load: ' \
             '{}'.format(e)
 
 

@@ -157,6 +157,19 @@ def test_missing_library_says_what_to_install(monkeypatch):
         cudnn.binding()
 
 
+def test_a_cudnn_other_than_cupys_is_refused():
+    """Seen on an H100 machine: the file search found a cuDNN 9 beside CuPy 14 (which has no
+    cuDNN bindings); the binding loaded it. Our calls take CuPy's descriptors, so the library
+    must be CuPy's own."""
+    cudnn.check_same_as_cupys('/x/libcudnn.so.8', 8907, 8907)
+    with pytest.raises(cudnn.CuDNNUnavailable, match=r'/x/libcudnn.so.9 is version 90100, but '
+                       r'CuPy calls version 8907'):
+        cudnn.check_same_as_cupys('/x/libcudnn.so.9', 90100, 8907)
+    with pytest.raises(cudnn.CuDNNUnavailable, match="CuPy's cuDNN bindings are not usable "
+                       r'\(ImportError: no cudnn\).*CuPy 13 with cuDNN 8.9'):
+        cudnn.check_same_as_cupys('/x/libcudnn.so.9', 90100, 'ImportError: no cudnn')
+
+
 def test_find_library_searches_the_wheel_directories(tmp_path, monkeypatch):
     lib_dir = tmp_path / 'nvidia' / 'cudnn' / 'lib'
     lib_dir.mkdir(parents=True)
@@ -378,7 +391,8 @@ def test_nothing_is_created_or_queried_after_the_first_call(fake):
         conv.backward_data(W, y, x, g, SETTINGS)
         conv.backward_filter(x, y, W, g, SETTINGS)
     assert chainer_tc.cuda.counters() == dict(descriptors=0, algorithm_queries=0,
-                                              workspace_queries=0, cudnn_calls=18)
+                                              workspace_queries=0, cudnn_calls=18,
+                                              cublas_calls=0)
     assert [n for n, _ in fake.lib.log[:2]] == ['cudnnSetStream', 'cudnnConvolutionForward']
 
 

@@ -429,6 +429,14 @@ def test_info_cuda_graphs_needs_the_capture_safe_cudnn_binding(monkeypatch):
                                                          'reason': 'binding missing'}
 
 
+def test_info_cuda_graphs_needs_the_capture_safe_cublas_binding(monkeypatch):
+    from chainer_tc import info
+    assert info._capture_cublas() == (True, None), 'the cuBLAS 12 wheel is installed here'
+    monkeypatch.setattr(info, '_capture_cublas', lambda: (False, 'no cublas'))
+    assert info.collect()['features']['cuda_graphs'] == {'available': False,
+                                                         'reason': 'no cublas'}
+
+
 def test_dropout_draws_a_new_mask_every_replayed_step():
     class DropNet(StockNet):
         def forward(self, x):

@@ -149,7 +149,8 @@ _binding = None
 
 
 def binding():
-    """The process's :class:`Binding` of libcudnn.so.8, loaded on first use."""
+    """The process's :class:`Binding` of libcudnn.so.8, loaded on first use. The library must
+    be the cuDNN CuPy uses: the descriptors the calls take come from CuPy's bindings."""
     global _binding
     if _binding is None:
         path = library_path()
@@ -159,8 +160,39 @@ def binding():
             raise CuDNNUnavailable(
                 'cannot load cuDNN 8 from {} ({}): install the gpu extra (nvidia-cudnn-cu12 '
                 '8.9) or put libcudnn.so.8 on LD_LIBRARY_PATH'.format(path, e)) from e
+        check_same_as_cupys(path, _library_version(lib), _cupy_cudnn_version())
         _binding = Binding(lib)
     return _binding
+
+
+def _library_version(lib):
+    fn = lib.cudnnGetVersion                    # size_t cudnnGetVersion(void)
+    fn.argtypes, fn.restype = [], ctypes.c_size_t
+    return int(fn())
+
+
+def _cupy_cudnn_version():
+    """cudnnGetVersion() of the cuDNN CuPy's bindings call, or the reason there is none."""
+    try:
+        from cupy_backends.cuda.libs import cudnn as cupy_cudnn
+        return int(cupy_cudnn.getVersion())
+    except Exception as e:       # CuPy 14 has no cuDNN bindings; libcudnn missing for CuPy 13
+        return '{}: {}'.format(type(e).__name__, e)
+
+
+def check_same_as_cupys(path, version, cupys):
+    """Refuse a library other than CuPy's (a machine with cuDNN 9 beside 8, a CuPy without
+    cuDNN): a descriptor made by one libcudnn passed to another is undefined behaviour."""
+    if isinstance(cupys, str):
+        raise CuDNNUnavailable(
+            "CuPy's cuDNN bindings are not usable ({}); chainer_tc's capture-safe calls take "
+            "CuPy's descriptors, so they need CuPy 13 with cuDNN 8.9 (pip install -e "
+            "'.[gpu]')".format(cupys))
+    if version != cupys:
+        raise CuDNNUnavailable(
+            'the cuDNN at {} is version {}, but CuPy calls version {}: chainer_tc must call '
+            'the same library as CuPy (check LD_LIBRARY_PATH and the installed nvidia-cudnn '
+            'wheels)'.format(path, version, cupys))
 
 
 # Host scaling factors, alive for the whole process: cuDNN reads them during the call (also
