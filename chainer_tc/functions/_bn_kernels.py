@@ -12,8 +12,9 @@ import chainer
 from chainer_tc import _tiles
 from chainer_tc import kernels
 
-TILE_C, ROWS, THREADS = 32, 8, 256
-_DEFINES = {'BN_TILE_C': TILE_C, 'BN_ROWS': ROWS, 'BN_THREADS': THREADS}
+TILE_C, ROWS, THREADS, FINAL_ROWS = 32, 8, 256, 16
+_DEFINES = {'BN_TILE_C': TILE_C, 'BN_ROWS': ROWS, 'BN_THREADS': THREADS,
+            'BN_FINAL_ROWS': FINAL_ROWS}
 _CTYPE = {numpy.dtype(numpy.float16): '__half', numpy.dtype(numpy.float32): 'float',
           numpy.dtype(numpy.float64): 'double'}
 PAIRS = [(numpy.float16, numpy.float16), (numpy.float16, numpy.float32),
@@ -62,7 +63,7 @@ def statistics(x, eps, decay, running_mean, running_var, xp):
     update = running_mean is not None
     p_dtype = running_mean.dtype if update else x.dtype     # None: null pointers
     _kernel('bn_stats_finalize', p_dtype, xp=xp)(
-        (-(-C // THREADS),), (THREADS,),
+        (tiles,), (TILE_C, FINAL_ROWS),
         (partial, numpy.int32(blocks), numpy.int32(C), numpy.int64(rows), numpy.float64(eps),
          numpy.float64(decay), numpy.int32(update), running_mean, running_var, mean, invstd))
     return mean, invstd
@@ -93,7 +94,7 @@ def backward(gy, y, x, gamma, mean, invstd, relu, fixed, want_gz, xp):
     sums = xp.empty(2 * C, a)
     ggamma, gbeta = xp.empty_like(gamma), xp.empty_like(gamma)
     _kernel('bn_backward_finalize', gamma.dtype, xp=xp)(
-        (-(-C // THREADS),), (THREADS,),
+        (tiles,), (TILE_C, FINAL_ROWS),
         (partial, numpy.int32(blocks), numpy.int32(C), sums, ggamma, gbeta))
     if fixed:               # inference statistics are constants: gx = gamma * invstd * g
         sums = xp.zeros(2 * C, a)

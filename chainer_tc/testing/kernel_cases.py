@@ -19,7 +19,7 @@ from chainer_tc import kernels
 # channels-last elementwise launches (bn_apply, bn_backward_apply, pooling) are shaped by
 # chainer_tc._tiles, the callers' own functions.
 LAYOUT = {'LAYOUT_TILE': 32, 'LAYOUT_BLOCK_ROWS': 8}
-BN = {'BN_TILE_C': 32, 'BN_ROWS': 8, 'BN_THREADS': 256}
+BN = {'BN_TILE_C': 32, 'BN_ROWS': 8, 'BN_THREADS': 256, 'BN_FINAL_ROWS': 16}
 POOL = {'POOL_THREADS': 256}
 OPT = {'OPT_BLOCK': 256, 'OPT_GRAD_TABLE': 480}
 OPT_CHUNK = 2048
@@ -230,13 +230,13 @@ def _batchnorm(rows, c, dtype, pdtype, relu=1, with_z=True, big=False, grid_cap=
     arrays['y_fwd'] = fwd['y'].astype(dtype)
     arrays['mean_fwd'], arrays['invstd_fwd'] = fwd['mean'].astype(a), fwd['invstd'].astype(a)
     elementwise = _tile_launch(c // v, rows, threads, grid_cap)
-    gc = (-(-c // threads),)
+    final = ((tiles,), (tile, BN['BN_FINAL_ROWS']))
     z = 'z' if with_z else None
     gz = 'gz' if with_z else None
     launches = [
         Launch('bn_stats_partial<{}>'.format(t), (tiles, blocks), (tile, nrows),
                ('x', numpy.int64(rows), numpy.int32(c), numpy.int64(per), 'partial')),
-        Launch('bn_stats_finalize<{}>'.format(p), gc, (threads,),
+        Launch('bn_stats_finalize<{}>'.format(p), *final,
                ('partial', numpy.int32(blocks), numpy.int32(c), numpy.int64(rows),
                 numpy.float64(2e-5), numpy.float64(0.9), numpy.int32(1), 'running_mean',
                 'running_var', 'mean', 'invstd')),
@@ -246,7 +246,7 @@ def _batchnorm(rows, c, dtype, pdtype, relu=1, with_z=True, big=False, grid_cap=
         Launch('bn_backward_partial<{}>'.format(t), (tiles, blocks), (tile, nrows),
                ('gy', 'y_fwd', 'x', 'mean_fwd', 'invstd_fwd', numpy.int64(rows), numpy.int32(c),
                 numpy.int64(per), numpy.int32(relu), 'bpartial')),
-        Launch('bn_backward_finalize<{}>'.format(p), gc, (threads,),
+        Launch('bn_backward_finalize<{}>'.format(p), *final,
                ('bpartial', numpy.int32(blocks), numpy.int32(c), 'sums', 'ggamma', 'gbeta')),
         Launch('bn_backward_apply<{}, {}, {}>'.format(t, p, v), *elementwise,
                ('gy', 'y_fwd', 'x', 'gamma', 'mean_fwd', 'invstd_fwd', 'sums', numpy.int64(rows),
