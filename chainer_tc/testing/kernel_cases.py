@@ -449,6 +449,10 @@ def cases(big=True, awkward=True):
         out.append(_batchnorm(29, 70, numpy.float16, numpy.float16, relu=1, with_z=False))
         out.append(_batchnorm(50, 2, numpy.float64, numpy.float64, relu=0, with_z=True))
         out.append(_batchnorm(9, 2048, numpy.float16, numpy.float32))   # rows 9, tiles of 8
+        # 22 row blocks: the finalize's 16 threads per channel merge two summaries (threads
+        # 0-5) or one, and a second tile of channels is partly empty (C 33)
+        for t, p in ((numpy.float32, numpy.float32), (numpy.float64, numpy.float64)):
+            out.append(_batchnorm(700, 33, t, p))
         sizes = [1, 31, 2049, 5000, 7, 300]
         dtypes = [numpy.float32, numpy.float16, numpy.float32, numpy.float16, numpy.float64,
                   numpy.float32]
