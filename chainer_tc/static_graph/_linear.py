@@ -13,9 +13,9 @@ Row-major arrays are column-major transposes, so with x (M, K), W (N, K), gy (M,
     gx = gy W    ->  gx^T (K x M) = W^T gy^T      gemm(N, N, m=K, n=M, k=N; W, K; gy, N; gx, K)
     gW = gy^T x  ->  gW^T (K x N) = x^T op_T(gy)  gemm(N, T, m=K, n=N, k=M; x, K; gy, N; gW, K)
 
-The patch is on the classes, for the duration of the capture only (a capture is short and
-holds the step's device); other threads calling ``F.linear`` meanwhile take the same path only if
-their arrays are this capture's device's, which a capture forbids anyway.
+The patch is on the classes, for the duration of the capture only; which products it computes
+is per thread (``products_through`` sets them for the calling thread), so another thread calling
+``F.linear`` meanwhile runs Chainer's own code.
 """
 import contextlib
 import threading
