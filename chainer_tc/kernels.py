@@ -24,7 +24,6 @@ import collections
 import contextlib
 import os
 import re
-import sys
 import threading
 
 from chainer_tc import _cubin

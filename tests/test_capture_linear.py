@@ -35,9 +35,9 @@ def _matrix(addr, dtype, rows, cols, ld):
 class FakeCuBLAS:
     """Stands in for libcublas: records every call; cublasGemmEx computes in float64."""
 
-    def __init__(self, fail=None):
-        self.calls, self.fail = [], fail
-        self.math_mode = {}
+    def __init__(self, fail=None, version=120405):
+        self.calls, self.fail, self.version = [], fail, version
+        self.workspace = None               # the user workspace in effect, as cuBLAS keeps it
         for name in cublas.PROTOTYPES:
             setattr(self, name, self._recorder(name))
         self.cublasGetStatusString = lambda status: b'CUBLAS_STATUS_FAKE_ERROR'
@@ -54,13 +54,22 @@ class FakeCuBLAS:
         out._obj.value = 0x1000 + len(self.calls)
         return 0
 
-    def _cublasGetMathMode(self, handle, out):
-        out._obj.value = 3
+    def _cublasGetVersion_v2(self, handle, out):
+        out._obj.value = self.version
+        return 0
+
+    def _cublasSetStream_v2(self, handle, stream):
+        self.workspace = None     # "unconditionally resets the workspace to the default pool"
+        return 0
+
+    def _cublasSetWorkspace_v2(self, handle, workspace, size):
+        self.workspace = (workspace, size)
         return 0
 
     def _cublasGemmEx(self, handle, ta, tb, m, n, k, alpha, a, at, lda, b, bt, ldb, beta, c,
                       ct, ldc, compute, algo):
         assert at == bt == ct
+        assert self.workspace is not None, "a capture's product must use the capture's workspace"
         dtype = _NP[ct]
         scalar = ctypes.c_double if compute == cublas.COMPUTE_64F else ctypes.c_float
         alpha = scalar.from_address(alpha).value
@@ -79,8 +88,9 @@ class FakeCuBLAS:
 @pytest.fixture
 def fake():
     lib = FakeCuBLAS()
-    handle = cublas.Handle(cublas.Binding(lib), stream=0x77, workspace=0x5000,
-                           workspace_size=4 << 20, compute_capability=90, like=0x42)
+    handle = cublas.Handle(cublas.Binding(lib), compute_capability=90, math_mode=3,
+                           version=120405)
+    handle.bind(0x77, 0x5000, 4 << 20)
     with _linear.products_through(_linear.Products(handle, numpy)):
         yield lib
     handle.close()
@@ -128,11 +138,25 @@ def test_the_gemm_arguments_are_cupys_choice(fake):
     assert args[8] == args[11] == args[15] == cublas.CUDA_R_16F
     assert args[17] == cublas.COMPUTE_32F and args[18] == cublas.GEMM_DEFAULT_TENSOR_OP
     names = [name for name, _ in fake.calls]
-    assert names[:4] == ['cublasCreate_v2', 'cublasGetMathMode', 'cublasSetMathMode',
-                         'cublasSetWorkspace_v2']
+    # the stream before the workspace: cublasSetStream resets the workspace to cuBLAS's pool
+    assert names[:5] == ['cublasCreate_v2', 'cublasGetVersion_v2', 'cublasSetMathMode',
+                         'cublasSetStream_v2', 'cublasSetWorkspace_v2']
     assert fake.calls[2][1][1] == 3, "the math mode of CuPy's handle"
-    assert fake.calls[3][1][1:] == (0x5000, 4 << 20)
-    assert fake.calls[4][1][1] == 0x77, 'the capture stream'
+    assert fake.calls[3][1][1] == 0x77, 'the capture stream'
+    assert fake.calls[4][1][1:] == (0x5000, 4 << 20)
+
+
+def test_a_workspace_set_before_the_stream_would_be_lost():
+    """What the fake checks: binding in the wrong order leaves cuBLAS's default pool in effect,
+    and the product (under capture: an allocation cuBLAS would make) is refused."""
+    lib = FakeCuBLAS()
+    h = cublas.Handle(cublas.Binding(lib), 90)
+    h.binding.set_workspace(h.handle, 0x5000, 4 << 20)
+    h.binding.set_stream(h.handle, 0x77)
+    x = numpy.ones((2, 3), numpy.float32)
+    with _linear.products_through(_linear.Products(h, numpy)):
+        with pytest.raises(AssertionError, match="the capture's workspace"):
+            F.linear(x, x)
 
 
 def test_mixed_dtypes_and_non_matrices_take_chainers_code(fake):
@@ -174,37 +198,75 @@ def test_gradient_check_through_the_products(fake, dtype, tol):
 
 
 def test_a_failing_call_names_itself_and_cublas_reason():
-    lib = FakeCuBLAS(fail='cublasSetWorkspace_v2')
-    with pytest.raises(cublas.CuBLASError, match='cublasSetWorkspace_v2 failed: '
+    lib = FakeCuBLAS(fail='cublasSetMathMode')
+    with pytest.raises(cublas.CuBLASError, match='cublasSetMathMode failed: '
                        'CUBLAS_STATUS_FAKE_ERROR'):
-        cublas.Handle(cublas.Binding(lib), 1, 2, 3, 80)
+        cublas.Handle(cublas.Binding(lib), 80, math_mode=0)
     assert lib.calls[-1][0] == 'cublasDestroy_v2', 'the half-made handle is destroyed'
+
+
+def test_a_cublas_other_than_cupys_is_refused():
+    lib = FakeCuBLAS(version=130100)
+    with pytest.raises(cublas.CuBLASUnavailable, match='version 130100, but CuPy calls '
+                       'version 120405'):
+        cublas.Handle(cublas.Binding(lib), 90, version=120405)
+    assert lib.calls[-1][0] == 'cublasDestroy_v2'
+
+
+def test_a_library_missing_a_function_is_unavailable_not_a_crash(monkeypatch):
+    class Old:
+        def __getattr__(self, name):
+            if name == 'cublasGetVersion_v2':
+                raise AttributeError('undefined symbol: ' + name)
+            return lambda *a: 0
+    monkeypatch.setattr(cublas, '_binding', None)
+    monkeypatch.setattr(cublas, 'library_path', lambda: '/old/libcublas.so.11')
+    monkeypatch.setattr(cublas.ctypes, 'CDLL', lambda path: Old())
+    with pytest.raises(cublas.CuBLASUnavailable, match='lacks a function.*cublasGetVersion_v2'):
+        cublas.binding()
 
 
 def test_handle_close_is_idempotent_and_counted():
     lib = FakeCuBLAS()
     before = _counters.counters()['cublas_calls']
-    h = cublas.Handle(cublas.Binding(lib), 1, 2, 3, 80)
+    h = cublas.Handle(cublas.Binding(lib), 80)
+    h.bind(1, 2, 3)
     h.close()
     h.close()
-    assert [n for n, _ in lib.calls] == ['cublasCreate_v2', 'cublasSetWorkspace_v2',
-                                         'cublasSetStream_v2', 'cublasDestroy_v2']
+    assert [n for n, _ in lib.calls] == ['cublasCreate_v2', 'cublasSetStream_v2',
+                                         'cublasSetWorkspace_v2', 'cublasDestroy_v2']
     assert _counters.counters()['cublas_calls'] - before == 4
 
 
 def test_cupys_type_choices():
-    assert cublas.compute_type(numpy.float16, {}) == cublas.COMPUTE_32F
-    assert cublas.compute_type(numpy.float32, {}) == cublas.COMPUTE_32F
-    assert cublas.compute_type(numpy.float32, {'CUPY_TF32': '1'}) == cublas.COMPUTE_32F_FAST_TF32
-    assert cublas.compute_type(numpy.float16, {'CUPY_TF32': '1'}) == cublas.COMPUTE_32F
-    assert cublas.compute_type(numpy.float64, {'CUPY_TF32': '1'}) == cublas.COMPUTE_64F
-    assert cublas.algorithm(numpy.float32, 70) == cublas.GEMM_DEFAULT
-    assert cublas.algorithm(numpy.float16, 70) == cublas.GEMM_DEFAULT_TENSOR_OP
-    assert cublas.algorithm(numpy.float64, 90) == cublas.GEMM_DEFAULT_TENSOR_OP
+    f16, f32, f64 = numpy.float16, numpy.float32, numpy.float64
+    assert cublas.compute_type(f16, 'default') == cublas.COMPUTE_32F
+    assert cublas.compute_type(f32, 'default') == cublas.COMPUTE_32F
+    assert cublas.compute_type(f32, 'tf32') == cublas.COMPUTE_32F_FAST_TF32
+    assert cublas.compute_type(f16, 'tf32') == cublas.COMPUTE_32F
+    assert cublas.compute_type(f64, 'tf32') == cublas.COMPUTE_64F
+    assert cublas.compute_type(f32, 'pedantic') == cublas.COMPUTE_32F_PEDANTIC
+    assert cublas.compute_type(f64, 'pedantic') == cublas.COMPUTE_64F_PEDANTIC
+    assert cublas.compute_type(f32) == cublas.COMPUTE_32F, "CuPy's own default, read from it"
+    assert cublas.algorithm(f32, 70) == cublas.GEMM_DEFAULT
+    assert cublas.algorithm(f16, 70) == cublas.GEMM_DEFAULT_TENSOR_OP
+    assert cublas.algorithm(f64, 90) == cublas.GEMM_DEFAULT_TENSOR_OP
     assert cublas.workspace_bytes(90) == 32 << 20 and cublas.workspace_bytes(80) == 4 << 20
     with pytest.raises(TypeError, match='int32'):
-        cublas.Handle(cublas.Binding(FakeCuBLAS()), 1, 2, 3, 80).gemm(
+        cublas.Handle(cublas.Binding(FakeCuBLAS()), 80).gemm(
             0, 0, 1, 1, 1, 0, 1, 0, 1, 0, 1, numpy.int32)
+
+
+def test_a_method_fetched_while_patched_still_works_after_the_patch_is_gone():
+    """Another thread may have read LinearFunction.forward (the patch) just before the last
+    capture ended: calling it later must run Chainer's code, not fail."""
+    with _linear.products_through(None):
+        fetched = chainer_linear.LinearFunction.forward
+    assert fetched is _linear._linear_forward
+    x = numpy.ones((2, 3), numpy.float32)
+    node = chainer_linear.LinearFunction()
+    y, = fetched(node, (x, x))
+    numpy.testing.assert_array_equal(y, numpy.full((2, 2), 3, numpy.float32))
 
 
 def test_library_path_is_the_wheels_or_the_cuda_major_soname(monkeypatch):

@@ -824,7 +824,8 @@ def test_gpu_counters_stay_zero_after_warm_up(cudnn_stack):
         y.backward()
     cupy.cuda.get_current_stream().synchronize()
     assert chainer_tc.cuda.counters() == dict(descriptors=0, algorithm_queries=0,
-                                              workspace_queries=0, cudnn_calls=6)
+                                              workspace_queries=0, cudnn_calls=6,
+                                              cublas_calls=0)
 
 
 @pytest.mark.gpu

@@ -61,7 +61,30 @@ def test_nothing_found_is_an_empty_list(tmp_path):
     assert cuda_headers.include_dirs(12, path=[], environ={}, toolkit=str(tmp_path / 'cuda')) == [d]
 
 
-def test_the_loader_finds_this_machines_cuda12_header():
+def test_versions_order_numerically_and_a_parent_directory_does_not_count(tmp_path):
+    site = tmp_path / 'cu7' / 'site'            # a parent named like a version: not the header's
+    c9 = header_dir(site, 'nvidia', 'cu9', 'include')
+    c13 = header_dir(site, 'nvidia', 'cu13', 'include')
+    assert cuda_headers.include_dirs(None, path=[str(site)], environ={}, toolkit=None) == [c13]
+    assert cuda_headers.major_of(c9) == 9 and cuda_headers.major_of(c13) == 13
+    assert cuda_headers.major_of(header_dir(tmp_path / 'cu7', 'plain', 'include')) is None
+
+
+def test_versioned_toolkits_beside_the_default_one(tmp_path):
+    base = str(tmp_path / 'cuda')
+    old = header_dir(tmp_path, 'cuda-11.8', 'include')
+    new = header_dir(tmp_path, 'cuda-12.4', 'include')
+    assert cuda_headers.include_dirs(None, path=[], environ={}, toolkit=base) == [new]
+    assert cuda_headers.include_dirs(11, path=[], environ={}, toolkit=base) == [old]
+
+
+def test_the_loader_finds_a_header_for_its_nvrtc():
+    from chainer_tc import _cubin
     dirs = kernels.cuda_include_dirs()
     assert len(dirs) == 1 and os.path.isfile(os.path.join(dirs[0], 'cuda_fp16.h'))
-    assert cuda_headers.major_of(dirs[0]) == 12, 'NVRTC 12 here: the CUDA 12 runtime wheel'
+    major = _cubin.nvrtc_version()[0]
+    made_for = [d for d in cuda_headers.candidates()
+                if os.path.isfile(os.path.join(d, 'cuda_fp16.h'))
+                and cuda_headers.major_of(d) == major]
+    if made_for:      # here: NVRTC 12 and the CUDA 12 runtime wheel
+        assert dirs == made_for[:1]

@@ -1,9 +1,9 @@
-"""What CuPy lacks for a captured training step: cuDNN and cuBLAS bindings usable under stream capture.
+"""What CuPy lacks for a captured training step: cuDNN and cuBLAS bindings usable under capture.
 
 ``cudnn``       a ctypes binding to libcudnn.so.8 for the calls that run inside a step
                 (cudnnSetStream, the three convolutions, the fused batch-norm pair)
-``cublas``      a ctypes binding to libcublas: a handle of its own and cublasGemmEx, for the
-                matrix products of Chainer's Linear inside a capture
+``cublas``      a ctypes binding to libcublas: a handle of its own per device and
+                cublasGemmEx, for the matrix products of Chainer's Linear inside a capture
 ``descriptors`` cuDNN descriptors built once, through CuPy's bindings, outside capture
 ``conv``        the convolution driver: descriptors and algorithm chosen once per key, then
                 only ctypes calls per call

@@ -1,4 +1,5 @@
-"""How much cuDNN (and cuBLAS) set-up work the process has done: a test asserts it stays zero after warm-up."""
+"""How much cuDNN set-up work the process has done (a test asserts it stays zero after warm-up),
+and how many calls went through chainer_tc's cuDNN and cuBLAS bindings."""
 from chainer_tc import _tally
 
 _counts = _tally.Tally(
@@ -6,7 +7,7 @@ _counts = _tally.Tally(
     'algorithm_queries',        # cudnnFind*/cudnnGet*_v7 convolution algorithm searches
     'workspace_queries',        # workspace and reserve-space size queries
     'cudnn_calls',              # calls through chainer_tc.cuda.cudnn (the per-call work)
-    'cublas_calls',             # calls through chainer_tc.cuda.cublas (captured products)
+    'cublas_calls',             # calls through chainer_tc.cuda.cublas (handle set-up, products)
 )
 add = _counts.add
 counters = _counts.counters

@@ -8,19 +8,23 @@ every step fell back to eager). cuBLAS itself captures (its documentation's "CUD
 Support": with the host pointer mode, alpha and beta are read at capture time; give the handle
 a workspace of its own so that no allocation happens during capture).
 
-So a capture gets a :class:`Handle` of its own (made, given a workspace and its stream before
-the capture begins) and calls ``cublasGemmEx`` through this binding, with CuPy's own choice of
-types for the product (``cupy/_core/_routines_linalg.pyx``, ``tensordot_core_v11``): float16 and
-float32 data with ``CUBLAS_COMPUTE_32F`` (``..._FAST_TF32`` for float32 when ``CUPY_TF32=1``),
-float64 with ``CUBLAS_COMPUTE_64F``, alpha and beta as host floats (doubles for float64), the
-Tensor Core algorithm where CuPy picks it. Prototypes follow ``cublas_api.h`` (CUDA 12 / 13):
-handles and data are pointers, enums ``int``, the workspace size ``size_t``.
+So captures use a :class:`Handle` of chainer_tc's own, one per device (:func:`capture_handle`),
+bound before each capture begins to the capture's stream and then to a workspace from the
+capture's pool (in that order: ``cublasSetStream`` resets the workspace to cuBLAS's default
+pool), and call ``cublasGemmEx`` through this binding with CuPy's own choice for the product
+(``cupy/_core/_routines_linalg.pyx``, ``tensordot_core_v11``): CuPy's compute type for the dtype
+(``CUBLAS_COMPUTE_32F`` for float16/float32 by default, ``..._FAST_TF32`` or ``..._PEDANTIC`` as
+``cupy._core.set_compute_type`` / ``CUPY_TF32`` say, ``CUBLAS_COMPUTE_64F`` for float64), alpha and
+beta as host floats (doubles for 64F), the Tensor Core algorithm where CuPy picks it, the math
+mode of CuPy's handle. Prototypes follow ``cublas_api.h`` (CUDA 12 / 13): handles and data are
+pointers, enums ``int``, the workspace size ``size_t``.
 
 The library is the one ``chainer_tc._cuda_libs`` preloaded or finds in the ``nvidia-cublas``
-wheel, else ``libcublas.so.<CUDA major of CuPy's runtime>`` (the copy CuPy already loaded).
+wheel, else ``libcublas.so.<CUDA major of CuPy's runtime>`` (the copy CuPy already loaded); a
+handle refuses a library whose version differs from the one CuPy calls.
 """
 import ctypes
-import os
+import threading
 
 import numpy
 
@@ -31,7 +35,8 @@ _ptr, _int, _size = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
 
 OP_N, OP_T = 0, 1
 CUDA_R_32F, CUDA_R_64F, CUDA_R_16F = 0, 1, 2
-COMPUTE_32F, COMPUTE_64F, COMPUTE_32F_FAST_TF32 = 68, 70, 77
+COMPUTE_32F, COMPUTE_32F_PEDANTIC, COMPUTE_64F, COMPUTE_64F_PEDANTIC = 68, 69, 70, 71
+COMPUTE_32F_FAST_TF32 = 77
 GEMM_DEFAULT, GEMM_DEFAULT_TENSOR_OP = -1, 99
 
 DATA_TYPE = {numpy.dtype(numpy.float16): CUDA_R_16F, numpy.dtype(numpy.float32): CUDA_R_32F,
@@ -45,8 +50,8 @@ PROTOTYPES = {
     'cublasSetStream_v2': (('handle', _ptr), ('streamId', _ptr)),
     'cublasSetWorkspace_v2': (('handle', _ptr), ('workspace', _ptr),
                               ('workspaceSizeInBytes', _size)),
-    'cublasGetMathMode': (('handle', _ptr), ('mode', ctypes.POINTER(_int))),
     'cublasSetMathMode': (('handle', _ptr), ('mode', _int)),
+    'cublasGetVersion_v2': (('handle', _ptr), ('version', ctypes.POINTER(_int))),
     'cublasGemmEx': (
         ('handle', _ptr), ('transa', _int), ('transb', _int), ('m', _int), ('n', _int),
         ('k', _int), ('alpha', _ptr), ('A', _ptr), ('Atype', _int), ('lda', _int), ('B', _ptr),
@@ -106,10 +111,10 @@ class Binding:
     def set_workspace(self, handle, workspace, size):
         self._call('cublasSetWorkspace_v2', handle, workspace, size)
 
-    def get_math_mode(self, handle):
-        mode = _int()
-        self._call('cublasGetMathMode', handle, ctypes.byref(mode))
-        return mode.value
+    def get_version(self, handle):
+        version = _int()
+        self._call('cublasGetVersion_v2', handle, ctypes.byref(version))
+        return version.value
 
     def set_math_mode(self, handle, mode):
         self._call('cublasSetMathMode', handle, mode)
@@ -146,7 +151,11 @@ def binding():
             raise CuBLASUnavailable(
                 'cannot load cuBLAS from {} ({}): install the gpu extra (nvidia-cublas-cu12) or '
                 'put libcublas on LD_LIBRARY_PATH'.format(path, e)) from e
-        _binding = Binding(lib)
+        try:
+            _binding = Binding(lib)
+        except AttributeError as e:         # an older libcublas lacks a function we call
+            raise CuBLASUnavailable('the cuBLAS at {} lacks a function chainer_tc calls: {}'
+                                    .format(path, e)) from e
     return _binding
 
 
@@ -154,19 +163,36 @@ def binding():
 # capturing): float for the 32F compute types, double for 64F.
 _ONE_ZERO = {COMPUTE_32F: (ctypes.c_float(1.0), ctypes.c_float(0.0)),
              COMPUTE_64F: (ctypes.c_double(1.0), ctypes.c_double(0.0))}
-_ONE_ZERO[COMPUTE_32F_FAST_TF32] = _ONE_ZERO[COMPUTE_32F]
+for _t, _base in ((COMPUTE_32F_PEDANTIC, COMPUTE_32F), (COMPUTE_32F_FAST_TF32, COMPUTE_32F),
+                  (COMPUTE_64F_PEDANTIC, COMPUTE_64F)):
+    _ONE_ZERO[_t] = _ONE_ZERO[_base]
 _ADDRESSES = {t: tuple(ctypes.addressof(v) for v in pair) for t, pair in _ONE_ZERO.items()}
 
 
-def compute_type(dtype, environ=None):
-    """CuPy's compute type for a product of ``dtype`` data (see the module docstring)."""
+def compute_type(dtype, cupy_choice=None):
+    """The cuBLAS compute type CuPy's ``tensordot_core_v11`` uses for ``dtype`` data, from
+    ``cupy_choice`` (``cupy._core._routines_linalg.get_compute_type(dtype)``: 'default', 'tf32'
+    or 'pedantic'; read from CuPy when None)."""
     dtype = numpy.dtype(dtype)
+    if cupy_choice is None:
+        cupy_choice = _cupy_compute_type(dtype)
     if dtype == numpy.float64:
-        return COMPUTE_64F
-    environ = os.environ if environ is None else environ
-    if dtype == numpy.float32 and environ.get('CUPY_TF32', '0') != '0':
+        return COMPUTE_64F_PEDANTIC if cupy_choice == 'pedantic' else COMPUTE_64F
+    if cupy_choice == 'pedantic':
+        return COMPUTE_32F_PEDANTIC
+    if cupy_choice == 'tf32' and dtype == numpy.float32:
         return COMPUTE_32F_FAST_TF32
     return COMPUTE_32F
+
+
+def _cupy_compute_type(dtype):
+    from cupy._core import _routines_linalg as linalg
+    choice = linalg.get_compute_type(dtype)
+    if choice == linalg.COMPUTE_TYPE_PEDANTIC:
+        return 'pedantic'
+    if choice == linalg.COMPUTE_TYPE_TF32:
+        return 'tf32'
+    return 'default'
 
 
 def algorithm(dtype, compute_capability):
@@ -178,29 +204,44 @@ def algorithm(dtype, compute_capability):
 
 
 def workspace_bytes(compute_capability):
-    """The workspace a capture handle gets: what cuBLAS recommends (32 MiB on Hopper, 4 MiB
-    before), so that its algorithm choice matches the eager handle's."""
+    """The workspace a capture gives the handle: what cuBLAS recommends (32 MiB on Hopper,
+    4 MiB before), so that its algorithm choice matches the eager handle's."""
     return (32 << 20) if compute_capability >= 90 else (4 << 20)
 
 
 class Handle:
-    """A cuBLAS handle for one capture: its own workspace (a device buffer the caller keeps
-    alive as long as any graph captured with it) and stream, the math mode of ``like`` (CuPy's
-    handle). ``binding`` is :func:`binding` or a fake; :meth:`close` destroys the handle."""
+    """A cuBLAS handle of chainer_tc's own for captures on one device (:func:`capture_handle`
+    keeps one per device for the process: cuBLAS handles are meant to live long, and destroying
+    one synchronises the device, which would break a capture in progress). ``binding`` is
+    :func:`binding` or a fake; ``math_mode`` and ``version`` are those of CuPy's handle (None:
+    not checked). Hold :attr:`lock` from :meth:`bind` to the end of the capture."""
 
-    def __init__(self, binding, stream, workspace, workspace_size, compute_capability,
-                 like=None):
+    def __init__(self, binding, compute_capability, math_mode=None, version=None):
         self.binding = binding
         self.compute_capability = compute_capability
+        self.lock = threading.Lock()
         self.handle = binding.create()
         try:
-            if like is not None:
-                binding.set_math_mode(self.handle, binding.get_math_mode(like))
-            binding.set_workspace(self.handle, workspace, workspace_size)
-            binding.set_stream(self.handle, stream)
-        except Exception:
-            self.close()
+            if version is not None and binding.get_version(self.handle) != version:
+                raise CuBLASUnavailable(
+                    'the cuBLAS chainer_tc loaded is version {}, but CuPy calls version {}: '
+                    'chainer_tc must call the same library as CuPy (check LD_LIBRARY_PATH and '
+                    'the installed nvidia-cublas wheels)'.format(
+                        binding.get_version(self.handle), version))
+            if math_mode is not None:
+                binding.set_math_mode(self.handle, math_mode)
+        except BaseException:
+            try:
+                self.close()
+            except Exception:       # the first error is the one to report
+                pass
             raise
+
+    def bind(self, stream, workspace, size):
+        """Before a capture: its stream, then a workspace of its own (``cublasSetStream``
+        resets the workspace to cuBLAS's default pool, so the order matters)."""
+        self.binding.set_stream(self.handle, stream)
+        self.binding.set_workspace(self.handle, workspace, size)
 
     def close(self):
         if self.handle is not None:
@@ -218,3 +259,22 @@ class Handle:
         one, zero = _ADDRESSES[ct]
         self.binding.gemm_ex(self.handle, transa, transb, m, n, k, one, a, t, lda, b, t, ldb,
                              zero, c, t, ldc, ct, algorithm(dtype, self.compute_capability))
+
+
+_handles = {}
+_handles_lock = threading.Lock()
+
+
+def capture_handle(device):
+    """The process's capture :class:`Handle` for ``device`` (a ``cupy.cuda.Device``), made on
+    first use with the math mode and checked against the version of CuPy's handle."""
+    with _handles_lock:
+        h = _handles.get(device.id)
+        if h is None:
+            from cupy_backends.cuda.libs import cublas as cupy_cublas
+            like = device.cublas_handle
+            h = Handle(binding(), int(device.compute_capability),
+                       math_mode=cupy_cublas.getMathMode(like),
+                       version=cupy_cublas.getVersion(like))
+            _handles[device.id] = h
+        return h

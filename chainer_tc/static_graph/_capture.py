@@ -12,15 +12,16 @@ kernel). The loss scale and the overflow decision never leave the device.
 cuDNN runs under capture through chainer_tc.cuda (CuPy 13's own cuDNN calls refuse to): its
 plans (descriptors, algorithms, workspace sizes) were made by the eager steps of the same
 signature, so inside the capture it only sets the stream and calls cuDNN. CuPy refuses cuBLAS
-under capture too: Chainer's Linear computes its products through a cuBLAS handle of the
-capture's own (chainer_tc.static_graph._linear, chainer_tc.cuda.cublas).
+under capture too: Chainer's Linear computes its products through chainer_tc's own cuBLAS
+handle for the device, bound to the capture's stream and a workspace of the capture's
+(chainer_tc.static_graph._linear, chainer_tc.cuda.cublas).
 
 A step that cannot be captured (a host synchronisation inside it, such as ``float(loss)`` or an
 optimizer hook that reads a norm; a cuDNN call through CuPy's own binding) raises
 :class:`~chainer_tc.static_graph._program.NotReplayable` with CUDA's reason, and TrainStep runs
 that signature eagerly.
 """
-import weakref
+import contextlib
 
 import chainer
 
@@ -52,36 +53,16 @@ class CapturedStep:
             caller = cupy.cuda.get_current_stream()
             with self.stream, cupy.cuda.using_allocator(self.pool.malloc):
                 self.stream.wait_event(caller.record())     # the batch was loaded there
-                products = self._products(cupy)
-                self.stream.synchronize()
-                self.stream.begin_capture()
-                graph = None
-                try:
-                    with _trace.Recorder() as rec, _linear.products_through(products):
-                        loss = step._call_lossfun(entry.buffers)
-                        opt.target.cleargrads()
-                        opt.scaled_backward(loss)
-                    grads = flat.grads()
-                    recorded_grads = grads
-                    if reduce is not None:
-                        for view, g in zip(views, grads):
-                            if g is None:
-                                view.fill(0)
-                            else:
-                                view[...] = g
-                        reduce(buffers)
-                        grads = views
-                    plan = opt._plan(flat, grads)
-                    if not self.hooks:
-                        plan()
-                except Exception as e:
-                    _abandon(self.stream)
-                    raise _program.NotReplayable(
-                        'capturing the step into a CUDA graph failed: {}: {}{}'.format(
-                            type(e).__name__, e, '' if self.cublas_problem is None else
-                            " (no cuBLAS handle for the capture's Linear products: {})"
-                            .format(self.cublas_problem))) from e
-                graph = self.stream.end_capture()
+                handle = self._cublas_handle(cupy)
+                with handle.lock if handle is not None else contextlib.nullcontext():
+                    products = None
+                    if handle is not None:
+                        handle.bind(self.stream.ptr, self.cublas_workspace.data.ptr,
+                                    self.cublas_workspace.nbytes)
+                        products = _linear.Products(handle, cupy)
+                    self.stream.synchronize()
+                    graph, rec, loss, recorded_grads, grads = self._record(
+                        step, entry, products, reduce, buffers, views)
         trace = rec.trace
         trace.grads, trace.loss, trace.inputs = recorded_grads, loss.array, entry.buffers
         self.buffers = buffers           # referenced by the graph
@@ -95,23 +76,52 @@ class CapturedStep:
         # this step: the reports made while capturing hold the graph's arrays, valid once it ran
         self.first_loss = self._launch(step, report=False)
 
-    def _products(self, cupy):
-        """Chainer's Linear under this capture: a cuBLAS handle of its own on the capture
-        stream, with a workspace from the capture's pool (kept as long as the graph)."""
-        device = cupy.cuda.Device()
-        cc = int(device.compute_capability)
-        self.cublas_workspace = cupy.empty(cublas.workspace_bytes(cc), cupy.uint8)
+    def _record(self, step, entry, products, reduce, buffers, views):
+        """Capture forward, backward and (without hooks) the update on self.stream: (graph,
+        recorder, loss, the gradients as computed, the gradients the update reads)."""
+        opt = step.optimizer
+        flat = opt._flat
+        self.stream.begin_capture()
         try:
-            self.cublas = cublas.Handle(cublas.binding(), self.stream.ptr,
-                                        self.cublas_workspace.data.ptr,
-                                        self.cublas_workspace.nbytes, cc,
-                                        like=device.cublas_handle)
-        except (cublas.CuBLASUnavailable, cublas.CuBLASError) as e:
-            # a step without Linear still captures; one with it fails in CuPy, said below
+            with _trace.Recorder() as rec, _linear.products_through(products):
+                loss = step._call_lossfun(entry.buffers)
+                opt.target.cleargrads()
+                opt.scaled_backward(loss)
+            grads = flat.grads()
+            recorded_grads = grads
+            if reduce is not None:
+                for view, g in zip(views, grads):
+                    if g is None:
+                        view.fill(0)
+                    else:
+                        view[...] = g
+                reduce(buffers)
+                grads = views
+            plan = opt._plan(flat, grads)
+            if not self.hooks:
+                plan()
+        except Exception as e:
+            _abandon(self.stream)
+            raise _program.NotReplayable(
+                'capturing the step into a CUDA graph failed: {}: {}{}'.format(
+                    type(e).__name__, e, '' if self.cublas_problem is None else
+                    " (no cuBLAS handle for the capture's Linear products: {})"
+                    .format(self.cublas_problem))) from e
+        return self.stream.end_capture(), rec, loss, recorded_grads, grads
+
+    def _cublas_handle(self, cupy):
+        """The device's capture cuBLAS handle, and this capture's workspace for it from the
+        capture's pool (kept as long as the graph); None (and the reason kept) where it cannot
+        be had: a step without Linear still captures, one with it fails in CuPy, said then."""
+        device = cupy.cuda.Device()
+        try:
+            handle = cublas.capture_handle(device)
+        except (cublas.CuBLASUnavailable, cublas.CuBLASError, ImportError) as e:
             self.cublas_problem = '{}: {}'.format(type(e).__name__, e)
             return None
-        weakref.finalize(self, self.cublas.close)
-        return _linear.Products(self.cublas, cupy)
+        self.cublas_workspace = cupy.empty(cublas.workspace_bytes(handle.compute_capability),
+                                           cupy.uint8)
+        return handle
 
     def validate(self, first, externals):
         """The same checks as the CPU replay, on the values this step computed (so after its

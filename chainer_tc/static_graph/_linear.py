@@ -27,7 +27,10 @@ from chainer.functions.connection import linear as _chainer_linear
 _state = threading.local()
 _lock = threading.Lock()
 _installed = [0]
-_ORIGINAL = {}
+# Chainer's methods, read once: a thread that fetched a patched method just before the patch
+# was removed still finds the original through this (never emptied) table
+_ORIGINAL = {name: getattr(_chainer_linear, name).forward
+             for name in ('LinearFunction', 'LinearGradData', 'LinearGradWeight')}
 
 
 def _gemm():
@@ -103,8 +106,9 @@ _PATCHES = {'LinearFunction': _linear_forward, 'LinearGradData': _grad_data_forw
 
 
 class Products:
-    """What the patched methods compute with: ``handle`` (a :class:`chainer_tc.cuda.cublas.Handle`
-    or anything with its ``gemm``) and ``xp`` (the array module whose arrays it takes)."""
+    """What the patched methods compute with: ``handle`` (a bound
+    :class:`chainer_tc.cuda.cublas.Handle`, or anything with its ``gemm``) and ``xp`` (the array
+    module whose arrays it takes)."""
 
     def __init__(self, handle, xp):
         self.handle, self.xp = handle, xp
@@ -116,9 +120,7 @@ def products_through(products):
     with _lock:
         if _installed[0] == 0:
             for name, fn in _PATCHES.items():
-                cls = getattr(_chainer_linear, name)
-                _ORIGINAL[name] = cls.forward
-                cls.forward = fn
+                getattr(_chainer_linear, name).forward = fn
         _installed[0] += 1
     previous = _gemm()
     _state.gemm = products
@@ -130,4 +132,4 @@ def products_through(products):
             _installed[0] -= 1
             if _installed[0] == 0:
                 for name in _PATCHES:
-                    getattr(_chainer_linear, name).forward = _ORIGINAL.pop(name)
+                    getattr(_chainer_linear, name).forward = _ORIGINAL[name]

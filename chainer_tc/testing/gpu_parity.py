@@ -164,10 +164,11 @@ class _Scheduled:
 
 def compare(expected, got, sums=None):
     """(ok, worst error, where): outputs of one case, emulator against device. ``sums``:
-    (sum of |terms|, number of terms) per element for an output that is a sum (Case.sums); its
-    elements may also differ by 4 * u * sqrt(terms) * sum|terms| (u the accumulation's unit
-    roundoff: 2^-53 for float64 outputs, else 2^-24), the size of the rounding that a term
-    rounded differently (an fma on one backend) leaves in a sum, whatever the sum's own size."""
+    (sum of |terms|, chain) per element for an output that is a sum (Case.sums); its elements
+    may also differ by 4 * u * sqrt(chain) * sum|terms| (u the accumulation's unit roundoff:
+    2^-53 for float64 outputs, else 2^-24; chain the longest run of additions into the element),
+    the rounding that terms rounded differently (an fma on one backend) leave in a sum, whatever
+    the sum's own size."""
     if expected.shape != got.shape or expected.dtype != got.dtype:
         return False, None, 'shape/dtype {} {} vs {} {}'.format(expected.shape, expected.dtype,
                                                                  got.shape, got.dtype)
@@ -180,9 +181,9 @@ def compare(expected, got, sums=None):
         return True, 0.0, ''
     rtol, atol = TOLERANCE[expected.dtype]
     if sums is not None:
-        magnitude, terms = sums
+        magnitude, chain = sums
         u = 2.0 ** -53 if expected.dtype == numpy.float64 else 2.0 ** -24
-        atol = atol + 4 * u * numpy.sqrt(terms) * numpy.asarray(magnitude,
+        atol = atol + 4 * u * numpy.sqrt(chain) * numpy.asarray(magnitude,
                                                                 numpy.float64).reshape(-1)
     e = expected.astype(numpy.float64).reshape(-1)
     g = got.astype(numpy.float64).reshape(-1)

@@ -61,9 +61,10 @@ class Case:
         self.family, self.name, self.defines = family, name, dict(defines)
         #: reference(arrays) -> {output: (expected, rtol, atol)}, the NumPy result of some outputs
         self.reference = reference
-        #: sums(arrays) -> {output: (sum of |terms|, number of terms)} per element, for outputs
-        #: that are sums: backends that round each term differently (NVRTC's fma contraction)
-        #: differ by about (unit roundoff) * sqrt(terms) * sum|terms|, however small the sum
+        #: sums(arrays) -> {output: (sum of |terms|, chain)} per element, for outputs that are
+        #: sums: backends that round a term differently (NVRTC's fma contraction) differ by
+        #: about (unit roundoff) * sqrt(chain) * sum|terms|, however small the sum, where chain
+        #: is the longest sequence of additions any thread makes on the way to the element
         self.sums = sums
         self.name_expressions = tuple(names)
         self.arrays, self.launches, self.outputs = arrays, launches, list(outputs)
@@ -276,9 +277,14 @@ def _batchnorm(rows, c, dtype, pdtype, relu=1, with_z=True, big=False, grid_cap=
         blockwise = numpy.stack([numpy.pad(t, ((0, pad), (0, 0))).reshape(blocks, per, c).sum(1)
                                  for t in (ag, agx)], axis=2)
         total_g, total_gx = ag.sum(0), agx.sum(0)
-        return {'bpartial': (blockwise, per), 'sums': (numpy.concatenate([total_g, total_gx]),
-                                                       rows),
-                'ggamma': (total_gx, rows), 'gbeta': (total_g, rows)}
+        # a thread adds every nrows-th row of its block, then one thread per channel merges
+        # nrows of them; the finalize does the same over the blocks with BN_FINAL_ROWS threads
+        final = BN['BN_FINAL_ROWS']
+        partial_chain = -(-per // nrows) + nrows
+        total_chain = partial_chain + -(-blocks // final) + final
+        both = numpy.concatenate([total_g, total_gx])
+        return {'bpartial': (blockwise, partial_chain), 'sums': (both, total_chain),
+                'ggamma': (total_gx, total_chain), 'gbeta': (total_g, total_chain)}
 
     def reference(arrays):
         f = _bn_forward64(arrays, relu, with_z)
