@@ -199,24 +199,21 @@ def collect():
 
 def _capture_cudnn():
     """(ok, reason): chainer_tc's capture-safe cuDNN binding loads."""
-    try:
-        from chainer_tc.cuda import cudnn
-        cudnn.binding()
-        return True, None
-    except Exception as e:
-        return False, 'the capture-safe cuDNN binding (chainer_tc.cuda.cudnn) does not load: ' \
-            '{}'.format(e)
+    return _binding_loads('cudnn', 'cuDNN')
 
 
 def _capture_cublas():
     """(ok, reason): chainer_tc's capture-safe cuBLAS binding (Linear's products) loads."""
+    return _binding_loads('cublas', 'cuBLAS')
+
+
+def _binding_loads(module, library):
     try:
-        from chainer_tc.cuda import cublas
-        cublas.binding()
+        importlib.import_module('chainer_tc.cuda.' + module).binding()
         return True, None
     except Exception as e:
-        return False, 'the capture-safe cuBLAS binding (chainer_tc.cuda.cublas) does not load: ' \
-            '{}'.format(e)
+        return False, 'the capture-safe {} binding (chainer_tc.cuda.{}) does not load: {}'.format(
+            library, module, e)
 
 
 def _chainer_tc_version():

@@ -30,6 +30,7 @@ import numpy
 
 from chainer_tc import _cuda_libs
 from chainer_tc.cuda import _counters
+from chainer_tc.cuda import _library
 
 _ptr, _int, _size = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
 
@@ -73,29 +74,13 @@ class CuBLASUnavailable(OSError):
     """libcublas could not be loaded."""
 
 
-class Binding:
-    """The bound functions of one library object (a ``ctypes.CDLL``, or a fake in tests)."""
+class Binding(_library.Library):
+    """The cuBLAS calls of a capture, bound on one library object (a ``ctypes.CDLL``, or a
+    fake)."""
 
     def __init__(self, lib):
-        self._fn = {}
-        for name, params in PROTOTYPES.items():
-            fn = getattr(lib, name)
-            fn.argtypes = [t for _, t in params]
-            fn.restype = ctypes.c_int
-            self._fn[name] = fn
-        self._status_string = getattr(lib, STATUS_STRING)
-        self._status_string.argtypes = [ctypes.c_int]
-        self._status_string.restype = ctypes.c_char_p
-
-    def status_string(self, status):
-        s = self._status_string(status)
-        return s.decode() if isinstance(s, bytes) else str(s)
-
-    def _call(self, name, *args):
-        _counters.add('cublas_calls')
-        status = self._fn[name](*args)
-        if status:
-            raise CuBLASError(name, status, self.status_string(status))
+        super().__init__(lib, PROTOTYPES, STATUS_STRING, CuBLASError,
+                         lambda: _counters.add('cublas_calls'))
 
     def create(self):
         handle = _ptr()
@@ -144,18 +129,9 @@ def binding():
     """The process's :class:`Binding` of libcublas, loaded on first use."""
     global _binding
     if _binding is None:
-        path = library_path()
-        try:
-            lib = ctypes.CDLL(path)
-        except OSError as e:
-            raise CuBLASUnavailable(
-                'cannot load cuBLAS from {} ({}): install the gpu extra (nvidia-cublas-cu12) or '
-                'put libcublas on LD_LIBRARY_PATH'.format(path, e)) from e
-        try:
-            _binding = Binding(lib)
-        except AttributeError as e:         # an older libcublas lacks a function we call
-            raise CuBLASUnavailable('the cuBLAS at {} lacks a function chainer_tc calls: {}'
-                                    .format(path, e)) from e
+        _binding = _library.load(library_path(), Binding, CuBLASUnavailable, 'cuBLAS',
+                                 'install the gpu extra (nvidia-cublas-cu12) or put libcublas on '
+                                 'LD_LIBRARY_PATH')
     return _binding
 
 

@@ -28,6 +28,7 @@ import numpy
 
 from chainer_tc import _cuda_libs
 from chainer_tc.cuda import _counters
+from chainer_tc.cuda import _library
 
 SONAME = 'libcudnn.so.8'
 
@@ -88,29 +89,15 @@ class CuDNNUnavailable(OSError):
     """libcudnn.so.8 could not be loaded."""
 
 
-class Binding:
-    """The bound functions of one library object (a ``ctypes.CDLL``, or a fake in tests)."""
+class Binding(_library.Library):
+    """The cuDNN calls of a step, bound on one library object (a ``ctypes.CDLL``, or a fake)."""
 
     def __init__(self, lib):
-        self._fn = {}
-        for name, params in PROTOTYPES.items():
-            fn = getattr(lib, name)
-            fn.argtypes = [t for _, t in params]
-            fn.restype = ctypes.c_int
-            self._fn[name] = fn
-        self._error_string = getattr(lib, ERROR_STRING)
-        self._error_string.argtypes = [ctypes.c_int]
-        self._error_string.restype = ctypes.c_char_p
+        super().__init__(lib, PROTOTYPES, ERROR_STRING, CuDNNError,
+                         lambda: _counters.add('cudnn_calls'))
 
     def error_string(self, status):
-        s = self._error_string(status)
-        return s.decode() if isinstance(s, bytes) else str(s)
-
-    def _call(self, name, *args):
-        _counters.add('cudnn_calls')
-        status = self._fn[name](*args)
-        if status:
-            raise CuDNNError(name, status, self.error_string(status))
+        return self.message(status)
 
     def set_stream(self, handle, stream):
         """cudnnSetStream: later calls on ``handle`` run on ``stream`` (a cudaStream_t)."""
@@ -154,14 +141,12 @@ def binding():
     global _binding
     if _binding is None:
         path = library_path()
-        try:
-            lib = ctypes.CDLL(path)
-        except OSError as e:
-            raise CuDNNUnavailable(
-                'cannot load cuDNN 8 from {} ({}): install the gpu extra (nvidia-cudnn-cu12 '
-                '8.9) or put libcudnn.so.8 on LD_LIBRARY_PATH'.format(path, e)) from e
-        check_same_as_cupys(path, _library_version(lib), _cupy_cudnn_version())
-        _binding = Binding(lib)
+        _binding = _library.load(
+            path, Binding, CuDNNUnavailable, 'cuDNN 8',
+            'install the gpu extra (nvidia-cudnn-cu12 8.9) or put libcudnn.so.8 on '
+            'LD_LIBRARY_PATH',
+            check=lambda lib: check_same_as_cupys(path, _library_version(lib),
+                                                  _cupy_cudnn_version()))
     return _binding
 
 
