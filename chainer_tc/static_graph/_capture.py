@@ -57,9 +57,12 @@ class CapturedStep:
                 with handle.lock if handle is not None else contextlib.nullcontext():
                     products = None
                     if handle is not None:
-                        handle.bind(self.stream.ptr, self.cublas_workspace.data.ptr,
-                                    self.cublas_workspace.nbytes)
-                        products = _linear.Products(handle, cupy)
+                        try:
+                            handle.bind(self.stream.ptr, self.cublas_workspace.data.ptr,
+                                        self.cublas_workspace.nbytes)
+                            products = _linear.Products(handle, cupy)
+                        except cublas.CuBLASError as e:     # said if a Linear needs it
+                            self.cublas_problem = '{}: {}'.format(type(e).__name__, e)
                     self.stream.synchronize()
                     graph, rec, loss, recorded_grads, grads = self._record(
                         step, entry, products, reduce, buffers, views)
