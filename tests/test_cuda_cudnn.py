@@ -168,6 +168,9 @@ def test_a_cudnn_other_than_cupys_is_refused():
     with pytest.raises(cudnn.CuDNNUnavailable, match="CuPy's cuDNN bindings are not usable "
                        r'\(ImportError: no cudnn\).*CuPy 13 with cuDNN 8.9'):
         cudnn.check_same_as_cupys('/x/libcudnn.so.9', 90100, 'ImportError: no cudnn')
+    with pytest.raises(cudnn.CuDNNUnavailable, match=r'another copy than the libcudnn.so.8 '
+                       r'CuPy loaded \(the same version 8907\)'):
+        cudnn.check_same_as_cupys('/y/libcudnn.so.8', 8907, 8907, same_object=False)
 
 
 def test_find_library_searches_the_wheel_directories(tmp_path, monkeypatch):

@@ -23,6 +23,7 @@ The library is the one ``chainer_tc._cuda_libs`` preloaded or finds in the ``nvi
 wheel, else ``libcudnn.so.8`` by soname (``LD_LIBRARY_PATH``).
 """
 import ctypes
+import os
 
 import numpy
 
@@ -146,7 +147,7 @@ def binding():
             'install the gpu extra (nvidia-cudnn-cu12 8.9) or put libcudnn.so.8 on '
             'LD_LIBRARY_PATH',
             check=lambda lib: check_same_as_cupys(path, _library_version(lib),
-                                                  _cupy_cudnn_version()))
+                                                  _cupy_cudnn_version(), _same_object(lib)))
     return _binding
 
 
@@ -165,9 +166,20 @@ def _cupy_cudnn_version():
         return '{}: {}'.format(type(e).__name__, e)
 
 
-def check_same_as_cupys(path, version, cupys):
+def _same_object(lib):
+    """Whether ``lib`` is the object a dlopen of ``libcudnn.so.8`` (CuPy's way) gives; True where
+    none is loaded under that name (nothing to compare)."""
+    try:
+        loaded = ctypes.CDLL(SONAME, mode=os.RTLD_NOLOAD)
+    except OSError:
+        return True
+    return loaded._handle == lib._handle
+
+
+def check_same_as_cupys(path, version, cupys, same_object=True):
     """Refuse a library other than CuPy's (a machine with cuDNN 9 beside 8, a CuPy without
-    cuDNN): a descriptor made by one libcudnn passed to another is undefined behaviour."""
+    cuDNN, a second copy of 8.9 from another directory): a descriptor made by one libcudnn
+    passed to another is undefined behaviour."""
     if isinstance(cupys, str):
         raise CuDNNUnavailable(
             "CuPy's cuDNN bindings are not usable ({}); chainer_tc's capture-safe calls take "
@@ -178,6 +190,11 @@ def check_same_as_cupys(path, version, cupys):
             'the cuDNN at {} is version {}, but CuPy calls version {}: chainer_tc must call '
             'the same library as CuPy (check LD_LIBRARY_PATH and the installed nvidia-cudnn '
             'wheels)'.format(path, version, cupys))
+    if not same_object:
+        raise CuDNNUnavailable(
+            'the cuDNN at {} is another copy than the {} CuPy loaded (the same version {}): '
+            'chainer_tc must call the same library as CuPy (check LD_LIBRARY_PATH and the '
+            'installed nvidia-cudnn wheels)'.format(path, SONAME, version))
 
 
 # Host scaling factors, alive for the whole process: cuDNN reads them during the call (also
