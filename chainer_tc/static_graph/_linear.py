@@ -22,6 +22,7 @@ import threading
 
 import numpy
 
+import chainer
 from chainer.functions.connection import linear as _chainer_linear
 
 _state = threading.local()
@@ -50,21 +51,27 @@ def _usable(xp, *arrays):
                for a in arrays) and dtype.kind == 'f'
 
 
+def _product(node, gemm, a, b, shape, transa, transb, m, n, k, lda, ldb, ldc):
+    """A new (``shape``) array of a's dtype = ``gemm(transa, transb, m, n, k)`` of the contiguous
+    a and b; ``node`` keeps its inputs and the iDeep setting as Chainer's forward does."""
+    node._config_use_ideep = chainer.config.use_ideep
+    node.retain_inputs((0, 1))
+    out = gemm.xp.empty(shape, dtype=a.dtype)
+    gemm.handle.gemm(transa, transb, m, n, k, _address(a), lda, _address(b), ldb, _address(out),
+                     ldc, a.dtype)
+    return out
+
+
 def _linear_forward(self, inputs):
     gemm = _gemm()
     x, W = inputs[0], inputs[1]
     if gemm is None or not _usable(gemm.xp, x, W) or x.shape[1] != W.shape[1]:
         return _ORIGINAL['LinearFunction'](self, inputs)
-    import chainer
-    self._config_use_ideep = chainer.config.use_ideep
-    xp = gemm.xp
-    x, W = xp.ascontiguousarray(x), xp.ascontiguousarray(W)
+    x, W = gemm.xp.ascontiguousarray(x), gemm.xp.ascontiguousarray(W)
     (m, k), n = x.shape, W.shape[0]
-    y = xp.empty((m, n), dtype=x.dtype)
-    gemm.handle.gemm(1, 0, n, m, k, _address(W), k, _address(x), k, _address(y), n, x.dtype)
+    y = _product(self, gemm, W, x, (m, n), 1, 0, n, m, k, k, k, n)       # y^T = op_T(W) x^T
     if len(inputs) == 3:
         y += inputs[2]
-    self.retain_inputs((0, 1))
     return y,
 
 
@@ -73,15 +80,9 @@ def _grad_data_forward(self, inputs):
     W, gy = inputs
     if gemm is None or not _usable(gemm.xp, W, gy) or gy.shape[1] != W.shape[0]:
         return _ORIGINAL['LinearGradData'](self, inputs)
-    import chainer
-    self._config_use_ideep = chainer.config.use_ideep
-    self.retain_inputs((0, 1))
-    xp = gemm.xp
-    W, gy = xp.ascontiguousarray(W), xp.ascontiguousarray(gy)
+    W, gy = gemm.xp.ascontiguousarray(W), gemm.xp.ascontiguousarray(gy)
     (n, k), m = W.shape, gy.shape[0]
-    gx = xp.empty((m, k), dtype=gy.dtype)
-    gemm.handle.gemm(0, 0, k, m, n, _address(W), k, _address(gy), n, _address(gx), k, gy.dtype)
-    return gx,
+    return _product(self, gemm, W, gy, (m, k), 0, 0, k, m, n, k, n, k),   # gx^T = W^T gy^T
 
 
 def _grad_weight_forward(self, inputs):
@@ -90,15 +91,9 @@ def _grad_weight_forward(self, inputs):
     if (gemm is None or not _usable(gemm.xp, x, gy) or x.shape[0] != gy.shape[0]
             or numpy.dtype(self._w_dtype) != x.dtype):
         return _ORIGINAL['LinearGradWeight'](self, inputs)
-    import chainer
-    self._config_use_ideep = chainer.config.use_ideep
-    self.retain_inputs((0, 1))
-    xp = gemm.xp
-    x, gy = xp.ascontiguousarray(x), xp.ascontiguousarray(gy)
+    x, gy = gemm.xp.ascontiguousarray(x), gemm.xp.ascontiguousarray(gy)
     (m, k), n = x.shape, gy.shape[1]
-    gW = xp.empty((n, k), dtype=x.dtype)
-    gemm.handle.gemm(0, 1, k, n, m, _address(x), k, _address(gy), n, _address(gW), k, x.dtype)
-    return gW,
+    return _product(self, gemm, x, gy, (n, k), 0, 1, k, n, m, k, n, k),   # gW^T = x^T op_T(gy)
 
 
 _PATCHES = {'LinearFunction': _linear_forward, 'LinearGradData': _grad_data_forward,
