@@ -43,8 +43,22 @@ demo: $(VENV)/.installed-gpu+demo
 smoke: $(VENV)/.installed-gpu
 	$(BIN)/python examples/smoke.py
 
-test: $(VENV)/.installed-gpu+test
-	$(BIN)/python -m pytest tests $(PYTEST_ARGS)
+CUDNN9 := $(VENV)/cudnn9
+CUDNN9_WHEEL := nvidia-cudnn-cu13==9.24.0.43
+
+test: $(VENV)/.installed-gpu+test $(CUDNN9)/.done
+	CHAINER_TC_TEST_CUDNN9=$(CUDNN9)/nvidia/cudnn $(BIN)/python -m pytest tests $(PYTEST_ARGS)
+
+# cuDNN 9 beside the gpu extra's 8.9, for the tests only: tests/test_cuda_cudnn.py checks
+# chainer_tc's cuDNN binding against cuDNN 9's headers and runs its host-only calls (descriptors,
+# messages; no GPU needed) on cuDNN 9's libraries, in a process of their own. Of the wheel only
+# the headers and the four libraries those calls load are kept (about 175 MB of 553).
+$(CUDNN9)/.done: | $(BIN)/python
+	rm -rf $(CUDNN9)
+	$(PIP) download --no-deps --only-binary=:all: -d $(CUDNN9)/wheel '$(CUDNN9_WHEEL)'
+	$(BIN)/python -c "import glob, re, zipfile; z = zipfile.ZipFile(glob.glob('$(CUDNN9)/wheel/*.whl')[0]); z.extractall('$(CUDNN9)', [n for n in z.namelist() if re.fullmatch(r'nvidia/cudnn/(include/.*_v9[.]h|lib/libcudnn(_ops|_cnn|_graph)?[.]so[.]9)', n)])"
+	rm -rf $(CUDNN9)/wheel
+	touch $@
 
 # The GPU install story, proved without a GPU: cuDNN 8.9 loads, the entry points resolve,
 # Chainer sees cuDNN.

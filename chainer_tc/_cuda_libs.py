@@ -7,7 +7,9 @@ the dynamic linker reuse it for every later lookup of the same soname (including
 ``dlopen`` of its sub-libraries and of NVRTC).
 
 Call :func:`preload` before CuPy is imported (``chainer_tc/__init__.py`` does).  It never raises
-and never prints; set ``CHAINER_TC_NO_PRELOAD=1`` to turn it off.
+and never prints; set ``CHAINER_TC_NO_PRELOAD=1`` to turn it off.  Where
+``CHAINER_TC_CUDNN_LIBRARY`` names a cuDNN for chainer_tc (``chainer_tc.cuda.cudnn``), the wheel's
+cuDNN is not preloaded: one cuDNN per process.
 """
 import ctypes
 import glob
@@ -16,6 +18,7 @@ import site
 import sys
 
 OPT_OUT_ENV = 'CHAINER_TC_NO_PRELOAD'
+CUDNN_ENV = 'CHAINER_TC_CUDNN_LIBRARY'      # read by chainer_tc.cuda.cudnn too
 
 # (name, nvidia package dir, file glob), in dependency order.  Every entry is optional.
 LIBRARIES = (
@@ -88,6 +91,12 @@ def _already_loaded(path):
         return False
 
 
+def _wanted():
+    """The :data:`LIBRARIES` to preload: all, but cuDNN's where the user named another."""
+    skip_cudnn = bool(os.environ.get(CUDNN_ENV))
+    return tuple(e for e in LIBRARIES if not (skip_cudnn and e[1] == 'cudnn'))
+
+
 def load_from(search_paths):
     """Load the libraries found under ``search_paths``; return ``(loaded, errors)`` dicts.
 
@@ -96,7 +105,7 @@ def load_from(search_paths):
     """
     loaded, errors = {}, {}
     lib_dirs = find_lib_dirs(search_paths)
-    for name, package, pattern in LIBRARIES:
+    for name, package, pattern in _wanted():
         lib_dir = lib_dirs.get(package)
         path = _pick(lib_dir, pattern) if lib_dir else None
         if path is None:

@@ -1,32 +1,11 @@
 """``python -m chainer_tc check-gpu-stack``: CI check of the GPU install, no GPU needed.
 
 Checks that the pip-installed CUDA stack is complete and loadable the way chainer_tc uses it:
-cuDNN 8.9 with the entry points and constants chainer_tc calls, Chainer seeing CuPy and cuDNN,
-and NVRTC 12 compiling a kernel.  Prints one PASS/FAIL line per check; exit code 1 if any fails.
+cuDNN 8.9 from CuPy, chainer_tc's cuDNN binding on that same library, Chainer seeing CuPy and
+cuDNN, and NVRTC 12 compiling a kernel.  Prints one PASS/FAIL line per check; exit code 1 if any fails.
 """
 import argparse
-import ctypes
 import sys
-
-CUDNN_SONAME = 'libcudnn.so.8'
-# C entry point chainer_tc calls -> its name in cupy_backends.cuda.libs.cudnn.  CuPy 13 keeps
-# the historical '_v3' suffix for the two backward convolutions (same C functions).
-CUDNN_SYMBOLS = {
-    'cudnnBatchNormalizationForwardTrainingEx': 'batchNormalizationForwardTrainingEx',
-    'cudnnBatchNormalizationBackwardEx': 'batchNormalizationBackwardEx',
-    'cudnnGetBatchNormalizationForwardTrainingExWorkspaceSize':
-        'getBatchNormalizationForwardTrainingExWorkspaceSize',
-    'cudnnGetBatchNormalizationBackwardExWorkspaceSize':
-        'getBatchNormalizationBackwardExWorkspaceSize',
-    'cudnnGetBatchNormalizationTrainingExReserveSpaceSize':
-        'getBatchNormalizationTrainingExReserveSpaceSize',
-    'cudnnConvolutionForward': 'convolutionForward',
-    'cudnnConvolutionBackwardData': 'convolutionBackwardData_v3',
-    'cudnnConvolutionBackwardFilter': 'convolutionBackwardFilter_v3',
-    'cudnnBatchNormalizationForwardInference': 'batchNormalizationForwardInference',
-}
-CUDNN_CONSTANTS = ('CUDNN_TENSOR_NHWC', 'CUDNN_BATCHNORM_SPATIAL_PERSISTENT',
-                   'CUDNN_BATCHNORM_OPS_BN_ADD_ACTIVATION')
 
 
 class CheckFailed(Exception):
@@ -43,25 +22,17 @@ def check_cudnn_version():
     return 'cuDNN %s' % cudnn_version_string(v)
 
 
-def check_cudnn_symbols():
-    from chainer_tc import _cuda_libs
-    path = _cuda_libs.preloaded().get('cudnn')
-    where = path or '%s (by soname, not preloaded)' % CUDNN_SONAME
-    lib = ctypes.CDLL(path or CUDNN_SONAME)
-    missing = [s for s in CUDNN_SYMBOLS if not hasattr(lib, s)]
-    if missing:
-        raise CheckFailed('%s lacks %s' % (where, ', '.join(missing)))
-    return '%d symbols in %s' % (len(CUDNN_SYMBOLS), where)
-
-
 def check_cudnn_binding():
-    from cupy_backends.cuda.libs import cudnn
-    names = list(CUDNN_SYMBOLS.values()) + list(CUDNN_CONSTANTS)
-    missing = [n for n in names if not hasattr(cudnn, n)]
-    if missing:
-        raise CheckFailed('cupy_backends.cuda.libs.cudnn lacks %s' % ', '.join(missing))
-    return '%d functions, %s' % (len(CUDNN_SYMBOLS), ', '.join(
-        '%s=%d' % (n, getattr(cudnn, n)) for n in CUDNN_CONSTANTS))
+    """chainer_tc's own cuDNN binding loads CuPy's library, with every function it calls."""
+    from chainer_tc.cuda import cudnn
+    cupys = cudnn._cupys_library()
+    if cupys.path is None:
+        raise CheckFailed("CuPy's cuDNN: %s" % cupys.skipped)
+    b, why = cudnn._open(cupys)
+    if b is None:
+        raise CheckFailed('%s: %s' % (cupys.path, why))
+    return '%d functions bound in %s (cuDNN %s), the library CuPy uses' % (
+        len(cudnn.PROTOTYPES), cupys.path, cudnn.version_string(b.version()))
 
 
 def check_chainer():
@@ -90,7 +61,6 @@ def check_nvrtc():
 
 CHECKS = (
     ('cudnn-version', check_cudnn_version),
-    ('cudnn-symbols', check_cudnn_symbols),
     ('cudnn-binding', check_cudnn_binding),
     ('chainer-cuda', check_chainer),
     ('nvrtc', check_nvrtc),

@@ -28,9 +28,8 @@ def _error(exc):
 
 def cudnn_version_string(v):
     """8907 -> '8.9.7' (cuDNN 8 encoding), 90100 -> '9.1.0' (cuDNN 9 encoding)."""
-    if v >= 10000:
-        return '%d.%d.%d' % (v // 10000, v // 100 % 100, v % 100)
-    return '%d.%d.%d' % (v // 1000, v // 100 % 10, v % 100)
+    from chainer_tc.cuda import cudnn
+    return cudnn.version_string(v)
 
 
 def cuda_version_string(v):
@@ -101,8 +100,6 @@ def collect():
         numpy = probe.module('numpy', 'numpy')
         cupy = probe.module('cupy', 'cupy')
         chainer = probe.module('chainer', 'chainer')
-        cudnn_lib = probe.module('cudnn', 'cupy_backends.cuda.libs.cudnn')
-        cupyx_cudnn = probe.module('cupyx.cudnn', 'cupyx.cudnn') if cupy else None
         nvrtc_lib = probe.module('nvrtc', 'cupy_backends.cuda.libs.nvrtc')
         dali = probe.module('dali', 'nvidia.dali')
 
@@ -110,11 +107,12 @@ def collect():
         versions['cupy'] = getattr(cupy, '__version__', None)
         versions['chainer'] = getattr(chainer, '__version__', None)
         versions['dali'] = getattr(dali, '__version__', None)
-        cudnn_int = None
-        if cudnn_lib is not None:
-            cudnn_int = probe.run('cudnn', cudnn_lib.getVersion)
-            if cudnn_int is not None:
-                versions['cudnn'] = cudnn_version_string(cudnn_int)
+        # the cuDNN chainer_tc's own binding calls (CuPy's where CuPy has one)
+        cudnn = probe.run('cudnn', lambda: importlib.import_module(
+            'chainer_tc.cuda.cudnn').binding())
+        cudnn_int = cudnn.version() if cudnn is not None else None
+        if cudnn_int is not None:
+            versions['cudnn'] = cudnn_version_string(cudnn_int)
         if nvrtc_lib is not None:
             v = probe.run('nvrtc', nvrtc_lib.getVersion)
             versions['nvrtc'] = '%d.%d' % tuple(v) if v is not None else None
@@ -139,9 +137,7 @@ def collect():
 
     # Shared requirements, as (ok, reason) pairs.
     has_cupy = (cupy is not None, 'CuPy not importable: %s' % probe.errors.get('cupy'))
-    has_cudnn = (cudnn_int is not None and cupyx_cudnn is not None,
-                 'cuDNN not loadable: %s' % (probe.errors.get('cudnn')
-                                             or probe.errors.get('cupyx.cudnn')))
+    has_cudnn = (cudnn_int is not None, 'cuDNN not loadable: %s' % probe.errors.get('cudnn'))
     if rt is not None and versions['cuda_driver'] is None and 'cuda_driver' not in probe.errors:
         no_gpu_detail = 'no CUDA driver installed'
     has_gpu = (bool(gpus), 'no CUDA GPU found (%s)' % no_gpu_detail)
@@ -151,31 +147,19 @@ def collect():
                     'GPU compute capability %s < %d.%d (Tensor Cores need Volta)'
                     % ('%d.%d' % best if best else '?', TENSOR_CORE_CC[0], TENSOR_CORE_CC[1]))
 
-    def cudnn_at_least(v, what):
-        return (cudnn_int is None or cudnn_int >= v,
-                'cuDNN %s < %s lacks %s' % (versions['cudnn'], cudnn_version_string(v), what))
-
-    bn_ex = all(hasattr(cudnn_lib, n) for n in (
-        'batchNormalizationForwardTrainingEx', 'batchNormalizationBackwardEx',
-        'CUDNN_BATCHNORM_OPS_BN_ADD_ACTIVATION'))
     has_dali = (dali is not None, 'DALI not importable: %s' % probe.errors.get('dali'))
     graphs = hasattr(getattr(getattr(cupy, 'cuda', None), 'Stream', None), 'begin_capture')
-    capture_cudnn = _capture_cudnn()
     compiler = shutil.which('g++')
     nvrtc_ok = versions['nvrtc'] is not None
 
     features = {
-        'nhwc_cudnn_conv': _feature(has_cupy, has_cudnn,
-                                    cudnn_at_least(7000, 'Tensor Core convolutions'),
-                                    has_gpu, tensor_cores),
-        'fused_bn_add_relu_cudnn': _feature(
-            has_cupy, has_cudnn, cudnn_at_least(7401, 'BN_ADD_ACTIVATION'),
-            (bn_ex, 'CuPy cuDNN binding lacks batchNormalizationForwardTrainingEx'),
-            has_gpu, tensor_cores),
+        # chainer_tc's cuDNN binding (8.9 or 9, every function it calls) serves both
+        'nhwc_cudnn_conv': _feature(has_cupy, has_cudnn, has_gpu, tensor_cores),
+        'fused_bn_add_relu_cudnn': _feature(has_cupy, has_cudnn, has_gpu, tensor_cores),
         # a training step with convolutions is capturable only through our own cuDNN binding,
         # one with a Linear only through our own cuBLAS handle: CuPy refuses both under capture
         'cuda_graphs': _feature(has_cupy, (graphs, 'CuPy lacks Stream.begin_capture'),
-                                capture_cudnn, _capture_cublas(), has_gpu),
+                                has_cudnn, _capture_cublas(), has_gpu),
         'dali_gpu_decode': _feature(has_dali, has_gpu),
         'cuda_emulator': _feature((compiler is not None, 'no C++ compiler (g++) on PATH')),
         'nvrtc_compile_check': _feature(
@@ -189,17 +173,13 @@ def collect():
         'versions': versions,
         'gpus': gpus,
         'chainer_cuda': chainer_cuda,
+        'cudnn_library': getattr(cudnn, 'path', None),
         'preloaded_libraries': _cuda_libs.preloaded(),
         'preload_errors': _cuda_libs.preload_errors(),
         'features': features,
         'errors': probe.errors,
         'warnings': sorted({'%s: %s' % (w.category.__name__, w.message) for w in caught}),
     }
-
-
-def _capture_cudnn():
-    """(ok, reason): chainer_tc's capture-safe cuDNN binding loads."""
-    return _binding_loads('cudnn', 'cuDNN')
 
 
 def _capture_cublas():

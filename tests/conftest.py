@@ -26,17 +26,23 @@ def _gpu_available():
 
 
 def _cudnn_problem():
-    """Why cuDNN 8 cannot be used here, or None. The library file is what tests/test_cuda_cudnn.py
-    checks; CuPy must also have its cuDNN bindings (CuPy 14 has none) and Chainer must see cuDNN."""
-    from chainer_tc import _cuda_libs   # (before chainer: CUDA libraries)
-    if _cuda_libs.find_library('cudnn') is None:
-        return 'libcudnn.so.8 is not installed (pip install nvidia-cudnn-cu12==8.9.7.29)'
+    """Why chainer_tc's cuDNN paths cannot run here, or None: its own binding must load a cuDNN
+    8.9 or 9 (CuPy's cuDNN is not needed: CuPy 14 has none)."""
+    import chainer_tc  # noqa: F401  (preloads the CUDA libraries)
+    from chainer_tc.cuda import cudnn
+    return cudnn.unavailable_reason()
+
+
+def _cupy_cudnn_problem():
+    """Why CuPy's own cuDNN (``cupyx.cudnn``, and Chainer's cuDNN paths) cannot be used here, or
+    None: a test comparing against them needs CuPy 13 with cuDNN 8.9."""
+    import chainer_tc  # noqa: F401
     try:
-        from cupy_backends.cuda.libs import cudnn  # noqa: F401  (removed in CuPy 14)
-        from chainer_tc.cuda import cudnn as binding
-        binding.binding()
+        import cupyx.cudnn  # noqa: F401  (removed in CuPy 14)
+        from cupy_backends.cuda.libs import cudnn
+        cudnn.getVersion()
     except Exception as e:
-        return 'cuDNN is not usable from CuPy here ({}: {})'.format(type(e).__name__, e)
+        return "CuPy's cuDNN is not usable here ({}: {})".format(type(e).__name__, e)
     import chainer
     if not chainer.backends.cuda.cudnn_enabled:
         return 'chainer.backends.cuda.cudnn_enabled is False (was cupy imported before chainer_tc?)'
@@ -45,9 +51,19 @@ def _cudnn_problem():
 
 @pytest.fixture
 def cudnn_stack():
-    """Skips the test, with the reason, where cuDNN cannot be used (``_cudnn_problem``). Put it
-    first among a test's arguments, before fixtures that may reach cuDNN."""
+    """Skips the test, with the reason, where chainer_tc's cuDNN binding does not load
+    (``_cudnn_problem``). Put it first among a test's arguments, before fixtures that may reach
+    cuDNN."""
     why = _cudnn_problem()
+    if why:
+        pytest.skip(why)
+
+
+@pytest.fixture
+def cupy_cudnn():
+    """Skips the test, with the reason, where CuPy's own cuDNN is not usable (a test that
+    compares with ``cupyx.cudnn`` or with Chainer's cuDNN path)."""
+    why = _cupy_cudnn_problem()
     if why:
         pytest.skip(why)
 
@@ -71,6 +87,8 @@ def dali_stack():
 
 def pytest_configure(config):
     config.addinivalue_line('markers', 'gpu: needs a CUDA GPU; run with `pytest -m gpu` on one')
+    config.addinivalue_line('markers', 'cudnn_library: calls the real libcudnn (host-only '
+                            'calls); tests/test_cuda_cudnn.py runs these again under cuDNN 9')
 
 
 def pytest_collection_modifyitems(config, items):

@@ -395,6 +395,14 @@ def test_cudnn_eligibility(kwargs, reason):
         assert _bn_cudnn.eligibility(**dict(args, **kwargs))[0] is False
 
 
+def test_cudnn_eligibility_says_why_no_cudnn_loads(monkeypatch):
+    from chainer_tc.cuda import cudnn
+    monkeypatch.setattr(cudnn, 'unavailable_reason', lambda: 'no usable cuDNN: none here')
+    ok, why = _bn_cudnn.eligibility(True, numpy.float16, (8, 7, 7, 64), numpy.float32,
+                                    numpy.float32, True, 2e-5, False)
+    assert (ok, why) == (False, 'no usable cuDNN: none here')
+
+
 class _CudnnChosen:
     """Stands in for cuDNN's fused path on NumPy arrays: records that it was reached."""
     calls = 0

@@ -1,15 +1,19 @@
 """chainer_tc.cuda: the ctypes cuDNN binding, the convolution driver, the fused-BN plans, counters.
 
-Without a GPU: the prototypes against cuDNN 8.9's own headers, the real libcudnn.so.8 loaded and
-its error statuses (a null handle is refused before any GPU work), descriptors built through
-CuPy's bindings and read back with cuDNN's getters (host-only calls), and the driver run against a
-fake library and a fake runtime to check what it passes, what it caches and what it counts.
+Without a GPU: the prototypes, enum values and result layout against cuDNN 8.9's and 9's own
+headers; which library is loaded; the real library's error statuses (NULL arguments are refused
+before any GPU work); descriptors made by the binding and read back with cuDNN's getters
+(host-only calls); and the driver run against the real descriptors with a fake handle, queries and
+computations and a fake runtime, to check what it passes, caches and counts. The tests marked
+cudnn_library run twice: with cuDNN 8.9 (CuPy's) and, in a process of their own, with cuDNN 9.
 The CPU path of the convolution gradient skips gx when it is not needed. GPU-marked tests compare
-against cupyx.cudnn and Chainer and capture the layers into a CUDA graph.
+against Chainer (and cupyx.cudnn where CuPy has cuDNN) and capture the layers into a CUDA graph.
 """
 import ctypes
 import os
 import re
+import subprocess
+import sys
 import time
 import types
 import warnings
@@ -23,6 +27,7 @@ import chainer.functions as F
 
 from chainer_tc import _cuda_libs
 from chainer_tc import functions as TF
+from chainer_tc.cuda import _cudnn_api as api
 from chainer_tc.cuda import conv
 from chainer_tc.cuda import cudnn
 from chainer_tc.cuda import descriptors
@@ -39,21 +44,44 @@ def nhwc(a):
     return numpy.ascontiguousarray(a.transpose(0, 2, 3, 1))
 
 
-def _cudnn_lib_dir():
-    return _cuda_libs.find_lib_dirs(_cuda_libs.default_search_paths()).get('cudnn')
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# `make test` extracts cuDNN 9 (headers and the libraries of the host-only calls) and names its
+# directory here; the tests marked cudnn_library then run a second time against it, in a process
+# that loads nothing else of cuDNN (test_the_library_tests_pass_under_cudnn_9).
+CUDNN9_ENV = 'CHAINER_TC_TEST_CUDNN9'
+UNDER_CUDNN9_ENV = 'CHAINER_TC_TEST_UNDER_CUDNN9'
+UNDER_CUDNN9 = os.environ.get(UNDER_CUDNN9_ENV) == '1'
 
 
-needs_cudnn = pytest.mark.skipif(
-    _cuda_libs.find_library('cudnn') is None,
-    reason='libcudnn.so.8 is not installed (pip install nvidia-cudnn-cu12==8.9.7.29)')
+def _cudnn8_dir():
+    lib_dir = _cuda_libs.find_lib_dirs(_cuda_libs.default_search_paths()).get('cudnn')
+    return os.path.dirname(lib_dir) if lib_dir else None
 
 
-# ---- the prototypes against the C declarations ---------------------------------------------------
+def _cudnn9_dir():
+    """The extracted cuDNN 9 (`make test`), or a skip saying how to get it."""
+    path = os.environ.get(CUDNN9_ENV)
+    if not path:
+        pytest.skip('cuDNN 9 is not extracted here: run the tests through `make test` (it sets '
+                    '{})'.format(CUDNN9_ENV))
+    assert os.path.isdir(os.path.join(path, 'include')), '{}={} has no include/'.format(
+        CUDNN9_ENV, path)
+    return path
+
+
+def needs_cudnn(test):
+    """A test that calls the real libcudnn (host-only calls): skipped, with the reason, where
+    no cuDNN loads; run again under cuDNN 9 by test_the_library_tests_pass_under_cudnn_9."""
+    why = cudnn.unavailable_reason()
+    return pytest.mark.cudnn_library(pytest.mark.skipif(why is not None, reason=str(why))(test))
+
+
+# ---- the binding against cuDNN 8.9's and 9's C declarations --------------------------------------
 
 KINDS = {ctypes.c_void_p: 'pointer', ctypes.c_int: 'int', ctypes.c_size_t: 'size_t',
          ctypes.c_double: 'double'}
-# what each C parameter type is passed as (cuDNN 8.9: handles/descriptors are pointers to
-# opaque structs, every enum is an int)
+# what each C parameter type is passed as: handles/descriptors are pointers to opaque structs,
+# outputs pointers, every enum an int
 POINTER_TYPES = ('cudnnHandle_t', 'cudaStream_t')
 
 
@@ -70,74 +98,207 @@ def c_kind(c_type):
     raise AssertionError('unexpected C type {!r}'.format(c_type))
 
 
-def c_declaration(name):
-    """(return type, [(C type, parameter name), ...]) of ``name`` in cuDNN's v8 headers."""
-    include = os.path.join(os.path.dirname(_cudnn_lib_dir()), 'include')
-    for fname in sorted(os.listdir(include)):
-        if not fname.endswith('_v8.h'):
+_HEADERS = {}
+
+
+def header_text(version):
+    """cuDNN ``version``'s ('8' or '9') headers, comments removed, as one string."""
+    if version not in _HEADERS:
+        root = _cudnn8_dir() if version == '8' else _cudnn9_dir()
+        if root is None:
+            pytest.skip('cuDNN 8.9 is not installed (pip install nvidia-cudnn-cu12==8.9.7.29)')
+        include = os.path.join(root, 'include')
+        text = ''
+        for fname in sorted(os.listdir(include)):
+            if fname.endswith('_v{}.h'.format(version)):
+                with open(os.path.join(include, fname)) as f:
+                    text += re.sub(r'/\*.*?\*/|//[^\n]*', ' ', f.read(), flags=re.S)
+        _HEADERS[version] = text
+    return _HEADERS[version]
+
+
+def c_declaration(name, version):
+    """(return type, [(C type, parameter name), ...]) of ``name`` in cuDNN ``version``'s headers."""
+    m = re.search(r'(const\s+char\s*\*|cudnnStatus_t|size_t)\s*CUDNNWINAPI\s+' + name +
+                  r'\s*\(([^;]*?)\)\s*;', header_text(version))
+    assert m, '{} not declared in the cuDNN {} headers'.format(name, version)
+    params = []
+    for p in m.group(2).split(','):
+        if p.strip() == 'void':
             continue
-        with open(os.path.join(include, fname)) as f:
-            text = re.sub(r'/\*.*?\*/|//[^\n]*', ' ', f.read(), flags=re.S)
-        m = re.search(r'(const\s+char\s*\*|cudnnStatus_t)\s*CUDNNWINAPI\s+' + name +
-                      r'\s*\(([^;]*?)\)\s*;', text)
-        if m:
-            params = []
-            for p in m.group(2).split(','):
-                c_type, pname = re.match(r'(.*?)(\w+)\s*$', p.strip()).groups()
-                params.append((c_type.strip(), pname))
-            return ' '.join(m.group(1).split()), params
-    raise AssertionError('{} not declared in {}'.format(name, include))
+        c_type, pname = re.match(r'(.*?)(\w+)\s*$', p.strip()).groups()
+        params.append((c_type.strip(), pname))
+    return ' '.join(m.group(1).split()), params
 
 
-# Counted by hand from cuDNN 8.9's documentation, in case the headers are not installed.
-ARITY = {'cudnnSetStream': 2, 'cudnnConvolutionForward': 13, 'cudnnConvolutionBackwardData': 13,
-         'cudnnConvolutionBackwardFilter': 13, 'cudnnBatchNormalizationForwardTrainingEx': 25,
-         'cudnnBatchNormalizationBackwardEx': 30}
+def c_enum_value(name, version):
+    m = re.search(r'\b' + name + r'\b(?:\s+CUDNN_DEPRECATED_ENUM)?\s*=\s*(\d+)',
+                  header_text(version))
+    if m is None:
+        m = re.search(r'#define\s+' + name + r'\s+([\d.]+)', header_text(version))
+    assert m, '{} not defined in the cuDNN {} headers'.format(name, version)
+    return float(m.group(1)) if '.' in m.group(1) else int(m.group(1))
 
 
-def test_bound_exactly_the_calls_we_make():
-    assert set(cudnn.PROTOTYPES) == set(ARITY)
-    for name, params in cudnn.PROTOTYPES.items():
-        assert len(params) == ARITY[name], name
-        assert all(t in KINDS for _, t in params), name
+VERSIONS = ['8', '9']
 
 
-@needs_cudnn
-@pytest.mark.parametrize('name', sorted(ARITY))
-def test_prototype_matches_the_c_header(name):
-    restype, c_params = c_declaration(name)
+@pytest.mark.parametrize('version', VERSIONS)
+@pytest.mark.parametrize('name', sorted(cudnn.PROTOTYPES))
+def test_prototype_matches_the_c_header(name, version):
+    restype, c_params = c_declaration(name, version)
     assert restype == 'cudnnStatus_t'
     ours = cudnn.PROTOTYPES[name]
-    assert [p for _, p in c_params] == [p for p, _ in ours], 'parameter names, in order'
     assert [c_kind(t) for t, _ in c_params] == [KINDS[t] for _, t in ours]
+    if version == '8':          # our names are 8.9's (9 renames a few, e.g. srcDesc -> xDesc)
+        assert [p for _, p in c_params] == [p for p, _ in ours], 'parameter names, in order'
 
 
-@needs_cudnn
-def test_error_string_prototype_matches_the_c_header():
-    restype, params = c_declaration(cudnn.ERROR_STRING)
+@pytest.mark.parametrize('version', VERSIONS)
+def test_the_functions_returning_no_status_match_the_c_header(version):
+    restype, params = c_declaration(cudnn.ERROR_STRING, version)
     assert restype.replace(' ', '') == 'constchar*' and [t for t, _ in params] == ['cudnnStatus_t']
+    assert c_declaration(api.GET_VERSION, version) == ('size_t', [])
 
+
+@pytest.mark.parametrize('version', VERSIONS)
+def test_enum_values_match_the_c_header(version):
+    for name, value in api.ENUMS.items():
+        assert c_enum_value(name, version) == value, name
+    for direction, name in ((conv.FORWARD, 'FWD'), (conv.BACKWARD_DATA, 'BWD_DATA'),
+                            (conv.BACKWARD_FILTER, 'BWD_FILTER')):
+        assert c_enum_value('CUDNN_CONVOLUTION_{}_ALGO_COUNT'.format(name), version) == \
+            direction.count
+
+
+@pytest.mark.parametrize('version', VERSIONS)
+@pytest.mark.parametrize('which', ['Fwd', 'BwdData', 'BwdFilter'])
+def test_algorithm_result_layout_matches_the_c_header(version, which):
+    m = re.search(r'typedef struct cudnnConvolution' + which + r'AlgoPerfStruct\s*\{(.*?)\}',
+                  header_text(version), flags=re.S)
+    fields = [re.match(r'(.*?)(\w+)\s*(\[\d+\])?$', f.strip()).groups()
+              for f in m.group(1).split(';') if f.strip()]
+    assert [name for _, name, _ in fields] == [name for name, _ in api.AlgoPerf._fields_]
+    sizes = {'float': 4, 'size_t': 8, 'int': 4}
+    for (c_type, name, array), (_, ctype) in zip(fields, api.AlgoPerf._fields_):
+        c_type = c_type.strip()
+        size = sizes.get(c_type, 4)           # the enums and cudnnStatus_t are ints
+        if array:
+            size *= int(array[1:-1])
+        assert ctypes.sizeof(ctype) == size, name
+        if c_type == 'float':
+            assert ctype is ctypes.c_float, name
+
+
+def test_the_calls_a_step_makes_are_bound():
+    """What runs per call (also under capture) and the set-up queries: nothing else is called."""
+    per_call = {'cudnnSetStream', 'cudnnConvolutionForward', 'cudnnConvolutionBackwardData',
+                'cudnnConvolutionBackwardFilter', 'cudnnBatchNormalizationForwardTrainingEx',
+                'cudnnBatchNormalizationBackwardEx'}
+    assert per_call <= set(cudnn.PROTOTYPES)
+    assert all(t in KINDS for params in cudnn.PROTOTYPES.values() for _, t in params)
+    assert api.HOST_ONLY & per_call == set()
+
+
+# ---- the real library ----------------------------------------------------------------------------
 
 @needs_cudnn
-def test_binding_loads_the_wheels_library_and_sets_the_prototypes():
-    assert cudnn.library_path() == os.path.join(_cudnn_lib_dir(), 'libcudnn.so.8')
+def test_binding_loads_cupys_library_or_the_one_named_and_sets_the_prototypes():
     b = cudnn.binding()
     assert b is cudnn.binding()
+    major = cudnn.version_tuple(b.version())[0]
+    if UNDER_CUDNN9:
+        assert major == 9 and b.path == os.environ[cudnn.LIBRARY_ENV]
+    else:
+        assert cudnn.version_tuple(b.version())[:2] == (8, 9)
+        cupys = ctypes.CDLL('libcudnn.so.8', mode=os.RTLD_NOLOAD)
+        assert b.lib._handle == cupys._handle, 'the very library object CuPy loaded'
+        assert b.path == _cuda_libs.preloaded()['cudnn']
     for name, params in cudnn.PROTOTYPES.items():
         fn = b._fn[name]
         assert list(fn.argtypes) == [t for _, t in params] and fn.restype is ctypes.c_int
-    assert b.error_string(3) == 'CUDNN_STATUS_BAD_PARAM'
 
 
 @needs_cudnn
-@pytest.mark.parametrize('name', sorted(ARITY))
+@pytest.mark.parametrize('name', sorted(set(cudnn.PROTOTYPES) - {
+    'cudnnDeriveBNTensorDescriptor',      # crashes on NULL descriptors, in 8.9 and 9
+    'cudnnDestroy', 'cudnnDestroyTensorDescriptor', 'cudnnDestroyFilterDescriptor',
+    'cudnnDestroyConvolutionDescriptor', 'cudnnDestroyActivationDescriptor'}))   # NULL: no-op
 def test_errors_name_the_call_and_cudnns_message(name):
-    """A null handle: the real library refuses it with CUDNN_STATUS_BAD_PARAM, no GPU touched."""
+    """NULL handles, descriptors and outputs: the real library refuses them with
+    CUDNN_STATUS_BAD_PARAM (numbered 3 in 8.9, 2000 in 9), no GPU touched."""
     args = [0.0 if t is ctypes.c_double else 0 for _, t in cudnn.PROTOTYPES[name]]
     with pytest.raises(cudnn.CuDNNError) as e:
-        cudnn.binding()._call(name, *args)
-    assert str(e.value) == '{} failed: CUDNN_STATUS_BAD_PARAM (cudnnStatus_t 3)'.format(name)
-    assert e.value.call == name and e.value.status == 3
+        cudnn.binding().call(name, *args)
+    status = 2000 if UNDER_CUDNN9 else 3
+    assert str(e.value) == '{} failed: CUDNN_STATUS_BAD_PARAM (cudnnStatus_t {})'.format(
+        name, status)
+    assert e.value.call == name and e.value.status == status
+
+
+@needs_cudnn
+def test_descriptors_are_made_read_back_and_destroyed_by_the_binding(monkeypatch):
+    descriptors.clear_cache()
+    chainer_tc.cuda.reset_counters()
+    destroyed = []
+    b = cudnn.binding()
+    real = b.destroy
+    monkeypatch.setattr(b, 'destroy', lambda kind, d: (destroyed.append((kind, d)),
+                                                       real(kind, d))[1])
+    t = descriptors.tensor_4d((2, 5, 7, 8), numpy.float16, 'NHWC')
+    assert descriptors.tensor_4d((2, 5, 7, 8), numpy.float16, 'NHWC') is t, 'cached'
+    assert read_tensor(t.value) == (api.CUDNN_DATA_HALF, 2, 8, 5, 7, 5 * 7 * 8, 1, 7 * 8, 8)
+    f = descriptors.filter_4d((16, 3, 3, 8), numpy.float32, 'NCHW')
+    assert read_filter(f.value) == (api.CUDNN_DATA_FLOAT, api.CUDNN_TENSOR_NCHW, 16, 3, 3, 8)
+    c = descriptors.convolution((1, 2), (2, 1), (1, 2), 2, numpy.float16, True)
+    assert read_conv(c.value) == ((1, 2, 2, 1, 1, 2, api.CUDNN_CROSS_CORRELATION,
+                                   api.CUDNN_DATA_FLOAT), 2, api.CUDNN_TENSOR_OP_MATH)
+    bn = descriptors.batch_norm((2, 5, 7, 8), numpy.float16, 'NHWC',
+                                api.CUDNN_BATCHNORM_SPATIAL_PERSISTENT)
+    assert read_tensor(bn.value)[:5] == (api.CUDNN_DATA_FLOAT, 1, 8, 1, 1), 'float for half'
+    assert descriptors.relu() is descriptors.relu()
+    assert chainer_tc.cuda.counters()['descriptors'] == 5
+    value = c.value
+    del c
+    assert destroyed == [('Convolution', value)], 'a plan\'s own descriptor dies with it'
+    with pytest.raises(cudnn.CuDNNError, match='cudnnSetTensor4dDescriptor failed: '
+                                               'CUDNN_STATUS_BAD_PARAM'):
+        descriptors.tensor_4d((0, 5, 7, 8), numpy.float32, 'NHWC')
+    assert ((0, 5, 7, 8), 'f', 'NHWC') not in descriptors._tensors, 'a failed set is not cached'
+    descriptors.clear_cache()
+
+
+@needs_cudnn
+def test_a_handle_needs_a_gpu_and_says_so():
+    if gpu_available():
+        pytest.skip('a GPU is present: cudnnCreate succeeds (the gpu tests use it)')
+    with pytest.raises(cudnn.CuDNNError, match=r'cudnnCreate failed: '
+                                               r'CUDNN_STATUS_NOT_INITIALIZED'):
+        cudnn.binding().create_handle()
+
+
+def gpu_available():
+    try:
+        import cupy
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+def test_the_library_tests_pass_under_cudnn_9():
+    """Every cudnn_library test of this module again, in a process whose only cuDNN is 9's
+    (CHAINER_TC_CUDNN_LIBRARY names it; the wheel's 8.9 is then not preloaded)."""
+    if UNDER_CUDNN9:
+        pytest.skip('this is the cuDNN 9 run')
+    lib = os.path.join(_cudnn9_dir(), 'lib', 'libcudnn.so.9')
+    env = dict(os.environ, **{cudnn.LIBRARY_ENV: lib, UNDER_CUDNN9_ENV: '1'})
+    p = subprocess.run([sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', '-m',
+                        'cudnn_library and not gpu', os.path.abspath(__file__)],
+                       env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-6000:] + p.stderr[-3000:]
+    summary = p.stdout.strip().splitlines()[-1]
+    passed = re.match(r'(\d+) passed, \d+ deselected(, \d+ warnings)? in ', summary)
+    assert passed and int(passed.group(1)) >= 40, summary     # none skipped, none failed
 
 
 def test_scaling_factors_are_float_for_half_and_float_double_for_double():
@@ -150,27 +311,81 @@ def test_scaling_factors_are_float_for_half_and_float_double_for_double():
         cudnn.scaling_factors(numpy.int32)
 
 
-def test_missing_library_says_what_to_install(monkeypatch):
+# ---- which library -------------------------------------------------------------------------------
+
+def test_versions_are_decoded_and_only_8_9_and_9_accepted():
+    assert cudnn.version_tuple(8907) == (8, 9, 7) and cudnn.version_tuple(92400) == (9, 24, 0)
+    assert cudnn.version_string(90100) == '9.1.0'
+    for ok in (8900, 8907, 90000, 92400):
+        cudnn.check_version(ok, '/x/libcudnn.so')
+    for bad, shown in ((8600, '8.6.0'), (7605, '7.6.5'), (100000, '10.0.0')):
+        with pytest.raises(cudnn.CuDNNUnavailable, match=r'the cuDNN at /x/libcudnn.so is '
+                           r'version {}; chainer_tc calls cuDNN 8.9.x or 9.x'.format(shown)):
+            cudnn.check_version(bad, '/x/libcudnn.so')
+
+
+def test_candidates_prefer_the_named_library_then_cupys_then_the_wheel(monkeypatch):
+    monkeypatch.setenv(cudnn.LIBRARY_ENV, '/mine/libcudnn.so.9')
+    assert [(c.what, c.path) for c in cudnn.candidates()] == [
+        (cudnn.LIBRARY_ENV, '/mine/libcudnn.so.9')]
+    monkeypatch.delenv(cudnn.LIBRARY_ENV)
+    cupys = cudnn.Candidate("CuPy's cuDNN", '/wheel/libcudnn.so.8', object(), None)
+    monkeypatch.setattr(cudnn, '_cupys_library', lambda: cupys)
+    assert cudnn.candidates() == [cupys], "CuPy's cuDNN alone: one cuDNN per process"
+    none = cudnn.Candidate("CuPy's cuDNN", None, None, 'not usable (ImportError: x)')
+    monkeypatch.setattr(cudnn, '_cupys_library', lambda: none)
+    monkeypatch.setattr(_cuda_libs, 'find_library', lambda name: '/w/nvidia/cudnn/lib/'
+                        'libcudnn.so.9')
+    assert [(c.what, c.path) for c in cudnn.candidates()] == [
+        ("CuPy's cuDNN", None), ('the nvidia-cudnn wheel', '/w/nvidia/cudnn/lib/libcudnn.so.9'),
+        ('by soname', 'libcudnn.so.9'), ('by soname', 'libcudnn.so.8')]
+
+
+def test_no_usable_library_lists_what_was_tried(monkeypatch):
+    monkeypatch.setattr(cudnn, 'candidates', lambda: [
+        cudnn.Candidate("CuPy's cuDNN", None, None, 'not usable (ImportError: no cudnn)'),
+        cudnn.Candidate('the nvidia-cudnn wheel', None, None, 'not installed'),
+        cudnn.Candidate('by soname', '/nonexistent/libcudnn.so.9', None, None)])
+    with pytest.raises(cudnn.CuDNNUnavailable) as e:
+        cudnn.load()
+    message = str(e.value)
+    assert message.startswith("no usable cuDNN: CuPy's cuDNN: not usable (ImportError: no "
+                              "cudnn); the nvidia-cudnn wheel: not installed; by soname "
+                              "(/nonexistent/libcudnn.so.9): ")
+    assert 'nvidia-cudnn-cu13 9.x' in message and cudnn.LIBRARY_ENV in message
+
+
+def test_an_unsupported_or_incomplete_library_is_refused(monkeypatch):
+    class Old:
+        def __init__(self, version, missing=()):
+            self.version, self.missing = version, missing
+
+        def __getattr__(self, name):
+            if name in self.missing:
+                raise AttributeError('undefined symbol: ' + name)
+            if name == api.GET_VERSION:
+                return lambda: self.version
+            return FakeFunction(name, [])
+    assert cudnn._open(cudnn.Candidate('x', '/a', Old(8907), None))[0] is not None
+    b, why = cudnn._open(cudnn.Candidate('x', '/a', Old(7605), None))
+    assert b is None and 'version 7.6.5' in why
+    b, why = cudnn._open(cudnn.Candidate('x', '/a', Old(8907, {'cudnnConvolutionForward'}),
+                                         None))
+    assert b is None and why == ('lacks a function chainer_tc calls: undefined symbol: '
+                                 'cudnnConvolutionForward')
+
+
+def test_a_failed_load_is_remembered_and_said_again(monkeypatch):
     monkeypatch.setattr(cudnn, '_binding', None)
-    monkeypatch.setattr(cudnn, 'library_path', lambda: '/nonexistent/libcudnn.so.8')
-    with pytest.raises(cudnn.CuDNNUnavailable, match='nvidia-cudnn-cu12'):
+    monkeypatch.setattr(cudnn, '_unavailable', None)
+    calls = []
+    monkeypatch.setattr(cudnn, 'load', lambda: (calls.append(1), (_ for _ in ()).throw(
+        cudnn.CuDNNUnavailable('no usable cuDNN: none here')))[1])
+    for _ in range(2):
+        assert cudnn.unavailable_reason() == 'no usable cuDNN: none here'
+    with pytest.raises(cudnn.CuDNNUnavailable, match='none here'):
         cudnn.binding()
-
-
-def test_a_cudnn_other_than_cupys_is_refused():
-    """Seen on an H100 machine: the file search found a cuDNN 9 beside CuPy 14 (which has no
-    cuDNN bindings); the binding loaded it. Our calls take CuPy's descriptors, so the library
-    must be CuPy's own."""
-    cudnn.check_same_as_cupys('/x/libcudnn.so.8', 8907, 8907)
-    with pytest.raises(cudnn.CuDNNUnavailable, match=r'/x/libcudnn.so.9 is version 90100, but '
-                       r'CuPy calls version 8907'):
-        cudnn.check_same_as_cupys('/x/libcudnn.so.9', 90100, 8907)
-    with pytest.raises(cudnn.CuDNNUnavailable, match="CuPy's cuDNN bindings are not usable "
-                       r'\(ImportError: no cudnn\).*CuPy 13 with cuDNN 8.9'):
-        cudnn.check_same_as_cupys('/x/libcudnn.so.9', 90100, 'ImportError: no cudnn')
-    with pytest.raises(cudnn.CuDNNUnavailable, match=r'another copy than the libcudnn.so.8 '
-                       r'CuPy loaded \(the same version 8907\)'):
-        cudnn.check_same_as_cupys('/y/libcudnn.so.8', 8907, 8907, same_object=False)
+    assert calls == [1], 'one search per process'
 
 
 def test_find_library_searches_the_wheel_directories(tmp_path, monkeypatch):
@@ -187,13 +402,23 @@ def test_find_library_searches_the_wheel_directories(tmp_path, monkeypatch):
         _cuda_libs.find_library('cudnn9')
 
 
+def test_a_named_cudnn_keeps_the_wheels_out_of_the_preload(monkeypatch):
+    names = [n for n, _, _ in _cuda_libs._wanted()]
+    assert 'cudnn' in names and 'cudnn_ops_infer' in names
+    monkeypatch.setenv(cudnn.LIBRARY_ENV, '/mine/libcudnn.so.9')
+    names = [n for n, _, _ in _cuda_libs._wanted()]
+    assert not any(n.startswith('cudnn') for n in names) and 'cublas' in names
+
+
 # ---- a fake library and runtime ------------------------------------------------------------------
 
 class FakeFunction:
-    """Records calls after converting each argument the way ctypes would (wrong kinds raise)."""
+    """Records calls after converting each argument the way ctypes would (wrong kinds raise);
+    ``effect(args)`` may write the call's outputs."""
 
-    def __init__(self, name, log):
-        self.name, self.log, self.argtypes, self.restype, self.status = name, log, None, None, 0
+    def __init__(self, name, log, effect=None):
+        self.name, self.log, self.effect = name, log, effect
+        self.argtypes, self.restype, self.status = None, None, 0
 
     def __call__(self, *args):
         if self.name == cudnn.ERROR_STRING:
@@ -202,17 +427,26 @@ class FakeFunction:
         for t, a in zip(self.argtypes, args):
             t.from_param(a)
         self.log.append((self.name, args))
+        if self.effect is not None and not self.status:
+            self.effect(args)
         return self.status
 
 
 class FakeLib:
-    def __init__(self):
-        self.log = []
+    """cuDNN with the real library's host-only calls (descriptors, messages: the real thing,
+    no GPU needed) and fakes for the rest (handle, queries, computations): ``effects`` maps a
+    C name to what its fake writes."""
+
+    def __init__(self, real=None, effects=None):
+        self.log, self.real, self.effects = [], real, effects or {}
 
     def __getattr__(self, name):
         if not name.startswith('cudnn'):
             raise AttributeError(name)
-        f = FakeFunction(name, self.log)
+        if self.real is not None and name in api.HOST_ONLY and name != cudnn.ERROR_STRING:
+            f = getattr(self.real, name)
+        else:
+            f = FakeFunction(name, self.log, self.effects.get(name))
         setattr(self, name, f)
         return f
 
@@ -234,13 +468,43 @@ def perf(algo, memory=0, status=0, determinism=1, math_type=1):
 HANDLE, STREAM = 0x4A00, 0x5700
 
 
+def _write_perfs(perfs, returned_addr, perfs_addr, requested):
+    out = (api.AlgoPerf * requested).from_address(perfs_addr)
+    for slot, p in zip(out, perfs[:requested]):
+        slot.algo, slot.status, slot.time, slot.memory = p.algo, p.status, p.time, p.memory
+        slot.determinism, slot.mathType = p.determinism, p.mathType
+    ctypes.c_int.from_address(returned_addr).value = min(len(perfs), requested)
+
+
 @pytest.fixture
 def fake(monkeypatch):
-    """The driver with a fake cuDNN binding, fake handle/stream/allocator and fake algorithm
-    queries; descriptors are real (CuPy's bindings, host-only)."""
-    from cupy_backends.cuda.libs import cudnn as lib
-    state = types.SimpleNamespace(lib=FakeLib(), allocs=[], capturing=False, queries=[],
+    """The driver with a cuDNN binding whose descriptors are real (host-only calls) and whose
+    handle, queries and computations are fake, and a fake runtime (stream, allocator)."""
+    state = types.SimpleNamespace(allocs=[], capturing=False, queries=[],
                                   perfs=[perf(1, 1024)], sizes={})
+
+    def algorithms(name):
+        def effect(args):
+            state.queries.append((name, args))
+            if 'Find' in name:
+                _write_perfs(state.perfs, args[9], args[10], args[8])
+            else:
+                _write_perfs(state.perfs, args[6], args[7], args[5])
+        return effect
+
+    def size(name):
+        def effect(args):
+            state.queries.append((name, args))
+            key = args[5] if 'Convolution' in name else name
+            ctypes.c_size_t.from_address(args[-1]).value = state.sizes.get(key, 1024)
+        return effect
+    effects = {}
+    for d in (conv.FORWARD, conv.BACKWARD_DATA, conv.BACKWARD_FILTER):
+        effects[d.get], effects[d.find] = algorithms(d.get), algorithms(d.find)
+        effects[d.size] = size(d.size)
+    for name in BN_QUERIES:
+        effects[name] = size(name)
+    state.lib = FakeLib(cudnn.binding().lib, effects)
     monkeypatch.setattr(cudnn, '_binding', cudnn.Binding(state.lib))
     monkeypatch.setattr(runtime, 'handle', lambda device: HANDLE + device)
     monkeypatch.setattr(runtime, 'stream_ptr', lambda: STREAM)
@@ -255,32 +519,30 @@ def fake(monkeypatch):
     counter = iter(range(0x20000000, 0x30000000, 0x100000))
     monkeypatch.setattr(runtime, 'empty',
                         lambda shape, dtype: FakeArray(shape, dtype, next(counter)))
-
-    def query(name):
-        def f(*args):
-            state.queries.append((name, args))
-            if 'WorkspaceSize' in name:
-                return state.sizes.get(args[-1], 1024)
-            return list(state.perfs)
-        return f
-    for d in (conv.FORWARD, conv.BACKWARD_DATA, conv.BACKWARD_FILTER):
-        for name in (d.get, d.find, d.size):
-            monkeypatch.setattr(lib, name, query(name))
     conv.clear_plans()
     descriptors.clear_cache()
     monkeypatch.setattr(conv, '_limit', None)
     chainer_tc.cuda.reset_counters()
     yield state
     conv.clear_plans()
+    descriptors.clear_cache()
+
+
+BN_QUERIES = ('cudnnGetBatchNormalizationForwardTrainingExWorkspaceSize',
+              'cudnnGetBatchNormalizationTrainingExReserveSpaceSize',
+              'cudnnGetBatchNormalizationBackwardExWorkspaceSize')
 
 
 def lib_calls(state):
-    return [(name, args) for name, args in state.lib.log]
+    """The fake (GPU-side) calls, in order; queries not included."""
+    return [(name, args) for name, args in state.lib.log
+            if 'Get' not in name and 'Find' not in name]
 
 
 # cuDNN's getters, to read back what a descriptor holds (host-only calls, no GPU needed)
 def _getter(name, n_out):
-    fn = getattr(ctypes.CDLL(cudnn.library_path()), name)
+    fn = getattr(cudnn.binding().lib if not isinstance(cudnn.binding().lib, FakeLib)
+                 else cudnn.binding().lib.real, name)
     fn.argtypes = [ctypes.c_void_p] + [ctypes.POINTER(ctypes.c_int)] * n_out
     fn.restype = ctypes.c_int
 
@@ -329,7 +591,7 @@ def test_forward_passes_what_cupyx_cudnn_would(fake, dtype):
     """cupyx.cudnn.convolution_forward (13.6) calls cudnnConvolutionForward(handle, &one, x_desc,
     x, filter_desc, W, conv_desc, algo, workspace, workspace_size, &zero, y_desc, y), alpha/beta
     float for half and float data, double for double."""
-    from cupy_backends.cuda.libs import cudnn as lib
+    lib = api
     fake.perfs = [perf(6, 4096, math_type=1)]
     fake.sizes = {6: 4096}
     x, W, y, g = problem(dtype, geometry=conv.geometry(pad=(1, 2), stride=(2, 1),
@@ -403,18 +665,36 @@ def test_nothing_is_created_or_queried_after_the_first_call(fake):
 def test_heuristic_and_autotune_queries(fake):
     x, W, y, g = problem()
     conv.forward(x, W, y, g, SETTINGS)
-    assert [n for n, _ in fake.queries] == ['getConvolutionForwardAlgorithm_v7',
-                                            'getConvolutionForwardWorkspaceSize']
-    assert fake.queries[0][1][0] == HANDLE and fake.queries[0][1][-1] == 8, 'all 8 fwd algos'
+    assert [n for n, _ in fake.queries] == ['cudnnGetConvolutionForwardAlgorithm_v7',
+                                            'cudnnGetConvolutionForwardWorkspaceSize']
+    get = fake.queries[0][1]
+    assert get[0] == HANDLE and get[5] == 8, 'all 8 forward algorithms asked for'
+    plan, = conv._plans.values()
+    assert fake.queries[1][1][:6] == (HANDLE,) + plan.descs[:2] + (plan.conv_desc,
+                                                                  plan.descs[2], 1)
     del fake.queries[:], fake.lib.log[:], fake.allocs[:]
     conv.forward(x, W, y, g, conv.settings(auto_tune=True))
     (find, args), _ = fake.queries
-    assert find == 'findConvolutionForwardAlgorithmEx_v7'
+    assert find == 'cudnnFindConvolutionForwardAlgorithmEx'
     limit = conv.get_workspace_limit()
     assert args[2] == 0x1000 and args[4] == 0x2000 and args[7] == 0x3000
-    assert args[8:] == (8, 0x10000000 + limit, limit), 'count, workspace of the limit, limit'
+    assert args[8] == 8 and args[11:] == (0x10000000 + limit, limit), \
+        'count, workspace of the limit, limit'
     assert fake.allocs[0] == limit
     assert fake.lib.log[0] == ('cudnnSetStream', (HANDLE, STREAM)), 'Find runs on our stream'
+
+
+def test_algorithm_results_come_back_ranked_and_counted():
+    """The binding's query methods: cuDNN fills `returned` of the `requested` slots, in rank."""
+    results = [perf(5, 64, math_type=1), perf(0, 0, status=9, math_type=0)]
+
+    def effect(args):
+        _write_perfs(results, args[6], args[7], args[5])
+    b = cudnn.Binding(FakeLib(effects={conv.FORWARD.get: effect}))
+    got = b.algorithms(conv.FORWARD.get, 1, (2, 3, 4), 5, 8)
+    assert [(p.algo, p.memory, p.status, p.mathType) for p in got] == [(5, 64, 0, 1),
+                                                                       (0, 0, 9, 0)]
+    assert isinstance(got[0], api.AlgoPerf)
 
 
 @needs_cudnn
@@ -568,12 +848,8 @@ def test_importing_chainer_tc_cuda_is_cheap():
 
 @needs_cudnn
 def test_fused_bn_plan_is_set_up_once_per_key(fake, monkeypatch):
-    from cupy_backends.cuda.libs import cudnn as lib
-    sizes = []
-    for name in ('getBatchNormalizationForwardTrainingExWorkspaceSize',
-                 'getBatchNormalizationTrainingExReserveSpaceSize',
-                 'getBatchNormalizationBackwardExWorkspaceSize'):
-        monkeypatch.setattr(lib, name, lambda *a, _n=name: (sizes.append((_n, a)), 256)[1])
+    lib = api
+    fake.sizes = dict.fromkeys(BN_QUERIES, 256)
     monkeypatch.setattr(_bn_cudnn, '_plans', {})
     x = FakeArray((4, 7, 7, 64), numpy.float16, 0x1000)
     first = _bn_cudnn.FusedBatchNorm(x, True, True)
@@ -583,7 +859,11 @@ def test_fused_bn_plan_is_set_up_once_per_key(fake, monkeypatch):
     assert p.ops == lib.CUDNN_BATCHNORM_OPS_BN_ADD_ACTIVATION and p.z_desc == p.desc
     assert (p.forward_workspace, p.reserve_size, p.backward_workspace) == (256, 256, 256)
     assert read_tensor(p.desc)[1:5] == (4, 64, 7, 7)
-    assert sizes[0][1][0] == HANDLE
+    assert [n for n, _ in fake.queries] == list(BN_QUERIES)
+    fwd, reserve, bwd = (args for _, args in fake.queries)
+    assert fwd[:8] == (HANDLE, p.mode, p.ops, p.desc, p.desc, p.desc, p.bn_desc, p.act)
+    assert reserve[:5] == (HANDLE, p.mode, p.ops, p.act, p.desc)
+    assert bwd[:10] == (HANDLE, p.mode, p.ops) + (p.desc,) * 5 + (p.bn_desc, p.act)
     chainer_tc.cuda.reset_counters()
     second = _bn_cudnn.FusedBatchNorm(x, True, True)
     assert second.plan is p and chainer_tc.cuda.counters()['descriptors'] == 0
@@ -598,11 +878,8 @@ def test_fused_bn_plan_is_set_up_once_per_key(fake, monkeypatch):
 
 @needs_cudnn
 def test_fused_bn_calls_pass_each_buffer_where_cudnn_expects_it(fake, monkeypatch):
-    from cupy_backends.cuda.libs import cudnn as lib
-    for name, size in (('getBatchNormalizationForwardTrainingExWorkspaceSize', 512),
-                       ('getBatchNormalizationTrainingExReserveSpaceSize', 128),
-                       ('getBatchNormalizationBackwardExWorkspaceSize', 256)):
-        monkeypatch.setattr(lib, name, lambda *a, _s=size: _s)
+    lib = api
+    fake.sizes = dict(zip(BN_QUERIES, (512, 128, 256)))
     monkeypatch.setattr(_bn_cudnn, '_plans', {})
     f16, f32 = numpy.float16, numpy.float32
     x, z = FakeArray((4, 7, 7, 64), f16, 0x1000), FakeArray((4, 7, 7, 64), f16, 0x2000)
@@ -653,11 +930,8 @@ def test_fused_bn_calls_pass_each_buffer_where_cudnn_expects_it(fake, monkeypatc
 
 @needs_cudnn
 def test_plain_fused_bn_passes_null_z_activation_and_running_statistics(fake, monkeypatch):
-    from cupy_backends.cuda.libs import cudnn as lib
-    for name in ('getBatchNormalizationForwardTrainingExWorkspaceSize',
-                 'getBatchNormalizationTrainingExReserveSpaceSize',
-                 'getBatchNormalizationBackwardExWorkspaceSize'):
-        monkeypatch.setattr(lib, name, lambda *a: 0)
+    lib = api
+    fake.sizes = dict.fromkeys(BN_QUERIES, 0)
     monkeypatch.setattr(_bn_cudnn, '_plans', {})
     x = FakeArray((2, 5, 5, 8), numpy.float16, 0x1000)
     gamma, beta = FakeArray((8,), numpy.float32, 0x3000), FakeArray((8,), numpy.float32, 0x4000)
@@ -778,20 +1052,50 @@ def gpu_problem(case, dtype, seed=0):
     return cupy.asarray(x), cupy.asarray(W), cupy.asarray(gy), g
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize('case', GPU_CASES)
-@pytest.mark.parametrize('dtype', [numpy.float32, numpy.float16])
-def test_driver_equals_cupyx_cudnn_and_chainer_nchw(cudnn_stack, case, dtype):
+def driver_results(x, W, gy, g):
     import cupy
-    import cupyx.cudnn
-    from cupy_backends.cuda.libs import cudnn as lib
-    x, W, gy, g = gpu_problem(case, dtype)
     s = conv.chainer_settings()
     y, gx, gW = cupy.empty_like(gy), cupy.empty_like(x), cupy.empty_like(W)
     conv.forward(x, W, y, g, s)
     conv.backward_data(W, gy, gx, g, s)
     conv.backward_filter(x, gy, gW, g, s)
-    nhwc_layout = dict(d_layout=lib.CUDNN_TENSOR_NHWC, w_layout=lib.CUDNN_TENSOR_NHWC,
+    return y, gx, gW
+
+
+def assert_all_close(ours, theirs, dtype):
+    import cupy
+    for a, b in zip(ours, theirs):
+        numpy.testing.assert_allclose(cupy.asnumpy(a).astype('f8'), cupy.asnumpy(b).astype('f8'),
+                                      **GPU_TOL[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('case', GPU_CASES)
+@pytest.mark.parametrize('dtype', [numpy.float32, numpy.float16])
+def test_driver_equals_chainer_nchw(cudnn_stack, case, dtype):
+    """Against Chainer's NCHW convolution on the same GPU (cuDNN through CuPy 13, im2col and
+    cuBLAS where CuPy has no cuDNN)."""
+    x, W, gy, g = gpu_problem(case, dtype)
+    ours = driver_results(x, W, gy, g)
+    xv, Wv = chainer.Variable(x.transpose(0, 3, 1, 2).copy()), chainer.Variable(
+        W.transpose(0, 3, 1, 2).copy())
+    cy = F.convolution_2d(xv, Wv, stride=g.stride, pad=g.pad, dilate=g.dilation,
+                          groups=g.groups)
+    cy.grad = gy.transpose(0, 3, 1, 2).copy()
+    cy.backward()
+    assert_all_close(ours, [a.transpose(0, 2, 3, 1) for a in (cy.array, xv.grad, Wv.grad)],
+                     dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('case', GPU_CASES)
+@pytest.mark.parametrize('dtype', [numpy.float32, numpy.float16])
+def test_driver_equals_cupyx_cudnn(cudnn_stack, cupy_cudnn, case, dtype):
+    import cupy
+    import cupyx.cudnn
+    x, W, gy, g = gpu_problem(case, dtype)
+    ours = driver_results(x, W, gy, g)
+    nhwc_layout = dict(d_layout=api.CUDNN_TENSOR_NHWC, w_layout=api.CUDNN_TENSOR_NHWC,
                        auto_tune=False, tensor_core='auto')
     ry, rgx, rgW = cupy.empty_like(gy), cupy.empty_like(x), cupy.empty_like(W)
     args = (g.pad, g.stride, g.dilation, g.groups)
@@ -800,18 +1104,7 @@ def test_driver_equals_cupyx_cudnn_and_chainer_nchw(cudnn_stack, case, dtype):
                                           **nhwc_layout)
     cupyx.cudnn.convolution_backward_filter(x, gy, rgW, *args, deterministic=False,
                                             **nhwc_layout)
-    xv, Wv = chainer.Variable(x.transpose(0, 3, 1, 2).copy()), chainer.Variable(
-        W.transpose(0, 3, 1, 2).copy())
-    cy = F.convolution_2d(xv, Wv, stride=g.stride, pad=g.pad, dilate=g.dilation,
-                          groups=g.groups)
-    cy.grad = gy.transpose(0, 3, 1, 2).copy()
-    cy.backward()
-    chainer_nhwc = [a.transpose(0, 2, 3, 1) for a in (cy.array, xv.grad, Wv.grad)]
-    for ours, theirs, ref in zip((y, gx, gW), (ry, rgx, rgW), chainer_nhwc):
-        numpy.testing.assert_allclose(cupy.asnumpy(ours).astype('f8'),
-                                      cupy.asnumpy(theirs).astype('f8'), **GPU_TOL[dtype])
-        numpy.testing.assert_allclose(cupy.asnumpy(ours).astype('f8'),
-                                      cupy.asnumpy(ref).astype('f8'), **GPU_TOL[dtype])
+    assert_all_close(ours, (ry, rgx, rgW), dtype)
 
 
 @pytest.mark.gpu

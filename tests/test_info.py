@@ -78,6 +78,7 @@ def test_report_sees_the_installed_stack(report):
     v = report['versions']
     assert v['cupy'].startswith('13.')
     assert v['cudnn'].startswith('8.9.')
+    assert report['cudnn_library'] == report['preloaded_libraries']['cudnn'], "CuPy's own"
     assert v['nvrtc'].startswith('12.')
     assert v['cuda_runtime'].startswith('12.')
     assert v['chainer'] == '7.8.1'
@@ -181,17 +182,29 @@ def test_cupy_missing_is_reported_not_raised():
 
 
 def test_cuda_libraries_missing_is_reported_not_raised():
-    # Without the preload, libcudnn.so.8 / libcublas.so.12 / libnvrtc.so.12 cannot be found.
+    # Without the preload, libcublas.so.12 / libnvrtc.so.12 cannot be found by CuPy, nor CuPy's
+    # libcudnn.so.8; chainer_tc's own cuDNN binding still opens the wheel's by its full path
+    # (as where CuPy has no cuDNN at all), and says which.
     r = collect_in_subprocess(CHAINER_TC_NO_PRELOAD='1')
     check_shape(r)
     assert r['preloaded_libraries'] == {}
-    assert r['versions']['cudnn'] is None and r['versions']['nvrtc'] is None
-    assert 'libcudnn.so.8' in r['errors']['cudnn']
+    assert r['versions']['cudnn'].startswith('8.9.') and r['versions']['nvrtc'] is None
+    assert r['cudnn_library'].endswith('/nvidia/cudnn/lib/libcudnn.so.8')
     assert 'libnvrtc.so.12' in r['errors']['nvrtc']
     assert 'libcublas.so.12' in r['errors']['chainer.backends.cuda']
     assert r['chainer_cuda'] == {'available': False, 'cudnn_enabled': False}
-    assert r['features']['nhwc_cudnn_conv']['reason'].startswith('cuDNN not loadable: ')
     assert r['features']['nvrtc_compile_check']['reason'].startswith('NVRTC not loadable: ')
+
+
+def test_no_usable_cudnn_is_reported_with_what_was_tried():
+    r = collect_in_subprocess(CHAINER_TC_CUDNN_LIBRARY='/nonexistent/libcudnn.so.9')
+    check_shape(r)
+    assert r['versions']['cudnn'] is None and r['cudnn_library'] is None
+    assert r['preloaded_libraries'].get('cudnn') is None, 'the wheel\'s cuDNN is not preloaded'
+    reason = r['features']['nhwc_cudnn_conv']['reason']
+    assert reason.startswith('cuDNN not loadable: CuDNNUnavailable: no usable cuDNN: '
+                             'CHAINER_TC_CUDNN_LIBRARY (/nonexistent/libcudnn.so.9): '), reason
+    assert r['features']['cuda_graphs']['reason'] == reason
 
 
 def test_version_strings():

@@ -15,8 +15,9 @@ the deterministic and autotune flags and the workspace limit. The algorithm come
 ``cudnnFind*AlgorithmEx`` (``settings.auto_tune``: measured, synchronises) or
 ``cudnnGet*Algorithm_v7`` (heuristics); the first ranked result whose status is success, that is
 deterministic when asked, and whose workspace fits the limit wins, and the descriptor takes the
-math type of that result. Set-up runs through CuPy's bindings and is refused while the stream
-is capturing (run one step eagerly first). Every later call allocates the workspace from the
+math type of that result. Set-up runs through chainer_tc's cuDNN binding
+(``chainer_tc.cuda.cudnn``, also where CuPy has no cuDNN) and is refused while the stream is
+capturing (run one step eagerly first). Every later call allocates the workspace from the
 current CuPy allocator and makes two ctypes calls (``cudnnSetStream`` to the current stream,
 then the convolution): nothing is created or queried.
 
@@ -125,21 +126,20 @@ def get_workspace_limit():
 
 class _Direction(collections.namedtuple(
         '_Direction', 'name call get find size count operands')):
-    """One convolution call: its binding method, CuPy's queries for it, and its operands
-    (a, b, out) as slots of the forward problem: x (data), w (filter), y (output)."""
+    """One convolution call: its binding method, the C names of its queries, how many
+    algorithms cuDNN has for it (CUDNN_CONVOLUTION_*_ALGO_COUNT), and its operands (a, b, out) as
+    slots of the forward problem: x (data), w (filter), y (output)."""
 
 
-FORWARD = _Direction('forward', 'convolution_forward', 'getConvolutionForwardAlgorithm_v7',
-                     'findConvolutionForwardAlgorithmEx_v7',
-                     'getConvolutionForwardWorkspaceSize', 8, ('x', 'w', 'y'))
-BACKWARD_DATA = _Direction('backward_data', 'convolution_backward_data',
-                           'getConvolutionBackwardDataAlgorithm_v7',
-                           'findConvolutionBackwardDataAlgorithmEx_v7',
-                           'getConvolutionBackwardDataWorkspaceSize', 6, ('w', 'y', 'x'))
-BACKWARD_FILTER = _Direction('backward_filter', 'convolution_backward_filter',
-                             'getConvolutionBackwardFilterAlgorithm_v7',
-                             'findConvolutionBackwardFilterAlgorithmEx_v7',
-                             'getConvolutionBackwardFilterWorkspaceSize', 7, ('x', 'y', 'w'))
+def _direction(name, c_name, count, operands):
+    return _Direction(name, 'convolution_' + name, 'cudnnGetConvolution{}Algorithm_v7'.format(
+        c_name), 'cudnnFindConvolution{}AlgorithmEx'.format(c_name),
+        'cudnnGetConvolution{}WorkspaceSize'.format(c_name), count, operands)
+
+
+FORWARD = _direction('forward', 'Forward', 8, ('x', 'w', 'y'))
+BACKWARD_DATA = _direction('backward_data', 'BackwardData', 6, ('w', 'y', 'x'))
+BACKWARD_FILTER = _direction('backward_filter', 'BackwardFilter', 7, ('x', 'y', 'w'))
 
 
 def forward(x, W, y, geometry, settings, layout='NHWC'):
@@ -219,7 +219,7 @@ def _make_plan(direction, key, operands, shapes, geometry, settings, layout):
             raise TypeError('{}: operand {} is {} on device {}, expected {} on device {}'.format(
                 what, name, arr.dtype, arr.data.device_id, dtype, device_id))
     runtime.refuse_capture(what)
-    lib = descriptors._lib()
+    lib = cudnn.binding()
     x_shape, w_shape, y_shape = shapes
     by_slot = {'x': descriptors.tensor_4d(x_shape, dtype, layout),
                'w': descriptors.filter_4d(w_shape, dtype, layout),
@@ -245,8 +245,8 @@ def _make_plan(direction, key, operands, shapes, geometry, settings, layout):
                       PerformanceWarning, stacklevel=4)
     descriptors.set_math_type(conv_desc, chosen.mathType)
     _counters.add('workspace_queries')
-    size = getattr(lib, direction.size)(handle, descs[0].value, descs[1].value, conv_desc.value,
-                                        descs[2].value, chosen.algo)
+    size = lib.size(direction.size, handle, descs[0].value, descs[1].value, conv_desc.value,
+                    descs[2].value, chosen.algo)
     plan = Plan()
     plan.handle, plan.what = handle, what
     plan.descs = tuple(d.value for d in descs)
@@ -258,23 +258,22 @@ def _make_plan(direction, key, operands, shapes, geometry, settings, layout):
 
 
 def _query(direction, lib, handle, descs, conv_desc, operands, auto_tune, limit, what):
-    """cuDNN's ranked algorithm results for this problem (CuPy's CuDNNAlgoPerf objects)."""
+    """cuDNN's ranked algorithm results for this problem (``AlgoPerf`` structures)."""
     _counters.add('algorithm_queries')
-    d0, d1, d2 = (d.value for d in descs)
+    values = tuple(d.value for d in descs)
     if not auto_tune:
-        return getattr(lib, direction.get)(handle, d0, d1, conv_desc.value, d2, direction.count)
+        return lib.algorithms(direction.get, handle, values, conv_desc.value, direction.count)
     # cudnnFind* runs every algorithm on the handle's stream, with up to `limit` bytes of scratch
-    cudnn.binding().set_stream(handle, runtime.stream_ptr())
+    lib.set_stream(handle, runtime.stream_ptr())
     try:
         workspace = runtime.alloc(limit)
     except Exception as e:
         raise RuntimeError('{}: autotuning needs a workspace of the limit, {} bytes, and '
                            'allocating it failed ({}); lower it with chainer_tc.cuda.conv.'
                            'set_workspace_limit()'.format(what, limit, e)) from e
-    a, b, out = operands
-    return getattr(lib, direction.find)(handle, d0, a.data.ptr, d1, b.data.ptr, conv_desc.value,
-                                        d2, out.data.ptr, direction.count,
-                                        runtime.address(workspace), limit)
+    return lib.find_algorithms(direction.find, handle, values, tuple(a.data.ptr for a in operands),
+                               conv_desc.value, direction.count, runtime.address(workspace),
+                               limit)
 
 
 def choose(perfs, limit, deterministic, what='cuDNN convolution'):

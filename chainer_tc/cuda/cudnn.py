@@ -1,27 +1,28 @@
-"""A ctypes binding to cuDNN 8.9 (libcudnn.so.8) for the calls a captured training step makes.
+"""chainer_tc's own ctypes binding to cuDNN (8.9 or 9): everything its convolutions and fused
+batch normalization call, handles and descriptors included.
 
-CuPy 13.6 refuses every cuDNN call while the current stream is capturing: its ``setStream``
-(``cupy_backends/cuda/libs/cudnn.pyx``) raises ``NotImplementedError('calling cuDNN API during
-stream capture is currently unsupported')`` and every CuPy cuDNN binding calls it first. cuDNN
-itself is capturable, so the calls that must run inside a ``cupy.cuda.Graph`` capture go through
-this binding instead:
+Why not CuPy's bindings: CuPy 13.6 refuses every cuDNN call while the current stream is
+capturing (its ``setStream`` in ``cupy_backends/cuda/libs/cudnn.pyx`` raises
+``NotImplementedError('calling cuDNN API during stream capture is currently unsupported')``, and
+every binding calls it first), and CuPy 14 has no cuDNN at all. cuDNN itself is capturable, and
+the calls chainer_tc makes are few (``chainer_tc.cuda._cudnn_api`` lists them), so they all go
+through this binding: one handle per device created here, descriptors created here
+(``chainer_tc.cuda.descriptors``), algorithms and workspace sizes asked here, once per problem
+outside capture; per call only ``cudnnSetStream`` and the computation.
 
-    cudnnSetStream, cudnnConvolutionForward, cudnnConvolutionBackwardData,
-    cudnnConvolutionBackwardFilter, cudnnBatchNormalizationForwardTrainingEx,
-    cudnnBatchNormalizationBackwardEx                          (and cudnnGetErrorString)
+Which library (:func:`binding`, first match wins):
 
-Everything else (the handle, descriptors, algorithm and workspace queries) still comes from CuPy's
-bindings, once, outside capture (``chainer_tc.cuda.descriptors``). The prototypes below follow
-the C declarations in cuDNN 8.9.7's ``cudnn_ops_infer_v8.h``, ``cudnn_ops_train_v8.h``,
-``cudnn_cnn_infer_v8.h`` and ``cudnn_cnn_train_v8.h``: handles, descriptors and data are
-pointers, enums are ``int``, sizes ``size_t``, epsilon and the average factor ``double``; the
-scaling factors alpha/beta are pointers to a host ``float`` for half and float data and to a
-``double`` for double data (:func:`scaling_factors`). Every call checks its status and raises
-:class:`CuDNNError` naming the call and cuDNN's error string.
+1. ``CHAINER_TC_CUDNN_LIBRARY``: a path (or soname) the user names;
+2. the cuDNN CuPy's bindings loaded, where CuPy has them (CuPy 13 with ``libcudnn.so.8``): the very
+   same library object, so the process holds one cuDNN;
+3. the ``libcudnn.so.*`` of an ``nvidia-cudnn-cu12``/``-cu13`` wheel (``chainer_tc._cuda_libs``);
+4. ``libcudnn.so.9``, then ``libcudnn.so.8``, by soname (``LD_LIBRARY_PATH``, the system's).
 
-The library is the one ``chainer_tc._cuda_libs`` preloaded or finds in the ``nvidia-cudnn-cu12``
-wheel, else ``libcudnn.so.8`` by soname (``LD_LIBRARY_PATH``).
+The version must be 8.9.x or 9.x (:data:`SUPPORTED`): the legacy calls chainer_tc makes are
+declared the same in both; another version is refused with its number. Every call checks its
+status and raises :class:`CuDNNError` naming the call and cuDNN's error string.
 """
+import collections
 import ctypes
 import os
 
@@ -29,48 +30,14 @@ import numpy
 
 from chainer_tc import _cuda_libs
 from chainer_tc.cuda import _counters
+from chainer_tc.cuda import _cudnn_api as api
 from chainer_tc.cuda import _library
 
-SONAME = 'libcudnn.so.8'
-
-_ptr, _int, _size, _double = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t, ctypes.c_double
-
-
-def _conv(a, a_data, b, b_data, out, out_data):
-    """The shared shape of the three convolution calls, operands named as in the C header."""
-    return (('handle', _ptr), ('alpha', _ptr), (a, _ptr), (a_data, _ptr), (b, _ptr),
-            (b_data, _ptr), ('convDesc', _ptr), ('algo', _int), ('workSpace', _ptr),
-            ('workSpaceSizeInBytes', _size), ('beta', _ptr), (out, _ptr), (out_data, _ptr))
-
-
-# C name -> ((parameter name, ctypes type), ...), in the order of the C prototype. Every function
-# returns cudnnStatus_t (an int).
-PROTOTYPES = {
-    'cudnnSetStream': (('handle', _ptr), ('streamId', _ptr)),
-    'cudnnConvolutionForward': _conv('xDesc', 'x', 'wDesc', 'w', 'yDesc', 'y'),
-    'cudnnConvolutionBackwardData': _conv('wDesc', 'w', 'dyDesc', 'dy', 'dxDesc', 'dx'),
-    'cudnnConvolutionBackwardFilter': _conv('xDesc', 'x', 'dyDesc', 'dy', 'dwDesc', 'dw'),
-    'cudnnBatchNormalizationForwardTrainingEx': (
-        ('handle', _ptr), ('mode', _int), ('bnOps', _int), ('alpha', _ptr), ('beta', _ptr),
-        ('xDesc', _ptr), ('xData', _ptr), ('zDesc', _ptr), ('zData', _ptr), ('yDesc', _ptr),
-        ('yData', _ptr), ('bnScaleBiasMeanVarDesc', _ptr), ('bnScale', _ptr), ('bnBias', _ptr),
-        ('exponentialAverageFactor', _double), ('resultRunningMean', _ptr),
-        ('resultRunningVariance', _ptr), ('epsilon', _double), ('resultSaveMean', _ptr),
-        ('resultSaveInvVariance', _ptr), ('activationDesc', _ptr), ('workspace', _ptr),
-        ('workSpaceSizeInBytes', _size), ('reserveSpace', _ptr),
-        ('reserveSpaceSizeInBytes', _size)),
-    'cudnnBatchNormalizationBackwardEx': (
-        ('handle', _ptr), ('mode', _int), ('bnOps', _int), ('alphaDataDiff', _ptr),
-        ('betaDataDiff', _ptr), ('alphaParamDiff', _ptr), ('betaParamDiff', _ptr),
-        ('xDesc', _ptr), ('xData', _ptr), ('yDesc', _ptr), ('yData', _ptr), ('dyDesc', _ptr),
-        ('dyData', _ptr), ('dzDesc', _ptr), ('dzData', _ptr), ('dxDesc', _ptr),
-        ('dxData', _ptr), ('dBnScaleBiasDesc', _ptr), ('bnScaleData', _ptr),
-        ('bnBiasData', _ptr), ('dBnScaleData', _ptr), ('dBnBiasData', _ptr),
-        ('epsilon', _double), ('savedMean', _ptr), ('savedInvVariance', _ptr),
-        ('activationDesc', _ptr), ('workSpace', _ptr), ('workSpaceSizeInBytes', _size),
-        ('reserveSpace', _ptr), ('reserveSpaceSizeInBytes', _size)),
-}
-ERROR_STRING = 'cudnnGetErrorString'      # const char *cudnnGetErrorString(cudnnStatus_t)
+LIBRARY_ENV = _cuda_libs.CUDNN_ENV
+SONAMES = ('libcudnn.so.9', 'libcudnn.so.8')
+SUPPORTED = ((8, 9), (9, None))         # (major, least minor): 8.9.x and every 9.x
+PROTOTYPES = api.PROTOTYPES
+ERROR_STRING = api.ERROR_STRING
 
 
 class CuDNNError(RuntimeError):
@@ -87,23 +54,105 @@ class CuDNNError(RuntimeError):
 
 
 class CuDNNUnavailable(OSError):
-    """libcudnn.so.8 could not be loaded."""
+    """No usable cuDNN could be loaded (the message says which were tried and why)."""
+
+
+def version_tuple(v):
+    """cudnnGetVersion()'s number as (major, minor, patch): 8907 -> (8, 9, 7) (cuDNN 8's
+    encoding), 92400 -> (9, 24, 0) (cuDNN 9's)."""
+    if v >= 10000:
+        return v // 10000, v // 100 % 100, v % 100
+    return v // 1000, v // 100 % 10, v % 100
+
+
+def version_string(v):
+    return '{}.{}.{}'.format(*version_tuple(v))
+
+
+def check_version(v, path):
+    """Refuse a cuDNN whose version is not in :data:`SUPPORTED`, naming it."""
+    major, minor, _ = version_tuple(v)
+    for m, least in SUPPORTED:
+        if major == m and (least is None or minor >= least):
+            return
+    raise CuDNNUnavailable(
+        'the cuDNN at {} is version {}; chainer_tc calls cuDNN 8.9.x or 9.x (pip install '
+        "nvidia-cudnn-cu12==8.9.7.29 with CuPy 13, or nvidia-cudnn-cu13 9.x; or name another "
+        'library in {})'.format(path, version_string(v), LIBRARY_ENV))
 
 
 class Binding(_library.Library):
-    """The cuDNN calls of a step, bound on one library object (a ``ctypes.CDLL``, or a fake)."""
+    """Every cuDNN call chainer_tc makes, bound on one library object (a ``ctypes.CDLL``, or a
+    fake in tests). Outputs are returned, not passed: :meth:`create` returns the new object's
+    address, the queries return sizes and ranked :class:`~chainer_tc.cuda._cudnn_api.AlgoPerf`
+    lists."""
 
     def __init__(self, lib):
         super().__init__(lib, PROTOTYPES, ERROR_STRING, CuDNNError,
                          lambda: _counters.add('cudnn_calls'))
+        self.lib, self.path = lib, None
+        fn = getattr(lib, api.GET_VERSION)
+        fn.argtypes, fn.restype = [], ctypes.c_size_t
+        self._version = fn
+
+    def version(self):
+        return int(self._version())
 
     def error_string(self, status):
         return self.message(status)
+
+    def call(self, name, *args):
+        """The C function ``name`` with ``args`` in the C order (``PROTOTYPES``)."""
+        self._call(name, *args)
+
+    def _out(self, ctype, name, *args):
+        """Call ``name`` with the address of a new ``ctype`` as its last argument; its value."""
+        out = ctype()
+        self._call(name, *(args + (ctypes.addressof(out),)))
+        return out.value
+
+    # handles and descriptors
+    def create_handle(self):
+        """cudnnCreate (needs a GPU: the handle belongs to the current device)."""
+        return self._out(ctypes.c_void_p, 'cudnnCreate')
+
+    def destroy_handle(self, handle):
+        self._call('cudnnDestroy', handle)
 
     def set_stream(self, handle, stream):
         """cudnnSetStream: later calls on ``handle`` run on ``stream`` (a cudaStream_t)."""
         self._call('cudnnSetStream', handle, stream)
 
+    def create(self, kind):
+        """cudnnCreate<kind>Descriptor, ``kind`` in Tensor, Filter, Convolution, Activation."""
+        return self._out(ctypes.c_void_p, 'cudnnCreate{}Descriptor'.format(kind))
+
+    def destroy(self, kind, desc):
+        self._call('cudnnDestroy{}Descriptor'.format(kind), desc)
+
+    # convolution algorithms
+    def algorithms(self, name, handle, descs, conv_desc, count):
+        """cudnnGetConvolution*Algorithm_v7 ``name``: cuDNN's heuristic ranking, as a list."""
+        perfs, returned = (api.AlgoPerf * count)(), ctypes.c_int()
+        a, b, out = descs
+        self._call(name, handle, a, b, conv_desc, out, count, ctypes.addressof(returned),
+                   ctypes.addressof(perfs))
+        return list(perfs[:returned.value])
+
+    def find_algorithms(self, name, handle, descs, data, conv_desc, count, workspace, size):
+        """cudnnFindConvolution*AlgorithmEx ``name``: every algorithm run and timed on
+        ``data`` (a, b, out addresses) with ``size`` bytes of scratch at ``workspace``."""
+        perfs, returned = (api.AlgoPerf * count)(), ctypes.c_int()
+        (a, b, out), (a_data, b_data, out_data) = descs, data
+        self._call(name, handle, a, a_data, b, b_data, conv_desc, out, out_data, count,
+                   ctypes.addressof(returned), ctypes.addressof(perfs), workspace, size)
+        return list(perfs[:returned.value])
+
+    def size(self, name, *args):
+        """A ``size_t *sizeInBytes`` query (workspace or reserve space), arguments before it."""
+        return self._out(ctypes.c_size_t, name, *args)
+
+    # the calls a step makes
     def convolution_forward(self, handle, alpha, x_desc, x, w_desc, w, conv_desc, algo,
                             workspace, workspace_size, beta, y_desc, y):
         self._call('cudnnConvolutionForward', handle, alpha, x_desc, x, w_desc, w, conv_desc,
@@ -128,74 +177,111 @@ class Binding(_library.Library):
         self._call('cudnnBatchNormalizationBackwardEx', *args)
 
 
-def library_path():
-    """The file this binding loads: the wheel's libcudnn.so.8, else the soname."""
-    return _cuda_libs.find_library('cudnn') or SONAME
+# ---- which library -------------------------------------------------------------------------
+
+Candidate = collections.namedtuple('Candidate', 'what path lib skipped')
+Candidate.__doc__ = """A library :func:`load` may try: ``path`` to open (``lib``: already open), or
+``skipped`` saying why there is none."""
+
+
+def _cupys_library():
+    """The libcudnn CuPy's bindings use, as a :class:`Candidate`."""
+    what = "CuPy's cuDNN"
+    try:
+        from cupy_backends.cuda.libs import cudnn as cupy_cudnn
+        cupy_cudnn.getVersion()
+    except Exception as e:       # CuPy 14 has no cuDNN bindings; CuPy 13 without libcudnn.so.8
+        return Candidate(what, None, None, 'not usable ({}: {})'.format(type(e).__name__, e))
+    soname = 'libcudnn.so.8'
+    try:
+        lib = ctypes.CDLL(soname, mode=os.RTLD_NOLOAD)     # the object CuPy's dlopen gave
+    except OSError as e:
+        return Candidate(what, None, None, '{} is not loaded under that name ({})'.format(
+            soname, e))
+    return Candidate(what, _cuda_libs.find_library('cudnn') or soname, lib, None)
+
+
+def candidates():
+    """The libraries :func:`load` tries, in order (see the module's docstring)."""
+    named = os.environ.get(LIBRARY_ENV)
+    if named:
+        return [Candidate(LIBRARY_ENV, named, None, None)]
+    cupys = _cupys_library()
+    if cupys.path is not None:
+        return [cupys]
+    wheel = _cuda_libs.find_library('cudnn')
+    return [cupys, Candidate('the nvidia-cudnn wheel', wheel, None,
+                             None if wheel else 'not installed')] + [
+        Candidate('by soname', soname, None, None) for soname in SONAMES]
+
+
+def _open(candidate):
+    """(binding, None) for ``candidate``'s library, or (None, why not)."""
+    lib = candidate.lib
+    if lib is None:
+        try:
+            lib = ctypes.CDLL(candidate.path)
+        except OSError as e:
+            return None, str(e)
+    try:
+        b = Binding(lib)
+    except AttributeError as e:
+        return None, 'lacks a function chainer_tc calls: {}'.format(e)
+    try:
+        check_version(b.version(), candidate.path)
+    except CuDNNUnavailable as e:
+        return None, str(e)
+    b.path = candidate.path
+    return b, None
+
+
+def load():
+    """A :class:`Binding` of the first usable library of :func:`candidates`, or
+    :class:`CuDNNUnavailable` listing what was tried and why each failed."""
+    tried = []
+    options = candidates()
+    for c in options:
+        if c.path is None:
+            tried.append('{}: {}'.format(c.what, c.skipped))
+            continue
+        b, why = _open(c)
+        if b is not None:
+            return b
+        tried.append('{} ({}): {}'.format(c.what, c.path, why))
+    raise CuDNNUnavailable(
+        'no usable cuDNN: {}. Install nvidia-cudnn-cu12==8.9.7.29 (the gpu extra, with CuPy 13) '
+        'or nvidia-cudnn-cu13 9.x, or name a libcudnn in {}'.format('; '.join(tried),
+                                                                     LIBRARY_ENV))
 
 
 _binding = None
+_unavailable = None
 
 
 def binding():
-    """The process's :class:`Binding` of libcudnn.so.8, loaded on first use. The library must
-    be the cuDNN CuPy uses: the descriptors the calls take come from CuPy's bindings."""
-    global _binding
+    """The process's :class:`Binding`, loaded on first use (:func:`load`)."""
+    global _binding, _unavailable
     if _binding is None:
-        path = library_path()
-        _binding = _library.load(
-            path, Binding, CuDNNUnavailable, 'cuDNN 8',
-            'install the gpu extra (nvidia-cudnn-cu12 8.9) or put libcudnn.so.8 on '
-            'LD_LIBRARY_PATH',
-            check=lambda lib: check_same_as_cupys(path, _library_version(lib),
-                                                  _cupy_cudnn_version(), _same_object(lib)))
+        if _unavailable is not None:
+            raise CuDNNUnavailable(_unavailable)
+        try:
+            _binding = load()
+        except CuDNNUnavailable as e:
+            _unavailable = str(e)
+            raise
     return _binding
 
 
-def _library_version(lib):
-    fn = lib.cudnnGetVersion                    # size_t cudnnGetVersion(void)
-    fn.argtypes, fn.restype = [], ctypes.c_size_t
-    return int(fn())
-
-
-def _cupy_cudnn_version():
-    """cudnnGetVersion() of the cuDNN CuPy's bindings call, or the reason there is none."""
+def unavailable_reason():
+    """None where :func:`binding` loads, else why not."""
     try:
-        from cupy_backends.cuda.libs import cudnn as cupy_cudnn
-        return int(cupy_cudnn.getVersion())
-    except Exception as e:       # CuPy 14 has no cuDNN bindings; libcudnn missing for CuPy 13
-        return '{}: {}'.format(type(e).__name__, e)
+        binding()
+    except CuDNNUnavailable as e:
+        return str(e)
+    return None
 
 
-def _same_object(lib):
-    """Whether ``lib`` is the object a dlopen of ``libcudnn.so.8`` (CuPy's way) gives; True where
-    none is loaded under that name (nothing to compare)."""
-    try:
-        loaded = ctypes.CDLL(SONAME, mode=os.RTLD_NOLOAD)
-    except OSError:
-        return True
-    return loaded._handle == lib._handle
-
-
-def check_same_as_cupys(path, version, cupys, same_object=True):
-    """Refuse a library other than CuPy's (a machine with cuDNN 9 beside 8, a CuPy without
-    cuDNN, a second copy of 8.9 from another directory): a descriptor made by one libcudnn
-    passed to another is undefined behaviour."""
-    if isinstance(cupys, str):
-        raise CuDNNUnavailable(
-            "CuPy's cuDNN bindings are not usable ({}); chainer_tc's capture-safe calls take "
-            "CuPy's descriptors, so they need CuPy 13 with cuDNN 8.9 (pip install -e "
-            "'.[gpu]')".format(cupys))
-    if version != cupys:
-        raise CuDNNUnavailable(
-            'the cuDNN at {} is version {}, but CuPy calls version {}: chainer_tc must call '
-            'the same library as CuPy (check LD_LIBRARY_PATH and the installed nvidia-cudnn '
-            'wheels)'.format(path, version, cupys))
-    if not same_object:
-        raise CuDNNUnavailable(
-            'the cuDNN at {} is another copy than the {} CuPy loaded (the same version {}): '
-            'chainer_tc must call the same library as CuPy (check LD_LIBRARY_PATH and the '
-            'installed nvidia-cudnn wheels)'.format(path, SONAME, version))
-
+# ---- scaling factors -----------------------------------------------------------------------
 
 # Host scaling factors, alive for the whole process: cuDNN reads them during the call (also
 # while capturing), so their addresses are stable. Half and float data take float, double double.

@@ -1,9 +1,9 @@
-"""cuDNN descriptors built through CuPy's raw bindings, counted, cached where they are immutable.
+"""cuDNN descriptors built through chainer_tc's binding, counted, cached where they are immutable.
 
 Descriptors are host objects: creating and setting one needs no GPU and no stream, but it is
-set-up work that must not happen per call, and CuPy's bindings must not be called while a stream
-is capturing. Tensor and filter descriptors, the ReLU activation descriptor and the derived
-batch-norm descriptors are cached for the life of the process, keyed by what they describe, and
+set-up work that must not happen per call (and does not happen while a stream captures). Tensor
+and filter descriptors, the ReLU activation descriptor and the derived batch-norm descriptors are
+cached for the life of the process, keyed by what they describe, and
 shared by every user (nothing modifies them after creation). A convolution descriptor carries the
 math type chosen with its algorithm, so each convolution plan (``chainer_tc.cuda.conv``) owns its
 own. Every creation adds 1 to ``counters()['descriptors']``.
@@ -14,6 +14,8 @@ Layouts are 'NHWC' or 'NCHW' for 4-D data; filters are (out, kh, kw, in/groups) 
 import numpy
 
 from chainer_tc.cuda import _counters
+from chainer_tc.cuda import _cudnn_api as api
+from chainer_tc.cuda import cudnn
 
 LAYOUTS = ('NHWC', 'NCHW')
 
@@ -31,15 +33,9 @@ def clear_cache():
     del _relu[:]
 
 
-def _lib():
-    from cupy_backends.cuda.libs import cudnn
-    return cudnn
-
-
 def data_type(dtype):
     """The cudnnDataType_t of ``dtype`` (float16, float32 or float64)."""
-    lib = _lib()
-    types = {'e': lib.CUDNN_DATA_HALF, 'f': lib.CUDNN_DATA_FLOAT, 'd': lib.CUDNN_DATA_DOUBLE}
+    types = {'e': api.CUDNN_DATA_HALF, 'f': api.CUDNN_DATA_FLOAT, 'd': api.CUDNN_DATA_DOUBLE}
     dtype = numpy.dtype(dtype)
     if dtype.char not in types:
         raise TypeError('cuDNN takes float16, float32 or float64 data; got {}'.format(dtype.name))
@@ -48,17 +44,15 @@ def data_type(dtype):
 
 def compute_type(dtype):
     """The convolution compute type CuPy 13 uses: float for half data, else the data type."""
-    lib = _lib()
     t = data_type(dtype)
-    return lib.CUDNN_DATA_FLOAT if t == lib.CUDNN_DATA_HALF else t
+    return api.CUDNN_DATA_FLOAT if t == api.CUDNN_DATA_HALF else t
 
 
 def layout_format(layout):
     """The cudnnTensorFormat_t of 'NHWC' or 'NCHW'."""
     if layout not in LAYOUTS:
         raise ValueError('layout must be one of {}; got {!r}'.format(LAYOUTS, layout))
-    lib = _lib()
-    return lib.CUDNN_TENSOR_NHWC if layout == 'NHWC' else lib.CUDNN_TENSOR_NCHW
+    return api.CUDNN_TENSOR_NHWC if layout == 'NHWC' else api.CUDNN_TENSOR_NCHW
 
 
 def nchw_dims(shape, layout):
@@ -70,55 +64,55 @@ def nchw_dims(shape, layout):
 
 
 class Descriptor:
-    """A cuDNN descriptor (its address in ``value``) destroyed with this object."""
+    """A cuDNN descriptor of ``kind`` (Tensor, Filter, Convolution, Activation), its address in
+    ``value``, destroyed with this object by the binding that created it."""
 
-    __slots__ = ('value', '_destroy')
+    __slots__ = ('value', 'kind', '_binding')
 
-    def __init__(self, value, destroy):
-        self.value, self._destroy = value, destroy
+    def __init__(self, kind):
+        self._binding = cudnn.binding()
+        self.kind, self.value = kind, self._binding.create(kind)
+        _counters.add('descriptors')
 
     def __del__(self):
         if self.value:
             try:
-                self._destroy(self.value)
+                self._binding.destroy(self.kind, self.value)
             except Exception:       # interpreter shutdown: the library may be gone already
                 pass
             self.value = 0
 
-
-def _new(create, destroy):
-    _counters.add('descriptors')
-    return Descriptor(create(), destroy)
+    def set(self, what, *args):
+        """cudnnSet<what>(this descriptor, *args)."""
+        self._binding.call('cudnnSet' + what, self.value, *args)
 
 
 def tensor_4d(shape, dtype, layout):
     """The fully packed 4-D tensor descriptor of ``shape`` in ``layout`` (cached)."""
-    return _tensors.get(_key(shape, dtype, layout)) or _make_4d(_tensors, shape, dtype, layout,
-                                                                 'Tensor')
+    key = _key(shape, dtype, layout)
+    desc = _tensors.get(key)
+    if desc is None:
+        desc = Descriptor('Tensor')
+        desc.set('Tensor4dDescriptor', layout_format(layout), data_type(dtype),
+                 *nchw_dims(shape, layout))
+        _tensors[key] = desc          # cached once described: a failed set leaves nothing
+    return desc
 
 
 def filter_4d(shape, dtype, layout):
     """The 4-D filter descriptor of ``shape`` in ``layout`` (cached)."""
-    return _filters.get(_key(shape, dtype, layout)) or _make_4d(_filters, shape, dtype, layout,
-                                                                 'Filter')
+    key = _key(shape, dtype, layout)
+    desc = _filters.get(key)
+    if desc is None:
+        desc = Descriptor('Filter')
+        desc.set('Filter4dDescriptor', data_type(dtype), layout_format(layout),
+                 *nchw_dims(shape, layout))
+        _filters[key] = desc
+    return desc
 
 
 def _key(shape, dtype, layout):
-    return tuple(shape), numpy.dtype(dtype).char, layout
-
-
-def _make_4d(cache, shape, dtype, layout, kind):
-    """A new tensor or filter descriptor (``kind``), described and cached (cache misses only)."""
-    lib = _lib()
-    desc = _new(getattr(lib, 'create{}Descriptor'.format(kind)),
-                getattr(lib, 'destroy{}Descriptor'.format(kind)))
-    fmt, t, dims = layout_format(layout), data_type(dtype), nchw_dims(shape, layout)
-    if kind == 'Tensor':
-        lib.setTensor4dDescriptor(desc.value, fmt, t, *dims)
-    else:
-        lib.setFilter4dDescriptor_v4(desc.value, t, fmt, *dims)
-    cache[_key(shape, dtype, layout)] = desc
-    return desc
+    return tuple(int(s) for s in shape), numpy.dtype(dtype).char, layout
 
 
 def convolution(pad, stride, dilation, groups, dtype, tensor_ops):
@@ -127,39 +121,35 @@ def convolution(pad, stride, dilation, groups, dtype, tensor_ops):
     ``tensor_ops``: start from CUDNN_TENSOR_OP_MATH (Tensor Cores allowed), else
     CUDNN_DEFAULT_MATH.
     """
-    lib = _lib()
-    desc = _new(lib.createConvolutionDescriptor, lib.destroyConvolutionDescriptor)
-    lib.setConvolution2dDescriptor_v5(desc.value, pad[0], pad[1], stride[0], stride[1],
-                                      dilation[0], dilation[1], lib.CUDNN_CROSS_CORRELATION,
-                                      compute_type(dtype))
+    desc = Descriptor('Convolution')
+    desc.set('Convolution2dDescriptor', pad[0], pad[1], stride[0], stride[1], dilation[0],
+             dilation[1], api.CUDNN_CROSS_CORRELATION, compute_type(dtype))
     if groups > 1:
-        lib.setConvolutionGroupCount(desc.value, groups)
-    set_math_type(desc, lib.CUDNN_TENSOR_OP_MATH if tensor_ops else lib.CUDNN_DEFAULT_MATH)
+        desc.set('ConvolutionGroupCount', groups)
+    set_math_type(desc, api.CUDNN_TENSOR_OP_MATH if tensor_ops else api.CUDNN_DEFAULT_MATH)
     return desc
 
 
 def set_math_type(desc, math_type):
-    _lib().setConvolutionMathType(desc.value, math_type)
+    desc.set('ConvolutionMathType', math_type)
 
 
 def relu():
     """The ReLU activation descriptor (NaN propagated, no ceiling; cached)."""
     if not _relu:
-        lib = _lib()
-        desc = _new(lib.createActivationDescriptor, lib.destroyActivationDescriptor)
-        lib.setActivationDescriptor(desc.value, lib.CUDNN_ACTIVATION_RELU,
-                                    lib.CUDNN_PROPAGATE_NAN, 0.0)
+        desc = Descriptor('Activation')
+        desc.set('ActivationDescriptor', api.CUDNN_ACTIVATION_RELU, api.CUDNN_PROPAGATE_NAN, 0.0)
         _relu.append(desc)
     return _relu[0]
 
 
 def batch_norm(shape, dtype, layout, mode):
     """The scale/bias/mean/variance descriptor cuDNN derives from the data's (cached)."""
-    key = (tuple(shape), numpy.dtype(dtype).char, layout, mode)
+    key = _key(shape, dtype, layout) + (mode,)
     desc = _bn.get(key)
     if desc is None:
-        lib = _lib()
-        desc = _new(lib.createTensorDescriptor, lib.destroyTensorDescriptor)
-        lib.deriveBNTensorDescriptor(desc.value, tensor_4d(shape, dtype, layout).value, mode)
+        desc = Descriptor('Tensor')
+        cudnn.binding().call('cudnnDeriveBNTensorDescriptor', desc.value,
+                             tensor_4d(shape, dtype, layout).value, mode)
         _bn[key] = desc
     return desc

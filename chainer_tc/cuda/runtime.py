@@ -19,12 +19,19 @@ def is_capturing():
     return stream.ptr != 0 and stream.is_capturing()
 
 
+_handles = {}
+
+
 def handle(device_id):
-    """CuPy's cuDNN handle of device ``device_id`` (``cupyx.cudnn.get_handle``, created once)."""
-    import cupy
-    import cupyx.cudnn
-    with cupy.cuda.Device(device_id):
-        return cupyx.cudnn.get_handle()
+    """chainer_tc's cuDNN handle of device ``device_id`` (``cudnnCreate`` on that device, once;
+    kept for the life of the process, as CuPy keeps its own)."""
+    h = _handles.get(device_id)
+    if h is None:
+        import cupy
+        from chainer_tc.cuda import cudnn
+        with cupy.cuda.Device(device_id):
+            h = _handles[device_id] = cudnn.binding().create_handle()
+    return h
 
 
 def alloc(nbytes):

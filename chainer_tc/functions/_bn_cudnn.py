@@ -9,7 +9,7 @@ the persistent mode, and C a multiple of 4; scale, bias and statistics are float
 (the derived BN descriptor), and epsilon >= CUDNN_BN_MIN_EPSILON. The reserve space written by the
 forward call (the ReLU mask and more) must reach the backward call unchanged: it lives on the
 forward node's :class:`FusedBatchNorm`. Descriptors and workspace/reserve sizes are set up once per
-(device, shape, dtype, bnOps), outside capture, with CuPy's bindings; a later call with the same
+(device, shape, dtype, bnOps), outside capture; a later call with the same
 key creates and queries nothing (``chainer_tc.cuda.counters()``).
 
 :func:`eligibility` decides, from dtypes and shapes alone, whether a call can take this path (and
@@ -20,18 +20,10 @@ import numpy
 import chainer
 
 from chainer_tc.cuda import _counters
+from chainer_tc.cuda import _cudnn_api as api
 from chainer_tc.cuda import cudnn
 from chainer_tc.cuda import descriptors
 from chainer_tc.cuda import runtime
-
-
-def _min_eps():
-    """CUDNN_BN_MIN_EPSILON as the loaded binding defines it (0.0 in cuDNN 8.9)."""
-    try:
-        from cupy_backends.cuda.libs import cudnn as lib
-        return lib.CUDNN_BN_MIN_EPSILON
-    except Exception:       # no CuPy: irrelevant, the data cannot be CuPy arrays either
-        return 1e-5
 
 
 def eligibility(is_cupy, x_dtype, x_shape, gamma_dtype, running_dtype, relu, eps, fixed):
@@ -40,8 +32,11 @@ def eligibility(is_cupy, x_dtype, x_shape, gamma_dtype, running_dtype, relu, eps
         return False, 'not a CuPy array'
     if fixed:
         return False, 'inference uses its own single-pass kernel'
-    if not chainer.should_use_cudnn('>=auto'):
-        return False, 'cuDNN disabled by chainer.config.use_cudnn, or not available'
+    if chainer.config.use_cudnn == 'never':
+        return False, "chainer.config.use_cudnn is 'never'"
+    why = cudnn.unavailable_reason()
+    if why:
+        return False, why
     if numpy.dtype(x_dtype) != numpy.float16:
         return False, 'cuDNN fuses BN+Add+ReLU for float16 data only (got {})'.format(x_dtype)
     if len(x_shape) != 4:
@@ -57,8 +52,9 @@ def eligibility(is_cupy, x_dtype, x_shape, gamma_dtype, running_dtype, relu, eps
         return False, 'needs float32 gamma and beta with float16 data (got {})'.format(gamma_dtype)
     if running_dtype is not None and numpy.dtype(running_dtype) != numpy.float32:
         return False, 'needs float32 running statistics (got {})'.format(running_dtype)
-    if eps < _min_eps():
-        return False, 'eps {} is below CUDNN_BN_MIN_EPSILON ({})'.format(eps, _min_eps())
+    if eps < api.CUDNN_BN_MIN_EPSILON:
+        return False, 'eps {} is below CUDNN_BN_MIN_EPSILON ({})'.format(
+            eps, api.CUDNN_BN_MIN_EPSILON)
     return True, None
 
 
@@ -67,14 +63,13 @@ class _Plan:
     stream capture, then shared by every call with that key."""
 
     def __init__(self, device_id, shape, dtype, has_z, relu):
-        from cupy_backends.cuda.libs import cudnn as lib
         what = 'cuDNN fused batch normalization of x {} {} (z: {}, relu: {})'.format(
             shape, numpy.dtype(dtype).name, has_z, relu)
         runtime.refuse_capture(what)
         self.handle = runtime.handle(device_id)
-        self.mode = lib.CUDNN_BATCHNORM_SPATIAL_PERSISTENT
-        self.ops = (lib.CUDNN_BATCHNORM_OPS_BN_ADD_ACTIVATION if has_z else
-                    lib.CUDNN_BATCHNORM_OPS_BN_ACTIVATION if relu else lib.CUDNN_BATCHNORM_OPS_BN)
+        self.mode = api.CUDNN_BATCHNORM_SPATIAL_PERSISTENT
+        self.ops = (api.CUDNN_BATCHNORM_OPS_BN_ADD_ACTIVATION if has_z else
+                    api.CUDNN_BATCHNORM_OPS_BN_ACTIVATION if relu else api.CUDNN_BATCHNORM_OPS_BN)
         desc = descriptors.tensor_4d(shape, dtype, 'NHWC')          # x, y, z and their grads
         bn_desc = descriptors.batch_norm(shape, dtype, 'NHWC', self.mode)
         act = descriptors.relu() if relu or has_z else None
@@ -84,14 +79,16 @@ class _Plan:
         self.act = act.value if act is not None else 0
         self.one, self.zero = cudnn.scaling_factors(dtype)     # float for half data
         _counters.add('workspace_queries', 3)
-        self.forward_workspace = lib.getBatchNormalizationForwardTrainingExWorkspaceSize(
-            self.handle, self.mode, self.ops, self.desc, self.z_desc, self.desc, self.bn_desc,
-            self.act)
-        self.reserve_size = lib.getBatchNormalizationTrainingExReserveSpaceSize(
-            self.handle, self.mode, self.ops, self.act, self.desc)
-        self.backward_workspace = lib.getBatchNormalizationBackwardExWorkspaceSize(
-            self.handle, self.mode, self.ops, self.desc, self.desc, self.desc, self.z_desc,
-            self.desc, self.bn_desc, self.act)
+        lib = cudnn.binding()
+        self.forward_workspace = lib.size(
+            'cudnnGetBatchNormalizationForwardTrainingExWorkspaceSize', self.handle, self.mode,
+            self.ops, self.desc, self.z_desc, self.desc, self.bn_desc, self.act)
+        self.reserve_size = lib.size(
+            'cudnnGetBatchNormalizationTrainingExReserveSpaceSize', self.handle, self.mode,
+            self.ops, self.act, self.desc)
+        self.backward_workspace = lib.size(
+            'cudnnGetBatchNormalizationBackwardExWorkspaceSize', self.handle, self.mode, self.ops,
+            self.desc, self.desc, self.desc, self.z_desc, self.desc, self.bn_desc, self.act)
 
 
 _plans = {}
