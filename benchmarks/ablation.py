@@ -422,7 +422,12 @@ def gpu_section(args, data, dali_gpu):
         if r.get('images_per_s') and base.get('images_per_s'):
             r['speedup_vs_fp32'] = r['images_per_s'] / base['images_per_s']
     name = props['name']
+    from chainer_tc.cuda import cudnn
     return {'device': name.decode() if isinstance(name, bytes) else str(name),
+            # the baseline's convolutions: Chainer's own cuDNN path needs CuPy's cuDNN (CuPy
+            # 13); without it (CuPy 14) Chainer's links run im2col + matrix products instead
+            'chainer_cudnn': bool(chainer.backends.cuda.cudnn_enabled),
+            'chainer_tc_cudnn': cudnn.version_string(cudnn.binding().version()),
             'model': 'ResNet-50 v1.5, 224x224, 1000 classes', 'iters': args.gpu_iters,
             'repeats': args.gpu_repeats, 'warmup': args.gpu_warmup, 'autotune': True,
             'nhwc_pad_channels': args.pad_channels,
@@ -577,9 +582,14 @@ def gpu_table(gpu):
                 r['eager_steps'])
         body.append((r['config'], r['input'], r['batch'], ips,
                      _f(r.get('speedup_vs_fp32'), '{:.2f}x'), note))
-    return '\n'.join(['GPU: {} ({}; median of {} repeats of {} iterations)'.format(
+    text = ['GPU: {} ({}; median of {} repeats of {} iterations)'.format(
         gpu['device'], gpu['model'], gpu['repeats'], gpu['iters']),
-        _common.format_table(head, body)])
+        _common.format_table(head, body)]
+    if not gpu.get('chainer_cudnn', True):
+        text.append("Chainer's own links ran without cuDNN here (CuPy has none): the fp32/fp16 "
+                    'rows convolve by im2col and matrix products, not the study\'s cuDNN '
+                    'baseline; chainer_tc used cuDNN {}'.format(gpu.get('chainer_tc_cudnn')))
+    return '\n'.join(text)
 
 
 def summary(figures, args):

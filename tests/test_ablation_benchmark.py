@@ -82,3 +82,25 @@ def test_ablation_smoke(tmp_path):
     else:
         assert result['chart'] == str(png)
         assert png.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+
+
+def test_gpu_table_says_when_chainers_baseline_had_no_cudnn():
+    """On CuPy 14 (no cuDNN in CuPy) Chainer's links convolve by im2col: the table says so, so
+    the fp32/fp16 rows are not read as the study's cuDNN baseline."""
+    sys.path.insert(0, os.path.dirname(SCRIPT))
+    try:
+        spec = importlib.util.spec_from_file_location('ablation_under_test', SCRIPT)
+        ablation = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(ablation)
+    finally:
+        sys.path.remove(os.path.dirname(SCRIPT))
+    gpu = {'device': 'H100', 'model': 'ResNet-50', 'repeats': 3, 'iters': 10,
+           'chainer_cudnn': True, 'chainer_tc_cudnn': '9.24.0',
+           'rows': [{'config': 'fp32', 'input': 'synthetic', 'batch': 32, 'images_per_s': 100.0,
+                     'speedup_vs_fp32': 1.0}]}
+    assert 'without cuDNN' not in ablation.gpu_table(gpu)
+    text = ablation.gpu_table(dict(gpu, chainer_cudnn=False))
+    assert text.splitlines()[-1] == (
+        "Chainer's own links ran without cuDNN here (CuPy has none): the fp32/fp16 rows "
+        "convolve by im2col and matrix products, not the study's cuDNN baseline; chainer_tc "
+        "used cuDNN 9.24.0")

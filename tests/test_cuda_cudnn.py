@@ -195,7 +195,7 @@ def test_the_calls_a_step_makes_are_bound():
     per_call = {'cudnnSetStream', 'cudnnConvolutionForward', 'cudnnConvolutionBackwardData',
                 'cudnnConvolutionBackwardFilter', 'cudnnBatchNormalizationForwardTrainingEx',
                 'cudnnBatchNormalizationBackwardEx'}
-    assert per_call <= set(cudnn.PROTOTYPES)
+    assert api.PER_CALL == per_call and per_call <= set(cudnn.PROTOTYPES)
     assert all(t in KINDS for params in cudnn.PROTOTYPES.values() for _, t in params)
     assert api.HOST_ONLY & per_call == set()
 
@@ -258,6 +258,7 @@ def test_descriptors_are_made_read_back_and_destroyed_by_the_binding(monkeypatch
     assert read_tensor(bn.value)[:5] == (api.CUDNN_DATA_FLOAT, 1, 8, 1, 1), 'float for half'
     assert descriptors.relu() is descriptors.relu()
     assert chainer_tc.cuda.counters()['descriptors'] == 5
+    assert chainer_tc.cuda.counters()['cudnn_calls'] == 0, 'set-up is not a step\'s call'
     value = c.value
     del c
     assert destroyed == [('Convolution', value)], 'a plan\'s own descriptor dies with it'

@@ -423,10 +423,13 @@ def test_captured_step_host_time_does_not_grow_with_depth():
 
 def test_info_cuda_graphs_needs_the_capture_safe_cudnn_binding(monkeypatch):
     from chainer_tc import info
-    assert info._capture_cudnn() == (True, None), 'the cuDNN 8.9 wheel is installed here'
-    monkeypatch.setattr(info, '_capture_cudnn', lambda: (False, 'binding missing'))
-    assert info.collect()['features']['cuda_graphs'] == {'available': False,
-                                                         'reason': 'binding missing'}
+    from chainer_tc.cuda import cudnn
+    assert cudnn.unavailable_reason() is None, 'the cuDNN 8.9 wheel is installed here'
+    monkeypatch.setattr(cudnn, '_binding', None)
+    monkeypatch.setattr(cudnn, '_unavailable', 'no usable cuDNN: binding missing')
+    assert info.collect()['features']['cuda_graphs'] == {
+        'available': False,
+        'reason': 'cuDNN not loadable: CuDNNUnavailable: no usable cuDNN: binding missing'}
 
 
 def test_info_cuda_graphs_needs_the_capture_safe_cublas_binding(monkeypatch):

@@ -6,7 +6,8 @@ _counts = _tally.Tally(
     'descriptors',              # cuDNN descriptors created (tensor, filter, convolution, ...)
     'algorithm_queries',        # cudnnFind*/cudnnGet*_v7 convolution algorithm searches
     'workspace_queries',        # workspace and reserve-space size queries
-    'cudnn_calls',              # calls through chainer_tc.cuda.cudnn (the per-call work)
+    'cudnn_calls',              # a step's calls through chainer_tc.cuda.cudnn (set stream,
+                                # convolutions, fused BN; set-up is counted above)
     'cublas_calls',             # calls through chainer_tc.cuda.cublas (handle set-up, products)
 )
 add = _counts.add

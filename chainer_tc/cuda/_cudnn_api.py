@@ -154,6 +154,11 @@ PROTOTYPES = {
 ERROR_STRING = 'cudnnGetErrorString'
 GET_VERSION = 'cudnnGetVersion'
 
+# What a training step calls per layer (also while a stream captures); the rest is set-up.
+PER_CALL = frozenset(('cudnnSetStream', 'cudnnConvolutionForward', 'cudnnConvolutionBackwardData',
+                      'cudnnConvolutionBackwardFilter', 'cudnnBatchNormalizationForwardTrainingEx',
+                      'cudnnBatchNormalizationBackwardEx'))
+
 # The calls that need no GPU: descriptors are host objects (tests make real ones without a GPU).
 HOST_ONLY = frozenset(n for n in PROTOTYPES if 'Descriptor' in n or n.startswith(
     'cudnnSetConvolution')) | {ERROR_STRING, GET_VERSION}

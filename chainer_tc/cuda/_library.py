@@ -9,7 +9,7 @@ class Library:
 
     ``prototypes``: C name -> ((parameter name, ctypes type), ...), every function returning
     an int status; ``message``: the C name of ``const char *f(status)``; ``error``: raised as
-    ``error(call, status, message)``; ``count``: called once per call (a counter).
+    ``error(call, status, message)``; ``count(name)``: called once per call (a counter).
     """
 
     def __init__(self, lib, prototypes, message, error, count):
@@ -29,7 +29,7 @@ class Library:
         return s.decode() if isinstance(s, bytes) else str(s)
 
     def _call(self, name, *args):
-        self._count()
+        self._count(name)
         status = self._fn[name](*args)
         if status:
             raise self._error(name, status, self.message(status))

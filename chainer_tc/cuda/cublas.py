@@ -80,7 +80,7 @@ class Binding(_library.Library):
 
     def __init__(self, lib):
         super().__init__(lib, PROTOTYPES, STATUS_STRING, CuBLASError,
-                         lambda: _counters.add('cublas_calls'))
+                         lambda name: _counters.add('cublas_calls'))
 
     def create(self):
         handle = _ptr()

@@ -88,8 +88,7 @@ class Binding(_library.Library):
     lists."""
 
     def __init__(self, lib):
-        super().__init__(lib, PROTOTYPES, ERROR_STRING, CuDNNError,
-                         lambda: _counters.add('cudnn_calls'))
+        super().__init__(lib, PROTOTYPES, ERROR_STRING, CuDNNError, _count)
         self.lib, self.path = lib, None
         fn = getattr(lib, api.GET_VERSION)
         fn.argtypes, fn.restype = [], ctypes.c_size_t
@@ -175,6 +174,12 @@ class Binding(_library.Library):
     def batch_normalization_backward_ex(self, *args):
         """cudnnBatchNormalizationBackwardEx, arguments in the C order (PROTOTYPES)."""
         self._call('cudnnBatchNormalizationBackwardEx', *args)
+
+
+def _count(name):
+    """Count the calls a step makes (set-up is counted as descriptors and queries)."""
+    if name in api.PER_CALL:
+        _counters.add('cudnn_calls')
 
 
 # ---- which library -------------------------------------------------------------------------
