@@ -1,10 +1,10 @@
 """What CuPy lacks for a captured training step: cuDNN and cuBLAS bindings usable under capture.
 
-``cudnn``       a ctypes binding to libcudnn.so.8 for the calls that run inside a step
-                (cudnnSetStream, the three convolutions, the fused batch-norm pair)
+``cudnn``       chainer_tc's ctypes binding to cuDNN 8.9 or 9: every call its convolutions and
+                fused batch norm make (C declarations in ``_cudnn_api``), usable under capture
 ``cublas``      a ctypes binding to libcublas: a handle of its own per device and
                 cublasGemmEx, for the matrix products of Chainer's Linear inside a capture
-``descriptors`` cuDNN descriptors built once, through CuPy's bindings, outside capture
+``descriptors`` cuDNN descriptors built once, through that binding, outside capture
 ``conv``        the convolution driver: descriptors and algorithm chosen once per key, then
                 only ctypes calls per call
 ``runtime``     the few CuPy runtime facts the drivers need per call

@@ -75,7 +75,7 @@ class Descriptor:
         _counters.add('descriptors')
 
     def __del__(self):
-        if self.value:
+        if getattr(self, 'value', 0):        # unset where create() raised
             try:
                 self._binding.destroy(self.kind, self.value)
             except Exception:       # interpreter shutdown: the library may be gone already
