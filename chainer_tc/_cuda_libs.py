@@ -9,7 +9,10 @@ the dynamic linker reuse it for every later lookup of the same soname (including
 Call :func:`preload` before CuPy is imported (``chainer_tc/__init__.py`` does).  It never raises
 and never prints; set ``CHAINER_TC_NO_PRELOAD=1`` to turn it off.  Where
 ``CHAINER_TC_CUDNN_LIBRARY`` names a cuDNN for chainer_tc (``chainer_tc.cuda.cudnn``), the wheel's
-cuDNN is not preloaded: one cuDNN per process.
+cuDNN is not preloaded: a named ``libcudnn.so.8`` is preloaded in its place (so CuPy 13, which
+links that soname, uses it too); a named cuDNN 9 leaves CuPy 13 without cuDNN unless the dynamic
+linker finds a ``libcudnn.so.8`` by itself (then the process holds two cuDNNs, each used with its
+own handles and descriptors).
 """
 import ctypes
 import glob
@@ -92,9 +95,15 @@ def _already_loaded(path):
 
 
 def _wanted():
-    """The :data:`LIBRARIES` to preload: all, but cuDNN's where the user named another."""
+    """The :data:`LIBRARIES` to preload: all, but the wheel's cuDNN where the user named one."""
     skip_cudnn = bool(os.environ.get(CUDNN_ENV))
     return tuple(e for e in LIBRARIES if not (skip_cudnn and e[1] == 'cudnn'))
+
+
+def _named_cudnn8():
+    """The ``libcudnn.so.8`` file ``CHAINER_TC_CUDNN_LIBRARY`` names, or None."""
+    named = os.environ.get(CUDNN_ENV, '')
+    return named if os.path.basename(named).startswith('libcudnn.so.8') else None
 
 
 def load_from(search_paths):
@@ -116,6 +125,13 @@ def load_from(search_paths):
                 loaded[name] = path
         except OSError as e:
             errors[name] = '%s: %s' % (path, e)
+    named = _named_cudnn8()
+    if named and not _already_loaded(named):
+        try:
+            ctypes.CDLL(named, mode=ctypes.RTLD_GLOBAL)
+            loaded['cudnn'] = named
+        except OSError as e:
+            errors['cudnn'] = '%s: %s' % (named, e)
     return loaded, errors
 
 

@@ -23,16 +23,18 @@ def check_cudnn_version():
 
 
 def check_cudnn_binding():
-    """chainer_tc's own cuDNN binding loads CuPy's library, with every function it calls."""
+    """chainer_tc's own cuDNN binding loads, with every function it calls, and it is the very
+    library object CuPy uses."""
     from chainer_tc.cuda import cudnn
+    b = cudnn.binding()
     cupys = cudnn._cupys_library()
-    if cupys.path is None:
-        raise CheckFailed("CuPy's cuDNN: %s" % cupys.skipped)
-    b, why = cudnn._open(cupys)
-    if b is None:
-        raise CheckFailed('%s: %s' % (cupys.path, why))
+    if cupys.lib is None:
+        raise CheckFailed("chainer_tc binds %s, but CuPy's cuDNN: %s" % (b.path, cupys.skipped))
+    if cupys.lib._handle != b.lib._handle:
+        raise CheckFailed("chainer_tc binds %s, another library than CuPy's %s" % (
+            b.path, cupys.path))
     return '%d functions bound in %s (cuDNN %s), the library CuPy uses' % (
-        len(cudnn.PROTOTYPES), cupys.path, cudnn.version_string(b.version()))
+        len(cudnn.PROTOTYPES), b.path, cudnn.version_string(b.version()))
 
 
 def check_chainer():

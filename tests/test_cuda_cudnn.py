@@ -10,6 +10,7 @@ The CPU path of the convolution gradient skips gx when it is not needed. GPU-mar
 against Chainer (and cupyx.cudnn where CuPy has cuDNN) and capture the layers into a CUDA graph.
 """
 import ctypes
+import json
 import os
 import re
 import subprocess
@@ -150,8 +151,7 @@ def test_prototype_matches_the_c_header(name, version):
     assert restype == 'cudnnStatus_t'
     ours = cudnn.PROTOTYPES[name]
     assert [c_kind(t) for t, _ in c_params] == [KINDS[t] for _, t in ours]
-    if version == '8':          # our names are 8.9's (9 renames a few, e.g. srcDesc -> xDesc)
-        assert [p for _, p in c_params] == [p for p, _ in ours], 'parameter names, in order'
+    assert [p for _, p in c_params] == [p for p, _ in ours], 'parameter names, in order'
 
 
 @pytest.mark.parametrize('version', VERSIONS)
@@ -267,6 +267,31 @@ def test_descriptors_are_made_read_back_and_destroyed_by_the_binding(monkeypatch
         descriptors.tensor_4d((0, 5, 7, 8), numpy.float32, 'NHWC')
     assert ((0, 5, 7, 8), 'f', 'NHWC') not in descriptors._tensors, 'a failed set is not cached'
     descriptors.clear_cache()
+
+
+@needs_cudnn
+def test_the_path_is_the_file_the_dynamic_linker_loaded():
+    b = cudnn.binding()
+    assert cudnn.loaded_file(b.lib, api.GET_VERSION) == os.path.abspath(b.path)
+    assert cudnn.loaded_file(object(), api.GET_VERSION) is None
+
+
+def test_a_named_cudnn_8_is_preloaded_for_cupy_too():
+    """CHAINER_TC_CUDNN_LIBRARY naming a libcudnn.so.8: preloaded in the wheel's place, so
+    CuPy 13 (and Chainer's cuDNN) use the same library as chainer_tc."""
+    named = _cuda_libs.preloaded().get('cudnn')
+    if not named or UNDER_CUDNN9:
+        pytest.skip('needs the cuDNN 8.9 wheel (preloaded)')
+    code = ('import json, chainer_tc, chainer\n'
+            'from chainer_tc import _cuda_libs\n'
+            'from chainer_tc.cuda import cudnn\n'
+            'print(json.dumps([_cuda_libs.preloaded().get("cudnn"), cudnn.binding().path, '
+            'chainer.backends.cuda.cudnn_enabled, cudnn.candidates()[0].what]))')
+    env = dict(os.environ, **{cudnn.LIBRARY_ENV: named})
+    p = subprocess.run([sys.executable, '-c', code], env=env, cwd=REPO, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout) == [named, named, True, cudnn.LIBRARY_ENV]
 
 
 @needs_cudnn
@@ -674,7 +699,9 @@ def test_heuristic_and_autotune_queries(fake):
     assert fake.queries[1][1][:6] == (HANDLE,) + plan.descs[:2] + (plan.conv_desc,
                                                                   plan.descs[2], 1)
     del fake.queries[:], fake.lib.log[:], fake.allocs[:]
+    chainer_tc.cuda.reset_counters()
     conv.forward(x, W, y, g, conv.settings(auto_tune=True))
+    assert chainer_tc.cuda.counters()['cudnn_calls'] == 2, 'the search is set-up, not a call'
     (find, args), _ = fake.queries
     assert find == 'cudnnFindConvolutionForwardAlgorithmEx'
     limit = conv.get_workspace_limit()
@@ -683,6 +710,37 @@ def test_heuristic_and_autotune_queries(fake):
         'count, workspace of the limit, limit'
     assert fake.allocs[0] == limit
     assert fake.lib.log[0] == ('cudnnSetStream', (HANDLE, STREAM)), 'Find runs on our stream'
+
+
+@needs_cudnn
+@pytest.mark.parametrize('direction', [conv.FORWARD, conv.BACKWARD_DATA, conv.BACKWARD_FILTER],
+                         ids=lambda d: d.name)
+def test_queries_pass_each_directions_operands_in_cudnns_order(fake, direction):
+    """The Find, heuristic and workspace queries take (a, b, conv, out) in the direction's C
+    order: forward (x, w, y), backward data (w, dy, dx), backward filter (x, dy, dw)."""
+    x, W, y, g = problem()
+    run = {'forward': lambda s: conv.forward(x, W, y, g, s),
+           'backward_data': lambda s: conv.backward_data(W, y, x, g, s),
+           'backward_filter': lambda s: conv.backward_filter(x, y, W, g, s)}[direction.name]
+    arrays = {'x': x, 'w': W, 'y': y}
+    ptrs = tuple(arrays[slot].data.ptr for slot in direction.operands)
+    run(SETTINGS)
+    (get, get_args), (size, size_args) = fake.queries
+    plan, = conv._plans.values()
+    descs = plan.descs
+    assert read_filter(descs[direction.operands.index('w')])[2:] == (16, 8, 3, 3)
+    assert (get, size) == (direction.get, direction.size)
+    assert get_args[:6] == (HANDLE,) + descs[:2] + (plan.conv_desc, descs[2], direction.count)
+    assert size_args[:6] == (HANDLE,) + descs[:2] + (plan.conv_desc, descs[2], plan.algo)
+    conv.clear_plans()
+    del fake.queries[:]
+    run(conv.settings(auto_tune=True))
+    (find, a), _ = fake.queries
+    plan, = conv._plans.values()
+    d = plan.descs
+    assert find == direction.find
+    assert a[:9] == (HANDLE, d[0], ptrs[0], d[1], ptrs[1], plan.conv_desc, d[2], ptrs[2],
+                     direction.count)
 
 
 def test_algorithm_results_come_back_ranked_and_counted():

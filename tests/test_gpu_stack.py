@@ -37,7 +37,10 @@ def test_check_fails_without_the_preloaded_libraries():
     p = run_python(MAIN, CHAINER_TC_NO_PRELOAD='1')
     assert p.returncode == 1
     results = dict((name, status) for status, name in result_lines(p.stdout))
-    assert results == {name: 'FAIL' for name, _ in gpu_stack.CHECKS}
+    # chainer_tc's cuDNN binding opens the wheel's libcudnn.so.8 by its full path; CuPy's cuDNN
+    # module, imported again, then finds that very object: the one check that passes
+    assert results == {name: 'PASS' if name == 'cudnn-binding' else 'FAIL'
+                       for name, _ in gpu_stack.CHECKS}
     assert 'libcudnn.so.8' in p.stdout and 'libnvrtc.so.12' in p.stdout
 
 

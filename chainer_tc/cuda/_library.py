@@ -28,8 +28,9 @@ class Library:
         s = self._message(status)
         return s.decode() if isinstance(s, bytes) else str(s)
 
-    def _call(self, name, *args):
-        self._count(name)
+    def _call(self, name, *args, counted=True):
+        if counted:
+            self._count(name)
         status = self._fn[name](*args)
         if status:
             raise self._error(name, status, self.message(status))

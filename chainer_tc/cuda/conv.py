@@ -264,7 +264,7 @@ def _query(direction, lib, handle, descs, conv_desc, operands, auto_tune, limit,
     if not auto_tune:
         return lib.algorithms(direction.get, handle, values, conv_desc.value, direction.count)
     # cudnnFind* runs every algorithm on the handle's stream, with up to `limit` bytes of scratch
-    lib.set_stream(handle, runtime.stream_ptr())
+    lib.set_stream(handle, runtime.stream_ptr(), setup=True)
     try:
         workspace = runtime.alloc(limit)
     except Exception as e:

@@ -118,9 +118,10 @@ class Binding(_library.Library):
     def destroy_handle(self, handle):
         self._call('cudnnDestroy', handle)
 
-    def set_stream(self, handle, stream):
-        """cudnnSetStream: later calls on ``handle`` run on ``stream`` (a cudaStream_t)."""
-        self._call('cudnnSetStream', handle, stream)
+    def set_stream(self, handle, stream, setup=False):
+        """cudnnSetStream: later calls on ``handle`` run on ``stream`` (a cudaStream_t).
+        ``setup``: before an algorithm search, not a step's call (not counted)."""
+        self._call('cudnnSetStream', handle, stream, counted=not setup)
 
     def create(self, kind):
         """cudnnCreate<kind>Descriptor, ``kind`` in Tensor, Filter, Convolution, Activation."""
@@ -203,7 +204,26 @@ def _cupys_library():
     except OSError as e:
         return Candidate(what, None, None, '{} is not loaded under that name ({})'.format(
             soname, e))
-    return Candidate(what, _cuda_libs.find_library('cudnn') or soname, lib, None)
+    return Candidate(what, loaded_file(lib, api.GET_VERSION) or soname, lib, None)
+
+
+class _DlInfo(ctypes.Structure):
+    _fields_ = [('dli_fname', ctypes.c_char_p), ('dli_fbase', ctypes.c_void_p),
+                ('dli_sname', ctypes.c_char_p), ('dli_saddr', ctypes.c_void_p)]
+
+
+def loaded_file(lib, symbol):
+    """The file the dynamic linker loaded ``lib`` from (``dladdr`` of one of its functions), or
+    None where that cannot be told."""
+    try:
+        dladdr = ctypes.CDLL(None).dladdr
+        dladdr.argtypes = [ctypes.c_void_p, ctypes.POINTER(_DlInfo)]
+        info = _DlInfo()
+        if dladdr(ctypes.cast(getattr(lib, symbol), ctypes.c_void_p), ctypes.byref(info)):
+            return os.path.abspath(info.dli_fname.decode()) if info.dli_fname else None
+    except (AttributeError, OSError, ValueError):
+        pass
+    return None
 
 
 def candidates():

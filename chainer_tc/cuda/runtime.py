@@ -4,6 +4,7 @@ Per call the drivers only read the current stream and allocate workspace from th
 allocator (inside a capture that is whatever pool the capture uses). The handle and the capture
 check are needed only when something is set up, outside capture.
 """
+import threading
 
 
 def stream_ptr():
@@ -20,17 +21,22 @@ def is_capturing():
 
 
 _handles = {}
+_handles_lock = threading.Lock()
 
 
 def handle(device_id):
     """chainer_tc's cuDNN handle of device ``device_id`` (``cudnnCreate`` on that device, once;
-    kept for the life of the process, as CuPy keeps its own)."""
+    kept for the life of the process, as CuPy keeps its own). One per device, not per thread
+    as CuPy's: the plans hold it, so two threads running chainer_tc's cuDNN calls on one device
+    at the same time are not supported (Chainer's training loop is one thread)."""
     h = _handles.get(device_id)
     if h is None:
         import cupy
         from chainer_tc.cuda import cudnn
-        with cupy.cuda.Device(device_id):
-            h = _handles[device_id] = cudnn.binding().create_handle()
+        with _handles_lock, cupy.cuda.Device(device_id):
+            h = _handles.get(device_id)
+            if h is None:
+                h = _handles[device_id] = cudnn.binding().create_handle()
     return h
 
 
