@@ -264,8 +264,7 @@ def load():
     """A :class:`Binding` of the first usable library of :func:`candidates`, or
     :class:`CuDNNUnavailable` listing what was tried and why each failed."""
     tried = []
-    options = candidates()
-    for c in options:
+    for c in candidates():
         if c.path is None:
             tried.append('{}: {}'.format(c.what, c.skipped))
             continue

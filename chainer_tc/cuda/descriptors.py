@@ -3,10 +3,9 @@
 Descriptors are host objects: creating and setting one needs no GPU and no stream, but it is
 set-up work that must not happen per call (and does not happen while a stream captures). Tensor
 and filter descriptors, the ReLU activation descriptor and the derived batch-norm descriptors are
-cached for the life of the process, keyed by what they describe, and
-shared by every user (nothing modifies them after creation). A convolution descriptor carries the
-math type chosen with its algorithm, so each convolution plan (``chainer_tc.cuda.conv``) owns its
-own. Every creation adds 1 to ``counters()['descriptors']``.
+cached for the life of the process, keyed by what they describe, and shared by every user
+(nothing modifies them after creation). A convolution descriptor carries the math type chosen
+with its algorithm, so each convolution plan (``chainer_tc.cuda.conv``) owns its own. Every creation adds 1 to ``counters()['descriptors']``.
 
 Layouts are 'NHWC' or 'NCHW' for 4-D data; filters are (out, kh, kw, in/groups) in NHWC and
 (out, in/groups, kh, kw) in NCHW, as ``cupyx.cudnn`` describes them.
