@@ -68,6 +68,14 @@ def cupy_cudnn():
         pytest.skip(why)
 
 
+@pytest.fixture
+def fake(monkeypatch):
+    """chainer_tc's cuDNN drivers over the real library's host-only calls, with a fake handle,
+    queries, computations and runtime (``cudnn_fakes.fake_cudnn``): its state."""
+    from cudnn_fakes import fake_cudnn
+    yield from fake_cudnn(monkeypatch)
+
+
 def _dali_problem():
     """Why NVIDIA DALI cannot be imported here, or None."""
     try:

@@ -324,10 +324,11 @@ def test_trainer_resumed_from_a_snapshot_continues_like_an_uninterrupted_run(tmp
 # ---- GPU -----------------------------------------------------------------------------------------
 
 class CapturableNet(chainer.Chain):
-    """What a CUDA graph can hold with CuPy: Chainer's Linear (its products go through our own
+    """What a CUDA graph can hold on any CuPy: Chainer's Linear (its products go through our own
     cuBLAS handle under capture) and our BatchNormalization (our kernels or our cuDNN binding).
-    Chainer's stock Convolution2D/BatchNormalization call cuDNN through CuPy, which refuses
-    under capture: those steps run eagerly (the next test)."""
+    Chainer's stock Convolution2D computes with cuBLAS through CuPy where Chainer has no cuDNN
+    (CuPy 14, use_cudnn='never'), which CuPy refuses under capture: those steps run eagerly (the
+    next test). Where Chainer uses cuDNN, TrainStep routes it (tests/test_chainer_cudnn.py)."""
 
     def __init__(self, dtype=numpy.float32):
         super().__init__()
@@ -371,7 +372,7 @@ def test_captured_step_equals_eager_on_the_gpu(dtype, scaling):
 
 
 @pytest.mark.gpu
-def test_stock_cudnn_links_run_eagerly_on_the_gpu_and_say_why():
+def test_stock_convolutions_without_cudnn_run_eagerly_on_the_gpu_and_say_why():
     import cupy
     data = [(cupy.asarray(x), cupy.asarray(t)) for x, t in batches(5)]
     (m1, o1), (m2, o2) = twin()
@@ -379,9 +380,10 @@ def test_stock_cudnn_links_run_eagerly_on_the_gpu_and_say_why():
         m.to_device('@cupy:0')
     o1.setup(m1)
     o2.setup(m2)
-    l1 = run_eager(m1, o1, data)
-    with pytest.warns(RuntimeWarning, match='runs eagerly.*(cuDNN|cuBLAS).*stream capture'):
-        l2, step = run_step(m2, o2, data)
+    with chainer.using_config('use_cudnn', 'never'):      # im2col and cuBLAS, through CuPy
+        l1 = run_eager(m1, o1, data)
+        with pytest.warns(RuntimeWarning, match='runs eagerly.*cuBLAS.*stream capture'):
+            l2, step = run_step(m2, o2, data)
     assert step.traces == 0
     for a, b in zip(l1, l2):
         cupy.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)

@@ -23,12 +23,15 @@ CUDNN_CROSS_CORRELATION = 1                                                # cud
 CUDNN_DEFAULT_MATH, CUDNN_TENSOR_OP_MATH = 0, 1                            # cudnnMathType_t
 CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION = 2
 CUDNN_ACTIVATION_RELU = 1                                                  # cudnnActivationMode_t
-CUDNN_PROPAGATE_NAN = 1                                                    # cudnnNanPropagation_t
-CUDNN_BATCHNORM_SPATIAL_PERSISTENT = 2                                     # cudnnBatchNormMode_t
+CUDNN_NOT_PROPAGATE_NAN, CUDNN_PROPAGATE_NAN = 0, 1                        # cudnnNanPropagation_t
+CUDNN_BATCHNORM_PER_ACTIVATION, CUDNN_BATCHNORM_SPATIAL = 0, 1             # cudnnBatchNormMode_t
+CUDNN_BATCHNORM_SPATIAL_PERSISTENT = 2
 CUDNN_BATCHNORM_OPS_BN = 0                                                 # cudnnBatchNormOps_t
 CUDNN_BATCHNORM_OPS_BN_ACTIVATION = 1
 CUDNN_BATCHNORM_OPS_BN_ADD_ACTIVATION = 2
 CUDNN_BN_MIN_EPSILON = 0.0                                                 # a #define
+CUDNN_SOFTMAX_MODE_INSTANCE, CUDNN_SOFTMAX_MODE_CHANNEL = 0, 1             # cudnnSoftmaxMode_t
+CUDNN_POOLING_MAX = 0                                                      # cudnnPoolingMode_t
 
 ENUMS = {name: value for name, value in globals().items() if name.startswith('CUDNN_')}
 
@@ -97,6 +100,12 @@ PROTOTYPES = {
     'cudnnSetActivationDescriptor': (('activationDesc', _ptr), ('mode', _int),
                                      ('reluNanOpt', _int), ('coef', _double)),
     'cudnnDeriveBNTensorDescriptor': (('derivedBnDesc', _ptr), ('xDesc', _ptr), ('mode', _int)),
+    'cudnnCreatePoolingDescriptor': _create('pooling'),
+    'cudnnDestroyPoolingDescriptor': _create('pooling'),
+    'cudnnSetPooling2dDescriptor': (
+        ('poolingDesc', _ptr), ('mode', _int), ('maxpoolingNanOpt', _int), ('windowHeight', _int),
+        ('windowWidth', _int), ('verticalPadding', _int), ('horizontalPadding', _int),
+        ('verticalStride', _int), ('horizontalStride', _int)),
     # convolution algorithms and their workspaces (set-up, outside capture)
     'cudnnGetConvolutionForwardAlgorithm_v7': _get_algorithm('srcDesc', 'filterDesc',
                                                              'destDesc'),
@@ -149,6 +158,20 @@ PROTOTYPES = {
         ('epsilon', _double), ('savedMean', _ptr), ('savedInvVariance', _ptr),
         ('activationDesc', _ptr), ('workSpace', _ptr), ('workSpaceSizeInBytes', _size),
         ('reserveSpace', _ptr), ('reserveSpaceSizeInBytes', _size)),
+    # Chainer's own softmax and pooling (routed through this binding inside a TrainStep)
+    'cudnnSoftmaxForward': (('handle', _ptr), ('algo', _int), ('mode', _int), ('alpha', _ptr),
+                            ('xDesc', _ptr), ('x', _ptr), ('beta', _ptr), ('yDesc', _ptr),
+                            ('y', _ptr)),
+    'cudnnSoftmaxBackward': (('handle', _ptr), ('algo', _int), ('mode', _int), ('alpha', _ptr),
+                             ('yDesc', _ptr), ('y', _ptr), ('dyDesc', _ptr), ('dy', _ptr),
+                             ('beta', _ptr), ('dxDesc', _ptr), ('dx', _ptr)),
+    'cudnnPoolingForward': (('handle', _ptr), ('poolingDesc', _ptr), ('alpha', _ptr),
+                            ('xDesc', _ptr), ('x', _ptr), ('beta', _ptr), ('yDesc', _ptr),
+                            ('y', _ptr)),
+    'cudnnPoolingBackward': (('handle', _ptr), ('poolingDesc', _ptr), ('alpha', _ptr),
+                             ('yDesc', _ptr), ('y', _ptr), ('dyDesc', _ptr), ('dy', _ptr),
+                             ('xDesc', _ptr), ('x', _ptr), ('beta', _ptr), ('dxDesc', _ptr),
+                             ('dx', _ptr)),
 }
 # not returning a status: const char *cudnnGetErrorString(cudnnStatus_t), size_t cudnnGetVersion()
 ERROR_STRING = 'cudnnGetErrorString'
@@ -157,7 +180,8 @@ GET_VERSION = 'cudnnGetVersion'
 # What a training step calls per layer (also while a stream captures); the rest is set-up.
 PER_CALL = frozenset(('cudnnSetStream', 'cudnnConvolutionForward', 'cudnnConvolutionBackwardData',
                       'cudnnConvolutionBackwardFilter', 'cudnnBatchNormalizationForwardTrainingEx',
-                      'cudnnBatchNormalizationBackwardEx'))
+                      'cudnnBatchNormalizationBackwardEx', 'cudnnSoftmaxForward',
+                      'cudnnSoftmaxBackward', 'cudnnPoolingForward', 'cudnnPoolingBackward'))
 
 # The calls that need no GPU: descriptors are host objects (tests make real ones without a GPU).
 HOST_ONLY = frozenset(n for n in PROTOTYPES if 'Descriptor' in n or n.startswith(

@@ -124,7 +124,8 @@ class Binding(_library.Library):
         self._call('cudnnSetStream', handle, stream, counted=not setup)
 
     def create(self, kind):
-        """cudnnCreate<kind>Descriptor, ``kind`` in Tensor, Filter, Convolution, Activation."""
+        """cudnnCreate<kind>Descriptor, ``kind`` in Tensor, Filter, Convolution, Activation,
+        Pooling."""
         return self._out(ctypes.c_void_p, 'cudnnCreate{}Descriptor'.format(kind))
 
     def destroy(self, kind, desc):

@@ -5,7 +5,8 @@ set-up work that must not happen per call (and does not happen while a stream ca
 and filter descriptors, the ReLU activation descriptor and the derived batch-norm descriptors are
 cached for the life of the process, keyed by what they describe, and shared by every user
 (nothing modifies them after creation). A convolution descriptor carries the math type chosen
-with its algorithm, so each convolution plan (``chainer_tc.cuda.conv``) owns its own. Every creation adds 1 to ``counters()['descriptors']``.
+with its algorithm, so each convolution plan (``chainer_tc.cuda.conv``) owns its own. The 2-D
+pooling descriptors are cached too. Every creation adds 1 to ``counters()['descriptors']``.
 
 Layouts are 'NHWC' or 'NCHW' for 4-D data; filters are (out, kh, kw, in/groups) in NHWC and
 (out, in/groups, kh, kw) in NCHW, as ``cupyx.cudnn`` describes them.
@@ -21,6 +22,7 @@ LAYOUTS = ('NHWC', 'NCHW')
 _tensors = {}
 _filters = {}
 _bn = {}
+_pooling = {}
 _relu = []
 
 
@@ -29,6 +31,7 @@ def clear_cache():
     _tensors.clear()
     _filters.clear()
     _bn.clear()
+    _pooling.clear()
     del _relu[:]
 
 
@@ -151,4 +154,21 @@ def batch_norm(shape, dtype, layout, mode):
         cudnn.binding().call('cudnnDeriveBNTensorDescriptor', desc.value,
                              tensor_4d(shape, dtype, layout).value, mode)
         _bn[key] = desc
+    return desc
+
+
+def pooling_2d(mode, ksize, stride, pad):
+    """The 2-D pooling descriptor of cudnnPoolingMode_t ``mode`` with (h, w) pairs ``ksize``,
+    ``stride`` and ``pad``; NaN not propagated, as ``cupyx.cudnn`` sets it (cached)."""
+    key = (int(mode),) + tuple(int(v) for pair in (ksize, stride, pad) for v in pair)
+    if len(key) != 7:
+        raise ValueError('2-D pooling takes (h, w) pairs; got ksize {}, stride {}, pad {}'
+                         .format(ksize, stride, pad))
+    desc = _pooling.get(key)
+    if desc is None:
+        mode, kh, kw, sy, sx, ph, pw = key
+        desc = Descriptor('Pooling')
+        desc.set('Pooling2dDescriptor', mode, api.CUDNN_NOT_PROPAGATE_NAN, kh, kw, ph, pw, sy,
+                 sx)
+        _pooling[key] = desc
     return desc

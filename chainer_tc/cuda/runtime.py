@@ -36,6 +36,7 @@ def handle(device_id):
         with _handles_lock, cupy.cuda.Device(device_id):
             h = _handles.get(device_id)
             if h is None:
+                refuse_capture('the cuDNN handle of device {}'.format(device_id))
                 h = _handles[device_id] = cudnn.binding().create_handle()
     return h
 

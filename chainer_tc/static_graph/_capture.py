@@ -11,13 +11,17 @@ kernel). The loss scale and the overflow decision never leave the device.
 
 cuDNN runs under capture through chainer_tc.cuda (CuPy 13's own cuDNN calls refuse to): its
 plans (descriptors, algorithms, workspace sizes) were made by the eager steps of the same
-signature, so inside the capture it only sets the stream and calls cuDNN. CuPy refuses cuBLAS
+signature, so inside the capture it only sets the stream and calls cuDNN. That holds for
+Chainer's own convolutions, batch normalization, pooling and softmax too: TrainStep routes the
+CuPy cuDNN wrappers they call through chainer_tc.cuda in all its GPU steps
+(chainer_tc.static_graph._chainer_cudnn). CuPy refuses cuBLAS
 under capture too: Chainer's Linear computes its products through chainer_tc's own cuBLAS
 handle for the device, bound to the capture's stream and a workspace of the capture's
 (chainer_tc.static_graph._linear, chainer_tc.cuda.cublas).
 
 A step that cannot be captured (a host synchronisation inside it, such as ``float(loss)`` or an
-optimizer hook that reads a norm; a cuDNN call through CuPy's own binding) raises
+optimizer hook that reads a norm; a cuDNN call that could not be routed, e.g. an N-d
+convolution) raises
 :class:`~chainer_tc.static_graph._program.NotReplayable` with CUDA's reason, and TrainStep runs
 that signature eagerly.
 """
@@ -106,10 +110,10 @@ class CapturedStep:
         except Exception as e:
             _abandon(self.stream)
             raise _program.NotReplayable(
-                'capturing the step into a CUDA graph failed: {}: {}{}'.format(
+                'capturing the step into a CUDA graph failed: {}: {}{}{}'.format(
                     type(e).__name__, e, '' if self.cublas_problem is None else
                     " (no cuBLAS handle for the capture's Linear products: {})"
-                    .format(self.cublas_problem))) from e
+                    .format(self.cublas_problem), _cudnn_note(e))) from e
         return self.stream.end_capture(), rec, loss, recorded_grads, grads
 
     def _cublas_handle(self, cupy):
@@ -161,6 +165,17 @@ class CapturedStep:
 
     def run(self, step):
         return self._launch(step)
+
+
+def _cudnn_note(error):
+    """Why Chainer's cuDNN calls were not routed through chainer_tc's binding, where a cuDNN
+    call is what failed and they were not ('' otherwise)."""
+    if 'cuDNN' not in str(error):
+        return ''
+    from chainer_tc.static_graph import _chainer_cudnn
+    why = _chainer_cudnn.problem()
+    return '' if why is None else (" (Chainer's cuDNN calls could not go through chainer_tc's "
+                                   'binding: {})'.format(why))
 
 
 def _abandon(stream):

@@ -13,6 +13,7 @@ from then on the step is replayed: on the CPU by :class:`~chainer_tc.static_grap
 follow to be replayable; a step that breaks them runs eagerly, with one warning saying why.
 """
 import collections
+import contextlib
 import warnings
 
 import chainer
@@ -139,11 +140,20 @@ class TrainStep:
         else:
             self._entries.move_to_end(key)
         entry.calls += 1
-        if entry.replay is not None:
-            return self._replay(entry, inputs)
-        if entry.failed is not None or entry.calls <= self.warmup:
-            return self._eager(inputs)
-        return self._record(entry, inputs)
+        with self._chainer_cudnn_routed(inputs):
+            if entry.replay is not None:
+                return self._replay(entry, inputs)
+            if entry.failed is not None or entry.calls <= self.warmup:
+                return self._eager(inputs)
+            return self._record(entry, inputs)
+
+    def _chainer_cudnn_routed(self, inputs):
+        """On a GPU with capture, Chainer's own cuDNN calls go through chainer_tc's binding in
+        every step of this TrainStep (eager ones too: their plans serve the capture)."""
+        if not (self.capture and _is_cupy(inputs)):
+            return contextlib.nullcontext()
+        from chainer_tc.static_graph import _chainer_cudnn
+        return _chainer_cudnn.routed()
 
     def _key(self, inputs):
         opt = self.optimizer
