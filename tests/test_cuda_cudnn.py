@@ -31,6 +31,7 @@ from chainer_tc.cuda import _cudnn_api as api
 from chainer_tc.cuda import conv
 from chainer_tc.cuda import cudnn
 from chainer_tc.cuda import descriptors
+from chainer_tc.cuda import runtime
 from chainer_tc.functions import _bn_cudnn
 from chainer_tc.functions import _conv_numpy
 
@@ -301,6 +302,36 @@ def test_a_handle_needs_a_gpu_and_says_so():
     else:                               # a GPU is here: the handle is real
         b.destroy_handle(handle)
         assert handle
+
+
+def test_each_thread_gets_its_own_handle_per_device_never_while_capturing(monkeypatch):
+    """A call sets its handle's stream first: two threads sharing a handle could run each
+    other's calls on the wrong stream, so handles are per thread (as CuPy's) and device."""
+    import contextlib
+    import threading
+    import cupy
+    made = []
+
+    class Binding:
+        def create_handle(self):
+            made.append(threading.get_ident())
+            return 0x100 + len(made)
+    monkeypatch.setattr(cudnn, 'binding', Binding)
+    monkeypatch.setattr(cupy.cuda, 'Device', lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(runtime, '_handles', {})
+    capturing = [False]
+    monkeypatch.setattr(runtime, 'is_capturing', lambda: capturing[0])
+    h0, h1 = runtime.handle(0), runtime.handle(1)
+    assert runtime.handle(0) == h0 and h0 != h1 and len(made) == 2
+    other = []
+    t = threading.Thread(target=lambda: other.append(runtime.handle(0)))
+    t.start()
+    t.join()
+    assert other[0] not in (h0, h1) and len(made) == 3
+    capturing[0] = True
+    assert runtime.handle(1) == h1, 'an existing handle is used under capture'
+    with pytest.raises(RuntimeError, match='cuDNN handle of device 2 is not set up yet'):
+        runtime.handle(2)
 
 
 def test_the_library_tests_pass_under_cudnn_9():

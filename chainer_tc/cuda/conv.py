@@ -172,10 +172,10 @@ def clear_plans():
 
 
 class Plan:
-    """What a call needs after set-up: handle, descriptors of (a, b, out), the convolution
-    descriptor, algorithm, workspace size, alpha and beta."""
+    """What a call needs after set-up: descriptors of (a, b, out), the convolution descriptor,
+    algorithm, workspace size, alpha and beta (the handle is the calling thread's)."""
 
-    __slots__ = ('handle', 'descs', 'conv_desc', 'algo', 'math_type', 'workspace_size', 'one',
+    __slots__ = ('descs', 'conv_desc', 'algo', 'math_type', 'workspace_size', 'one',
                  'zero', 'what', '_keep')
 
 
@@ -193,10 +193,11 @@ def _run(direction, operands, shapes, geometry, settings, layout):
                                         layout)
     lib = cudnn.binding()
     workspace = runtime.alloc(plan.workspace_size)
-    lib.set_stream(plan.handle, runtime.stream_ptr())
+    handle = runtime.handle(key[1])
+    lib.set_stream(handle, runtime.stream_ptr())
     try:
         getattr(lib, direction.call)(
-            plan.handle, plan.one, plan.descs[0], a.data.ptr, plan.descs[1], b.data.ptr,
+            handle, plan.one, plan.descs[0], a.data.ptr, plan.descs[1], b.data.ptr,
             plan.conv_desc, plan.algo, runtime.address(workspace), plan.workspace_size,
             plan.zero, plan.descs[2], out.data.ptr)
     except cudnn.CuDNNError as e:
@@ -248,7 +249,7 @@ def _make_plan(direction, key, operands, shapes, geometry, settings, layout):
     size = lib.size(direction.size, handle, descs[0].value, descs[1].value, conv_desc.value,
                     descs[2].value, chosen.algo)
     plan = Plan()
-    plan.handle, plan.what = handle, what
+    plan.what = what
     plan.descs = tuple(d.value for d in descs)
     plan.conv_desc, plan.algo, plan.math_type = conv_desc.value, chosen.algo, chosen.mathType
     plan.workspace_size = size

@@ -6,7 +6,7 @@ capturing (its ``setStream`` in ``cupy_backends/cuda/libs/cudnn.pyx`` raises
 ``NotImplementedError('calling cuDNN API during stream capture is currently unsupported')``, and
 every binding calls it first), and CuPy 14 has no cuDNN at all. cuDNN itself is capturable, and
 the calls chainer_tc makes are few (``chainer_tc.cuda._cudnn_api`` lists them), so they all go
-through this binding: one handle per device created here, descriptors created here
+through this binding: one handle per thread and device created here, descriptors created here
 (``chainer_tc.cuda.descriptors``), algorithms and workspace sizes asked here, once per problem
 outside capture; per call only ``cudnnSetStream`` and the computation.
 

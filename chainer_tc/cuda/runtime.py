@@ -25,19 +25,22 @@ _handles_lock = threading.Lock()
 
 
 def handle(device_id):
-    """chainer_tc's cuDNN handle of device ``device_id`` (``cudnnCreate`` on that device, once;
-    kept for the life of the process, as CuPy keeps its own). One per device, not per thread
-    as CuPy's: the plans hold it, so two threads running chainer_tc's cuDNN calls on one device
-    at the same time are not supported (Chainer's training loop is one thread)."""
-    h = _handles.get(device_id)
+    """The calling thread's chainer_tc cuDNN handle of device ``device_id`` (``cudnnCreate`` on
+    that device, once per thread and device; kept for the life of the process, as CuPy keeps
+    its own). Per thread as CuPy's, since a call sets the handle's stream first: two threads
+    calling cuDNN on one device at once each use their own. Plans (descriptors, algorithms,
+    sizes) hold no handle and serve every thread; a thread whose id is reused after another
+    ended takes over that thread's handles. Never created while a stream captures."""
+    key = (threading.get_ident(), device_id)
+    h = _handles.get(key)
     if h is None:
         import cupy
         from chainer_tc.cuda import cudnn
         with _handles_lock, cupy.cuda.Device(device_id):
-            h = _handles.get(device_id)
+            h = _handles.get(key)
             if h is None:
                 refuse_capture('the cuDNN handle of device {}'.format(device_id))
-                h = _handles[device_id] = cudnn.binding().create_handle()
+                h = _handles[key] = cudnn.binding().create_handle()
     return h
 
 

@@ -66,7 +66,8 @@ class _Plan:
         what = 'cuDNN fused batch normalization of x {} {} (z: {}, relu: {})'.format(
             shape, numpy.dtype(dtype).name, has_z, relu)
         runtime.refuse_capture(what)
-        self.handle = runtime.handle(device_id)
+        self.device_id = device_id
+        handle = runtime.handle(device_id)
         self.mode = api.CUDNN_BATCHNORM_SPATIAL_PERSISTENT
         self.ops = (api.CUDNN_BATCHNORM_OPS_BN_ADD_ACTIVATION if has_z else
                     api.CUDNN_BATCHNORM_OPS_BN_ACTIVATION if relu else api.CUDNN_BATCHNORM_OPS_BN)
@@ -81,13 +82,13 @@ class _Plan:
         _counters.add('workspace_queries', 3)
         lib = cudnn.binding()
         self.forward_workspace = lib.size(
-            'cudnnGetBatchNormalizationForwardTrainingExWorkspaceSize', self.handle, self.mode,
+            'cudnnGetBatchNormalizationForwardTrainingExWorkspaceSize', handle, self.mode,
             self.ops, self.desc, self.z_desc, self.desc, self.bn_desc, self.act)
         self.reserve_size = lib.size(
-            'cudnnGetBatchNormalizationTrainingExReserveSpaceSize', self.handle, self.mode,
+            'cudnnGetBatchNormalizationTrainingExReserveSpaceSize', handle, self.mode,
             self.ops, self.act, self.desc)
         self.backward_workspace = lib.size(
-            'cudnnGetBatchNormalizationBackwardExWorkspaceSize', self.handle, self.mode, self.ops,
+            'cudnnGetBatchNormalizationBackwardExWorkspaceSize', handle, self.mode, self.ops,
             self.desc, self.desc, self.desc, self.z_desc, self.desc, self.bn_desc, self.act)
 
 
@@ -123,9 +124,10 @@ class FusedBatchNorm:
         self.reserve = runtime.alloc(p.reserve_size)
         update = running_mean is not None
         lib = cudnn.binding()
-        lib.set_stream(p.handle, runtime.stream_ptr())
+        handle = runtime.handle(p.device_id)
+        lib.set_stream(handle, runtime.stream_ptr())
         lib.batch_normalization_forward_training_ex(
-            p.handle, p.mode, p.ops, p.one, p.zero, p.desc, x.data.ptr, p.z_desc,
+            handle, p.mode, p.ops, p.one, p.zero, p.desc, x.data.ptr, p.z_desc,
             _ptr(z) if self.has_z else 0, p.desc, y.data.ptr, p.bn_desc, gamma.data.ptr,
             beta.data.ptr, 1.0 - decay if update else 0.0, _ptr(running_mean),
             _ptr(running_var), eps, self.mean.data.ptr, self.invstd.data.ptr, p.act,
@@ -141,9 +143,10 @@ class FusedBatchNorm:
                                                                                beta.dtype)
         workspace = runtime.alloc(p.backward_workspace)
         lib = cudnn.binding()
-        lib.set_stream(p.handle, runtime.stream_ptr())
+        handle = runtime.handle(p.device_id)
+        lib.set_stream(handle, runtime.stream_ptr())
         lib.batch_normalization_backward_ex(
-            p.handle, p.mode, p.ops, p.one, p.zero, p.one, p.zero, p.desc, x.data.ptr,
+            handle, p.mode, p.ops, p.one, p.zero, p.one, p.zero, p.desc, x.data.ptr,
             p.desc, y.data.ptr, p.desc, gy.data.ptr, p.z_desc, _ptr(gz), p.desc, gx.data.ptr,
             p.bn_desc, gamma.data.ptr, beta.data.ptr, ggamma.data.ptr, gbeta.data.ptr, eps,
             self.mean.data.ptr, self.invstd.data.ptr, p.act, runtime.address(workspace),

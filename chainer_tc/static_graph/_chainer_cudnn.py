@@ -166,7 +166,8 @@ class _BNPlan:
             shape, numpy.dtype(dtype).name, layout, mode)
         runtime.refuse_capture(what)
         self.what, self.mode = what, mode
-        self.handle = runtime.handle(device_id)
+        self.device_id = device_id
+        handle = runtime.handle(device_id)
         desc = descriptors.tensor_4d(shape, dtype, layout)
         bn_desc = descriptors.batch_norm(shape, dtype, layout, mode)
         self._keep = (desc, bn_desc)
@@ -178,13 +179,13 @@ class _BNPlan:
         self.forward_workspace = self.reserve_size = 0
         if fast:
             self.forward_workspace = lib.size(
-                'cudnnGetBatchNormalizationForwardTrainingExWorkspaceSize', self.handle, mode,
+                'cudnnGetBatchNormalizationForwardTrainingExWorkspaceSize', handle, mode,
                 ops, self.desc, self.desc, self.desc, self.bn_desc, 0)
             self.reserve_size = lib.size(
-                'cudnnGetBatchNormalizationTrainingExReserveSpaceSize', self.handle, mode, ops,
+                'cudnnGetBatchNormalizationTrainingExReserveSpaceSize', handle, mode, ops,
                 0, self.desc)
         self.backward_workspace = lib.size(
-            'cudnnGetBatchNormalizationBackwardExWorkspaceSize', self.handle, mode, ops,
+            'cudnnGetBatchNormalizationBackwardExWorkspaceSize', handle, mode, ops,
             self.desc, self.desc, self.desc, self.desc, self.desc, self.bn_desc, 0)
 
 
@@ -234,10 +235,11 @@ def batch_normalization_forward_training_ex(x, gamma, beta, running_mean, runnin
     workspace = runtime.alloc(p.forward_workspace)
     reserve = runtime.alloc(p.reserve_size)
     lib = cudnn.binding()
-    lib.set_stream(p.handle, runtime.stream_ptr())
+    handle = runtime.handle(p.device_id)
+    lib.set_stream(handle, runtime.stream_ptr())
     try:
         lib.batch_normalization_forward_training_ex(
-            p.handle, p.mode, api.CUDNN_BATCHNORM_OPS_BN, p.one, p.zero, p.desc, x.data.ptr,
+            handle, p.mode, api.CUDNN_BATCHNORM_OPS_BN, p.one, p.zero, p.desc, x.data.ptr,
             p.desc, 0, p.desc, y.data.ptr, p.bn_desc, gamma.data.ptr, beta.data.ptr,
             1.0 - decay, mean_tmp.data.ptr, var_tmp.data.ptr, eps, save_mean.data.ptr,
             save_inv_std.data.ptr, 0, runtime.address(workspace), p.forward_workspace,
@@ -269,10 +271,11 @@ def batch_normalization_backward(x, gamma, gy, mean, inv_std, eps, is_for_conv2d
     workspace = runtime.alloc(p.backward_workspace)
     reserve_size = 0 if reserve_space is None else p.reserve_size
     lib = cudnn.binding()
-    lib.set_stream(p.handle, runtime.stream_ptr())
+    handle = runtime.handle(p.device_id)
+    lib.set_stream(handle, runtime.stream_ptr())
     try:
         lib.batch_normalization_backward_ex(
-            p.handle, p.mode, api.CUDNN_BATCHNORM_OPS_BN, p.one, p.zero, p.one, p.zero, p.desc,
+            handle, p.mode, api.CUDNN_BATCHNORM_OPS_BN, p.one, p.zero, p.one, p.zero, p.desc,
             x.data.ptr, p.desc, 0, p.desc, gy.data.ptr, p.desc, 0, p.desc, gx.data.ptr,
             p.bn_desc, gamma.data.ptr, 0, ggamma.data.ptr, gbeta.data.ptr, eps, mean.data.ptr,
             inv_std.data.ptr, 0, runtime.address(workspace), p.backward_workspace,
