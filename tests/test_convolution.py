@@ -211,3 +211,46 @@ def test_cudnn_path_equals_cpu(cudnn_stack, case, dtype):
     for a, g in zip(cpu, gpu):
         if a is not None:
             numpy.testing.assert_allclose(cupy.asnumpy(g).astype('f8'), a.astype('f8'), **t)
+
+
+# ---- use_cudnn='never' on a GPU: Chainer's own convolution on NCHW copies ----------------------
+
+@pytest.mark.parametrize('case', GRID)
+@pytest.mark.parametrize('dtype', [numpy.float64, numpy.float32])
+def test_the_path_without_cudnn_maps_nhwc_onto_chainers_convolution(case, dtype):
+    """The GPU path taken under use_cudnn='never' is written for any array module: on NumPy it
+    must give the CPU path's results (same geometry, the NHWC<->NCHW copies right), with only
+    the gradients asked for."""
+    from chainer_tc.functions import _conv_without_cudnn as without
+    import importlib
+    conv_module = importlib.import_module('chainer_tc.functions.convolution_2d')
+    x, W, b, kw = problem(case, dtype)
+    f = conv_module.Convolution2DNHWC(kw['stride'], kw['pad'], kw['dilate'], kw['groups'])
+    y = without.forward(f, x, W, b)
+    numpy.testing.assert_allclose(y, TF.convolution_2d(x, W, b, **kw).array, **TOL[dtype])
+    assert y.flags.c_contiguous and y.dtype == dtype
+    gy = numpy.random.RandomState(1).randn(*y.shape).astype(dtype)
+    _, gx, gW = grads(lambda x, W: TF.convolution_2d(x, W, None, **kw), (x, W), gy)
+    out = without.grads(f, x, W, gy, (0, 1))
+    numpy.testing.assert_allclose(out[0], gx, **TOL[dtype])
+    numpy.testing.assert_allclose(out[1], gW, **TOL[dtype])
+    assert set(without.grads(f, x, W, gy, (1,))) == {1}
+
+
+@pytest.mark.gpu
+def test_use_cudnn_never_runs_chainers_convolution_on_the_gpu_and_warns_once(cudnn_stack):
+    import cupy
+    from chainer_tc.cuda import PerformanceWarning
+    from chainer_tc.functions import _conv_without_cudnn as without
+    x, W, b, kw = problem(GRID[2], numpy.float32)
+    gy = numpy.random.RandomState(1).randn(*TF.convolution_2d(x, W, b, **kw).shape).astype(
+        numpy.float32)
+    args = tuple(cupy.asarray(a) for a in (x, W, b))
+    ours = grads(lambda x, W, b: TF.convolution_2d(x, W, b, **kw), args, cupy.asarray(gy))
+    without._warned.clear()
+    with chainer.using_config('use_cudnn', 'never'):
+        with pytest.warns(PerformanceWarning, match="use_cudnn is 'never'.*im2col"):
+            plain = grads(lambda x, W, b: TF.convolution_2d(x, W, b, **kw), args,
+                          cupy.asarray(gy))
+    for a, g in zip(ours, plain):
+        cupy.testing.assert_allclose(a, g, atol=1e-4, rtol=1e-4)

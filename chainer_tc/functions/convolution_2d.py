@@ -8,7 +8,8 @@ cuDNN with NHWC tensor and filter descriptors through ``chainer_tc.cuda.conv`` (
 ``config.autotune``, ``config.use_cudnn_tensor_core`` and ``config.cudnn_deterministic``; the
 workspace limit is ``chainer_tc.cuda.conv.get_workspace_limit()``): no transposes on the GPU,
 and after the first call of a shape nothing but the cuDNN call itself, so it can be captured
-into a CUDA graph. NumPy arrays run ``_conv_numpy``: channels-last patches as a strided view and
+into a CUDA graph. Where ``chainer.config.use_cudnn`` is 'never', CuPy arrays run Chainer's own
+convolution instead (``_conv_without_cudnn``: slow, warned once). NumPy arrays run ``_conv_numpy``: channels-last patches as a strided view and
 one matrix product per call (no transposes; equal to Chainer's NCHW convolution within the
 rounding of a differently ordered sum). Backward computes only the gradients asked for (no gx
 for a network's raw input). Double backpropagation is not supported.
@@ -22,6 +23,7 @@ from chainer.utils import type_check
 
 from chainer_tc.cuda import conv as cuda_conv
 from chainer_tc.functions import _conv_numpy
+from chainer_tc.functions import _conv_without_cudnn as _without_cudnn
 from chainer_tc.functions import _util
 
 
@@ -73,6 +75,8 @@ class Convolution2DNHWC(function_node.FunctionNode):
         oh, ow = self._outsize(x, W)
         if isinstance(x, numpy.ndarray):
             return _conv_numpy.forward(x, W, b, self.cpu_geometry()),
+        if chainer.config.use_cudnn == 'never':
+            return _without_cudnn.forward(self, x, W, b),
         xp = chainer.backend.get_array_module(x)
         x, W = xp.ascontiguousarray(x), xp.ascontiguousarray(W)
         y = xp.empty((x.shape[0], oh, ow, W.shape[0]), x.dtype)
@@ -115,6 +119,8 @@ class _Convolution2DNHWCGrad(function_node.FunctionNode):
         return {0: gx, 1: gW}
 
     def _cudnn(self, x, W, gy):
+        if chainer.config.use_cudnn == 'never':
+            return _without_cudnn.grads(self.f, x, W, gy, self.indexes)
         f, grads = self.f, {}
         xp = chainer.backend.get_array_module(x)
         gy = xp.ascontiguousarray(gy)
