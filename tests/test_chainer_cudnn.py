@@ -107,6 +107,46 @@ def test_routing_is_per_thread_nests_and_is_undone():
     assert all(getattr(module, n) is originals[n] for n in cc.ROUTED) and not cc._active()
 
 
+@needs_cudnn
+def test_overlapping_threads_exceptions_and_foreign_patches_leave_the_module_right():
+    module = original_module()
+    originals = {n: getattr(module, n) for n in cc.ROUTED}
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    seen = []
+
+    def thread_b():
+        with cc.routed(module):
+            b_in.set()
+            a_out.wait()
+            seen.append((cc._active(), module.pooling_forward is not originals['pooling_forward']))
+    with pytest.raises(ZeroDivisionError):
+        with cc.routed(module):
+            t = threading.Thread(target=thread_b)
+            t.start()
+            b_in.wait()
+            a_in.set()
+            raise ZeroDivisionError          # A leaves (by an exception) while B is routed
+    a_out.set()
+    t.join()
+    assert seen == [(True, True)], 'B still routed after A left'
+    assert all(getattr(module, n) is originals[n] for n in cc.ROUTED)
+    # someone patches over our dispatcher inside a routed block and restores it after: the next
+    # routing must not take our dispatcher for CuPy's function (no endless recursion)
+    with cc.routed(module):
+        ours = module.pooling_forward
+        module.pooling_forward = lambda *a: 'patched'
+    assert module.pooling_forward() == 'patched', 'a patch made over ours stays'
+    module.pooling_forward = ours
+    with cc.routed(module):
+        x3 = Array((2, 4, 6, 5, 5), numpy.float32)       # 3-D: CuPy's own
+        assert module.pooling_forward(x3, x3, (2, 2, 2), (2, 2, 2), (0, 0, 0), 0) == 'cupy'
+    assert module.pooling_forward is originals['pooling_forward']
+    with cc.routed(module):
+        with pytest.raises(RuntimeError, match='one cuDNN wrapper module at a time'):
+            with cc.routed(original_module()):
+                pass
+
+
 def test_nothing_is_routed_where_chainer_uses_no_cudnn_or_the_binding_does_not_load(monkeypatch):
     from chainer.backends import cuda
     monkeypatch.setattr(cuda, 'cudnn_enabled', False)
@@ -136,14 +176,23 @@ def test_a_capture_failing_in_cudnn_says_why_chainers_calls_were_not_routed(monk
     assert _capture._cudnn_note(NotImplementedError('cuDNN ...')) == ''
 
 
-def test_a_trainstep_routes_only_capturable_gpu_steps():
+def test_a_trainstep_routes_its_capturable_gpu_steps_only(monkeypatch):
     from chainer_tc import optimizers
     from chainer_tc.static_graph import TrainStep
+    from chainer_tc.static_graph import step as step_module
     import chainer.links as L
     model = L.Linear(3, 2)
     opt = optimizers.MomentumSGD().setup(model)
     x = numpy.zeros((2, 3), numpy.float32)
-    assert type(TrainStep(model, opt)._chainer_cudnn_routed((x,))).__name__ == 'nullcontext'
+    routings = []
+    monkeypatch.setattr(cc, 'routed', lambda: routings.append(1) or cc.contextlib.nullcontext())
+    TrainStep(model, opt)._chainer_cudnn_routed((x,))
+    assert routings == [], 'NumPy: nothing to route'
+    monkeypatch.setattr(step_module, '_is_cupy', lambda arrays: True)
+    TrainStep(model, opt, capture=False)._chainer_cudnn_routed((x,))
+    assert routings == [], 'no capture: CuPy runs as in eager Chainer'
+    TrainStep(model, opt)._chainer_cudnn_routed((x,))
+    assert routings == [1]
 
 
 # ---- convolutions --------------------------------------------------------------------------------
@@ -174,6 +223,55 @@ def test_convolution_forward_passes_nchw_descriptors_as_cupy(routed, dtype):
     assert _getter('cudnnGetFilter4dDescriptor', 6)(w_desc) == (t, NCHW, 8, 4, 3, 3)
     assert scalar(dtype, alpha) == 1.0 and scalar(dtype, beta) == 0.0
     assert module.calls == []
+
+
+@needs_cudnn
+@pytest.mark.parametrize('layout', [NCHW, NHWC])
+def test_convolution_geometry_reaches_the_descriptor(routed, layout):
+    from cudnn_fakes import read_conv
+    fake, module = routed
+    name = 'NCHW' if layout == NCHW else 'NHWC'
+    n, c, h, w, k = 2, 4, 11, 9, 6
+    x = Array((n, c, h, w) if name == 'NCHW' else (n, h, w, c), numpy.float32)
+    W = Array((k, c // 2, 3, 3) if name == 'NCHW' else (k, 3, 3, c // 2), numpy.float32)
+    oh, ow = (11 + 2 * 2 - 3 * 2 - 1) // 3 + 1, (9 + 2 * 1 - 1 * 2 - 1) // 2 + 1
+    y = Array((n, k, oh, ow) if name == 'NCHW' else (n, oh, ow, k), numpy.float32)
+    module.convolution_forward(x, W, None, y, (2, 1), (3, 2), (3, 1), 2, auto_tune=False,
+                               tensor_core='auto', d_layout=layout, w_layout=layout)
+    a = [a for n_, a in lib_calls(fake) if n_ == 'cudnnConvolutionForward'][0]
+    assert read_conv(a[6])[:2] == ((2, 1, 3, 2, 3, 1, api.CUDNN_CROSS_CORRELATION,
+                                    api.CUDNN_DATA_FLOAT), 2), 'pad, stride, dilation; groups'
+    assert read_tensor(a[2])[1:5] == (n, c, h, w) and read_tensor(a[11])[1:5] == (n, k, oh, ow)
+    strides = read_tensor(a[2])[5:]
+    assert strides == ((c * h * w, h * w, w, 1) if name == 'NCHW' else (h * w * c, 1, w * c, c))
+
+
+@needs_cudnn
+def test_non_contiguous_inputs_are_copied_and_outputs_go_to_cupy(monkeypatch, routed):
+    fake, module = routed
+    copies = []
+
+    class Xp:
+        @staticmethod
+        def ascontiguousarray(a):
+            copies.append(a)
+            return Array(a.shape, a.dtype)
+    monkeypatch.setattr(cc, '_xp', lambda a: Xp)
+    x, W, y = conv_problem()
+    x_view = Array(x.shape, x.dtype, contiguous=False)
+    module.convolution_forward(x_view, W, None, y, (1, 1), (1, 1), (1, 1), 1, auto_tune=False,
+                               tensor_core='auto', d_layout=NCHW, w_layout=NCHW)
+    a = [a for n, a in lib_calls(fake) if n == 'cudnnConvolutionForward'][0]
+    assert copies == [x_view] and a[3] != x_view.data.ptr
+    y_view = Array(y.shape, y.dtype, contiguous=False)
+    assert module.convolution_forward(x, W, None, y_view, (1, 1), (1, 1), (1, 1), 1,
+                                      auto_tune=False, tensor_core='auto', d_layout=NCHW,
+                                      w_layout=NCHW) == 'cupy'
+    g = Array((4,), numpy.float32)
+    assert module.batch_normalization_forward_training_ex(
+        x, g, g, g, g, g, None, 2e-5, 0.9, True, api.CUDNN_BATCHNORM_SPATIAL, False,
+        NCHW) == 'cupy', 'mean without inv_std: CuPy says why'
+    assert module.calls == ['convolution_forward', 'batch_normalization_forward_training_ex']
 
 
 @needs_cudnn
@@ -351,15 +449,17 @@ def test_bn_set_up_is_refused_under_capture_a_warm_call_is_not(routed):
 
 
 @needs_cudnn
-def test_bn_backward_casts_half_parameters_and_their_gradients_back(routed):
+@pytest.mark.parametrize('gamma_dtype', [numpy.float16, numpy.float64])
+def test_bn_backward_casts_parameters_and_their_gradients_as_cupy(routed, gamma_dtype):
     fake, module = routed
     x, gy = Array((2, 4, 3, 3), numpy.float16), Array((2, 4, 3, 3), numpy.float16)
-    gamma = Array((4,), numpy.float16)
+    gamma = Array((4,), gamma_dtype)
     m, s = Array((4,), numpy.float32), Array((4,), numpy.float32)
     gx, ggamma, gbeta = module.batch_normalization_backward(
         x, gamma, gy, m, s, 2e-5, True, api.CUDNN_BATCHNORM_SPATIAL, False, NCHW)
     a = [a for n, a in lib_calls(fake) if n.startswith('cudnnBatch')][0]
     assert a[18] != gamma.data.ptr, 'gamma cast to float'
+    # CuPy casts them back to the data's dtype (Chainer then to gamma's)
     assert ggamma.dtype == gbeta.dtype == numpy.float16 and gx.dtype == numpy.float16
     assert (a[28], a[29]) == (0, 0), 'no reserve space'
 
@@ -567,3 +667,4 @@ def test_a_stock_link_net_is_captured_whole_where_chainer_uses_cudnn(cupy_cudnn,
     for (n, p), (_, q) in zip(sorted(m1.namedparams()), sorted(m2.namedparams())):
         cupy.testing.assert_allclose(p.array, q.array, err_msg=n, **tol)
     cupy.testing.assert_allclose(m1.bn.avg_mean, m2.bn.avg_mean, **tol)
+    cupy.testing.assert_allclose(m1.bn.avg_var, m2.bn.avg_var, **tol)

@@ -44,7 +44,8 @@ from chainer_tc.cuda import runtime
 
 _state = threading.local()
 _lock = threading.Lock()
-_installed = [0, None, {}]       # users, the patched module, its original functions
+_installed = [0, None]           # users, the patched module
+_originals = {}                  # name -> CuPy's function (never one of our dispatchers)
 
 
 def _active():
@@ -264,7 +265,6 @@ def batch_normalization_backward(x, gamma, gy, mean, inv_std, eps, is_for_conv2d
     p = _bn_plan(x, is_for_conv2d, cudnn_mode, d_layout)
     dtype = _param_dtype(x.dtype)
     cast = gamma.dtype != dtype
-    gamma_dtype = gamma.dtype
     gamma = gamma.astype(dtype) if cast else _contiguous(gamma)
     gx = runtime.empty(x.shape, x.dtype)
     ggamma, gbeta = runtime.empty(gamma.shape, dtype), runtime.empty(gamma.shape, dtype)
@@ -282,8 +282,8 @@ def batch_normalization_backward(x, gamma, gy, mean, inv_std, eps, is_for_conv2d
             runtime.address(reserve_space), reserve_size)
     except cudnn.CuDNNError as e:
         raise e.add_context(p.what)
-    if cast:
-        ggamma, gbeta = ggamma.astype(gamma_dtype), gbeta.astype(gamma_dtype)
+    if cast:                         # CuPy casts them to the data's dtype (Chainer then to gamma's)
+        ggamma, gbeta = ggamma.astype(x.dtype), gbeta.astype(x.dtype)
     return gx, ggamma, gbeta
 
 
@@ -368,19 +368,20 @@ ROUTED = ('convolution_forward', 'convolution_backward_data', 'convolution_backw
 
 
 def _original(name):
-    return _installed[2][name]
+    return _originals[name]
 
 
-def _dispatcher(name):
+def _dispatcher(name, original):
     ours = globals()[name]
 
     def dispatch(*args, **kwargs):
         if _active():
             return ours(*args, **kwargs)
-        return _original(name)(*args, **kwargs)
+        return original(*args, **kwargs)
     dispatch.__name__ = dispatch.__qualname__ = name
     dispatch.__doc__ = 'CuPy\'s {}, through chainer_tc.cuda while routed on this thread'.format(
         name)
+    dispatch.chainer_tc_original = original
     return dispatch
 
 
@@ -411,9 +412,12 @@ def routed(module=None):
     with _lock:
         if _installed[0] == 0:
             _installed[1] = module
-            _installed[2] = {name: getattr(module, name) for name in ROUTED}
             for name in ROUTED:
-                setattr(module, name, _dispatcher(name))
+                fn = getattr(module, name)
+                # a dispatcher left behind (someone patched over ours, then restored it)
+                original = getattr(fn, 'chainer_tc_original', fn)
+                _originals[name] = original
+                setattr(module, name, _dispatcher(name, original))
         elif _installed[1] is not module:
             raise RuntimeError('chainer_tc routes one cuDNN wrapper module at a time')
         _installed[0] += 1
@@ -426,6 +430,8 @@ def routed(module=None):
         with _lock:
             _installed[0] -= 1
             if _installed[0] == 0:
-                for name, fn in _installed[2].items():
-                    setattr(module, name, fn)
+                for name in ROUTED:        # ours only: a patch made over ours stays
+                    fn = getattr(module, name)
+                    if getattr(fn, 'chainer_tc_original', None) is _originals[name]:
+                        setattr(module, name, _originals[name])
                 _installed[1] = None
