@@ -193,7 +193,7 @@ def _run(direction, operands, shapes, geometry, settings, layout):
                                         layout)
     lib = cudnn.binding()
     workspace = runtime.alloc(plan.workspace_size)
-    handle = runtime.handle(key[1])
+    handle = runtime.handle(out.data.device_id)
     lib.set_stream(handle, runtime.stream_ptr())
     try:
         getattr(lib, direction.call)(

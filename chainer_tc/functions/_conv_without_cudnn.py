@@ -26,6 +26,8 @@ def _warn():
             "than cuDNN; set use_cudnn to 'auto' for cuDNN", PerformanceWarning, stacklevel=4)
 
 
+# plain transposes, not chainer_tc.layout's kernel: that one takes float16/float32, the
+# convolution float64 too, and this path is slow anyway
 def _nchw(a):
     return chainer.backend.get_array_module(a).ascontiguousarray(a.transpose(0, 3, 1, 2))
 
