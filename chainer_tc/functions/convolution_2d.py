@@ -10,8 +10,9 @@ workspace limit is ``chainer_tc.cuda.conv.get_workspace_limit()``): no transpose
 and after the first call of a shape nothing but the cuDNN call itself, so it can be captured
 into a CUDA graph. Where ``chainer.config.use_cudnn`` is 'never', CuPy arrays run Chainer's own
 convolution instead (``_conv_without_cudnn``: slow, warned once). NumPy arrays run
-``_conv_numpy``: channels-last patches as a strided view and one matrix product per call (no transposes; equal to Chainer's NCHW convolution within the
-rounding of a differently ordered sum). Backward computes only the gradients asked for (no gx
+``_conv_numpy``: channels-last patches as a strided view and one matrix product per call (no
+transposes; equal to Chainer's NCHW convolution within the rounding of a differently ordered
+sum). Backward computes only the gradients asked for (no gx
 for a network's raw input). Double backpropagation is not supported.
 """
 import numpy
