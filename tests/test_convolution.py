@@ -80,6 +80,30 @@ def test_gradient_check_float64(case):
                                   atol=1e-7, rtol=1e-6)
 
 
+# (ksize, stride, pad, dilate, groups): the input gradient as one convolution of the spread output
+# gradient (pad within the dilated window, one group) and, for the rest, the per-tap scatter
+SPREAD = [(3, 1, 1, 1, 1), (3, 2, 1, 1, 1), (3, 3, 2, 1, 1), (4, 2, 1, 1, 1), (5, 1, 1, 2, 1),
+          (2, 3, 1, 2, 1), (1, 2, 0, 1, 1), (3, 1, 0, 1, 1)]
+SCATTER = [(1, 1, 1, 1, 1), (3, 1, 3, 1, 1), (3, 2, 1, 1, 2)]
+
+
+@pytest.mark.parametrize('geometry', SPREAD + SCATTER)
+@pytest.mark.parametrize('dtype', [numpy.float64, numpy.float16])
+def test_input_gradient_of_both_cpu_paths_matches_chainer(geometry, dtype):
+    from chainer_tc.functions import _conv_numpy
+    k, s, p, d, g = geometry
+    kwargs = dict(stride=s, pad=p, dilate=d, groups=g)
+    spread = _conv_numpy._spread(_conv_numpy.Geometry((s, s), (p, p), (d, d), g), k, k)
+    assert (spread is not None) == (geometry in SPREAD)
+    r = numpy.random.RandomState(4)
+    x = r.randn(2, 9, 8, 4).astype(dtype)
+    W = (r.randn(6, k, k, 4 // g) * 0.3).astype(dtype)
+    gy = r.randn(*TF.convolution_2d(x, W, **kwargs).shape).astype(dtype)
+    ours = grads(lambda x, W: TF.convolution_2d(x, W, **kwargs), (x, W), gy)
+    ref = grads(lambda x, W: F.convolution_2d(x, W, **kwargs), (nchw(x), nchw(W)), nchw(gy))
+    numpy.testing.assert_allclose(ours[1].astype('f8'), nhwc(ref[1]).astype('f8'), **TOL[dtype])
+
+
 def test_bad_input():
     x = numpy.zeros((1, 5, 5, 4), numpy.float32)
     W = numpy.zeros((6, 3, 3, 4), numpy.float32)

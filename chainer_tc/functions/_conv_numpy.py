@@ -5,8 +5,10 @@
 
 The patches of a channels-last image are a strided view of the (padded) input: shape
 (N, oh, ow, kh, kw, C), no copy until the matrix product reads it. A 1x1 convolution with stride
-1 and no padding (most of ResNet-50's) needs no patches at all. The input gradient scatters the
-patch gradients back with one add per filter tap (kh * kw adds), never per pixel.
+1 and no padding (most of ResNet-50's) needs no patches at all. The input gradient is itself one
+convolution (the output gradient spread out by the stride, the filter flipped); where it is not
+(groups, or a pad wider than the window) the patch gradients are scattered back with one add per
+filter tap (kh * kw adds), never per pixel.
 
 float16 data is multiplied in float32 (NumPy has no float16 BLAS) and rounded once to float16 at
 the end; float32 and float64 use BLAS in their own precision. With float16, overflows (expected
@@ -91,6 +93,37 @@ def _forward(x, W, b, g):
     return y.reshape(n, oh, ow, o).astype(x.dtype, copy=False)
 
 
+def _spread(g, kh, kw):
+    """(qh, qw): where the input gradient is a convolution of the output gradient, the offset
+    of its first row and column in the spread array :func:`_input_grad` builds; None where it is
+    not (groups above 1, or a pad beyond the dilated window: :func:`_scatter` handles those)."""
+    if g.groups != 1:
+        return None
+    qh, qw = g.dy * (kh - 1) - g.ph, g.dx * (kw - 1) - g.pw
+    if qh < 0 or qw < 0:
+        return None
+    return qh, qw
+
+
+def _input_grad(gy, W, x_shape, g, dtype):
+    """The input gradient as one convolution: gy spread out by the stride (zeros between its
+    rows and columns, as a transposed convolution) at offset q = dilate * (ksize - 1) - pad in a
+    (N, H + dilate * (kh - 1), W + dilate * (kw - 1), O) array of zeros, correlated (stride 1, no
+    pad) with the flipped filter W2[c, i, j, o] = W[o, kh - 1 - i, kw - 1 - j, c]: one patch copy
+    and one matrix product, where :func:`_scatter` makes kh * kw strided adds (each slow for
+    NumPy when C is small). Needs q >= 0 (:func:`_spread`); then the last spread row,
+    q + sy * (oh - 1) <= H + ph - 1, is inside the array."""
+    n, h, w, c = x_shape
+    o, kh, kw, _ = W.shape
+    qh, qw = _spread(g, kh, kw)
+    oh, ow = gy.shape[1:3]
+    spread = numpy.zeros((n, h + g.dy * (kh - 1), w + g.dx * (kw - 1), o), dtype)
+    spread[:, qh:qh + g.sy * (oh - 1) + 1:g.sy, qw:qw + g.sx * (ow - 1) + 1:g.sx] = gy
+    w2 = W.astype(dtype, copy=False)[:, ::-1, ::-1, :].transpose(3, 1, 2, 0)
+    unit = Geometry((1, 1), (0, 0), (g.dy, g.dx), 1)
+    return (_columns(spread, kh, kw, unit, dtype) @ w2.reshape(c, -1).T).reshape(x_shape)
+
+
 def _scatter(gcol, x_shape, kh, kw, g, dtype):
     """The input gradient: the patch gradients (N, oh, ow, kh, kw, C) added back into place."""
     n, h, w, c = x_shape
@@ -133,7 +166,9 @@ def _backward(x, W, gy, g, need_x, need_W, need_b):
             for cs, os_ in groups:
                 gW[os_] = gy2[:, os_].T @ _columns(x[..., cs], kh, kw, g, dt)
         gW = gW.reshape(W.shape).astype(W.dtype, copy=False)
-    if need_x:
+    if need_x and not g.pointwise(kh, kw) and _spread(g, kh, kw) is not None:
+        gx = _input_grad(gy, W, x.shape, g, dt).astype(x.dtype, copy=False)
+    elif need_x:
         if g.groups == 1:
             gcol = gy2 @ wm
         else:
