@@ -6,28 +6,42 @@
 //   positions outside the input count as -inf for max and as 0 for average (which divides by
 //   kh*kw, padding included, as Chainer's average_pooling_2d). OH/OW come from the caller
 //   (cover_all for max pooling only changes them).
-// Kernels and their launch shapes (templates on T in {__half, float, double} and the vector
-// width V in {1, 2}; all pointers C-contiguous). Every kernel is 2-D: thread x of block column
-// blockIdx.x owns channels c = V*g .. c + V - 1 with g = blockIdx.x * blockDim.x + threadIdx.x
-// < C / V (grid.x * blockDim.x >= C / V); threadIdx.y + blockIdx.y * blockDim.y is its first
-// position (n, oh, ow) of the output (forward) or (n, h, w) of the input (backward), and it
-// strides by gridDim.y * blockDim.y (any grid.y; block at most POOL_THREADS threads). A thread
-// unflattens its first position once; later positions follow by adds (pool::Walk), so no
-// element costs a division. V = 2 (C even, every array aligned to two of its elements): one
-// __half2/float2/double2 (int2 for argmax) access per two channels, each channel computed as
-// with V = 1 (its own max, argmax and first NaN).
-//   max_pool_forward<T,V>(s, x, y, argmax)   y[n,oh,ow,c] = max over the window (NaN if the
-//                                            window holds one); argmax = the window offset
-//                                            i*kw+j of the first maximum (first NaN) (int32).
-//   max_pool_backward<T,V>(s, gy, argmax, gx) gx[n,h,w,c] = sum of gy over the outputs whose
-//                                            argmax is (h, w) (a gather: deterministic, no atomics).
-//   avg_pool_forward<T,V>(s, x, y)           y = sum over the window / (kh*kw).
-//   avg_pool_backward<T,V>(s, gy, gx)        gx = sum of gy / (kh*kw) over the covering outputs.
+// Kernels and their launch shapes (templates on T in {__half, float, double}, the vector width
+// V in {1, 2} and, for max pooling, the window offset type I in {unsigned char, int}; all pointers
+// C-contiguous). Every kernel is 2-D: thread x of block column blockIdx.x owns channels
+// c = V*g .. c + V - 1 with g = blockIdx.x * blockDim.x + threadIdx.x < C / V
+// (grid.x * blockDim.x >= C / V); threadIdx.y + blockIdx.y * blockDim.y is its first work item
+// and it strides over the items by gridDim.y * blockDim.y (any grid.y; block at most
+// POOL_THREADS threads). Forward an item is one output position (n, oh, ow): N*OH*OW items.
+// Backward it is a run of consecutive input columns of one row (n, h): each row of W columns is
+// cut into runs = ceil(W / POOL_RUN) runs of len = ceil(W / runs) columns (the last may be
+// shorter, none is empty): N*H*runs items. A thread unflattens its first item once; later items
+// follow by adds (pool::Walk), so no element costs a division, and backward only a run's first
+// column does (two 32-bit divisions: which outputs cover it); the run's other columns update
+// that by compares and adds. V = 2 (C even, every array aligned to two of its elements): one
+// __half2/float2/double2 (int2 or two bytes for argmax) access per two channels, each channel
+// computed as with V = 1 (its own max, argmax and first NaN).
+//   max_pool_forward<T,I,V>(s, x, y, argmax)  y[n,oh,ow,c] = max over the window (NaN if the
+//                                             window holds one); argmax = the window offset
+//                                             i*kw+j of the first maximum (first NaN), as I:
+//                                             the caller takes unsigned char where kh*kw <= 256
+//                                             (a quarter of int's bytes), int otherwise.
+//   max_pool_backward<T,I,V>(s, gy, argmax, gx)  gx[n,h,w,c] = sum of gy over the outputs whose
+//                                             argmax is (h, w) (a gather: deterministic, no
+//                                             atomics), added in order of oh, then ow.
+//   avg_pool_forward<T,V>(s, x, y)            y = sum over the window / (kh*kw).
+//   avg_pool_backward<T,V>(s, gy, gx)         gx = sum of gy over the covering outputs (in order
+//                                             of oh, then ow) / (kh*kw).
 // Each writes only its output array, every element of it.
 #include "dtype.cuh"
 
 #ifndef POOL_THREADS
 #define POOL_THREADS 256
+#endif
+// Backward: the most consecutive input columns one work item walks (see above). Longer runs
+// spread a run's divisions over more columns; shorter ones make more items for small inputs.
+#ifndef POOL_RUN
+#define POOL_RUN 16
 #endif
 // Occupancy target for ptxas (blocks per SM): the block size alone makes NVRTC 12.9 aim at 32
 // registers and spill; 4 blocks of 256 threads allow 64, enough for every instantiation.
@@ -46,6 +60,44 @@ using ctc::store_v;
 
 __device__ __forceinline__ void neg_inf(float& v) { v = -__int_as_float(0x7f800000); }
 __device__ __forceinline__ void neg_inf(double& v) { v = -__longlong_as_double(0x7ff0000000000000LL); }
+
+// Window offsets (argmax) of V consecutive channels as I (unsigned char or int). Two bytes are one
+// 2-byte access (CUDA's uchar2, spelled out: the emulator has no uchar2); p + i is then aligned
+// to two elements, as the caller checks before it takes V = 2.
+struct __align__(2) Bytes2 {
+  unsigned char x, y;
+};
+
+template <int V, typename I>
+__device__ __forceinline__ void load_offsets(const I* p, long long i, int (&v)[V]) {
+  static_assert(V == 1 || V == 2, "vector width 1 or 2");
+  if constexpr (V == 1) {
+    v[0] = p[i];
+  } else if constexpr (sizeof(I) == 1) {
+    const Bytes2 b = *reinterpret_cast<const Bytes2*>(p + i);
+    v[0] = b.x;
+    v[1] = b.y;
+  } else {
+    const int2 b = *reinterpret_cast<const int2*>(p + i);
+    v[0] = b.x;
+    v[1] = b.y;
+  }
+}
+
+template <int V, typename I>
+__device__ __forceinline__ void store_offsets(I* p, long long i, const int (&v)[V]) {
+  static_assert(V == 1 || V == 2, "vector width 1 or 2");
+  if constexpr (V == 1) {
+    p[i] = (I)v[0];
+  } else if constexpr (sizeof(I) == 1) {
+    Bytes2 b;
+    b.x = (unsigned char)v[0];
+    b.y = (unsigned char)v[1];
+    *reinterpret_cast<Bytes2*>(p + i) = b;
+  } else {
+    *reinterpret_cast<int2*>(p + i) = make_int2(v[0], v[1]);
+  }
+}
 
 // The positions (n, row, col) of an (N, rows, cols) grid that one thread visits: flat position
 // p = (n * rows + row) * cols + col starting at `first` and stepping by `step`, both below 2^31
@@ -84,21 +136,49 @@ struct Walk {
   }
 };
 
-// Outputs along one axis whose window contains input position p: [lo, hi].
-__device__ __forceinline__ void covering(int p, int k, int s, int pad, int out, int& lo, int& hi) {
-  const int q = p + pad;                       // position in padded coordinates
-  lo = q < k ? 0 : (q - k) / s + 1;            // first o with o*s + k > q
-  hi = min(q / s, out - 1);                    // last o with o*s <= q
-}
+// The outputs along one axis (window k, stride s) whose windows contain the input position at
+// padded coordinate q >= 0: lo .. hi (hi not yet clipped to the last output), and how many steps
+// of q + 1 until each moves: lo moves on when q reaches the end of window lo (lo * s + k), hi when
+// q reaches the start of window hi + 1. One 32-bit division; ks = k / s and kr = k % s are the
+// caller's, divided once per thread. Walking q up by one is then (step()) compares and adds.
+// Everything stays in int: to_lo <= max(k, s) and to_hi <= s.
+struct Cover {
+  int lo, hi, to_lo, to_hi;
 
-// Thread layout of every pooling kernel: thread x of block column blockIdx.x owns channels
-// c = V * g .. c + V - 1, g = blockIdx.x * blockDim.x + threadIdx.x < C / V; threadIdx.y +
-// blockIdx.y * blockDim.y is its first position, and it strides by gridDim.y * blockDim.y.
+  __device__ __forceinline__ Cover(int q, int k, int s, int ks, int kr) {
+    const int qs = (int)((unsigned)q / (unsigned)s), qr = q - qs * s;
+    hi = qs;                                      // the last o with o * s <= q
+    to_hi = s - qr;
+    // the first o with o * s + k > q: o = floor((q - k) / s) + 1, with q - k = (qs - ks) * s +
+    // (qr - kr), qr - kr in (-s, s)
+    if (q < k) {
+      lo = 0;
+      to_lo = k - q;
+    } else if (qr >= kr) {
+      lo = qs - ks + 1;
+      to_lo = s - (qr - kr);
+    } else {
+      lo = qs - ks;
+      to_lo = kr - qr;
+    }
+  }
+  // q + 1
+  __device__ __forceinline__ void step(int s) {
+    if (--to_hi == 0) {
+      ++hi;
+      to_hi = s;
+    }
+    if (--to_lo == 0) {
+      ++lo;
+      to_lo = s;
+    }
+  }
+};
 
 // One output position (V channels) per step: the max (and its window offset) or the mean.
-template <bool kMax, int V, typename T>
+template <bool kMax, int V, typename T, typename I>
 __device__ __forceinline__ void forward(const PoolShape& s, const T* __restrict__ x,
-                                        T* __restrict__ y, int* __restrict__ argmax) {
+                                        T* __restrict__ y, I* __restrict__ argmax) {
   typedef typename Acc<T>::type A;
   const unsigned group = blockIdx.x * blockDim.x + threadIdx.x;
   if (group >= (unsigned)(s.C / V)) return;
@@ -142,74 +222,107 @@ __device__ __forceinline__ void forward(const PoolShape& s, const T* __restrict_
     if (!kMax)
       for (int k = 0; k < V; ++k) acc[k] = acc[k] / A(s.kh * s.kw);
     store_v<V>(y, o, acc);
-    if (kMax) store_v<V>(argmax, o, where);
+    if (kMax) store_offsets<V>(argmax, o, where);
     if (at.p + at.step >= total) break;
     at.next(s.OH, s.OW);
   }
 }
 
-// One input position (V channels) per step, its gradient gathered from the outputs whose windows
-// cover it.
-template <bool kMax, int V, typename T>
+// One run of input columns (V channels) per step: each column's gradient gathered from the
+// outputs whose windows cover it, in order of oh, then ow (float sums round differently in
+// another order). The covering outputs' rows are the run's; their columns move with the column
+// (Cover::step): no division, and one 64-bit product per column (the first covering output's
+// index), none per output.
+template <bool kMax, int V, typename T, typename I>
 __device__ __forceinline__ void backward(const PoolShape& s, const T* __restrict__ gy,
-                                         const int* __restrict__ argmax, T* __restrict__ gx) {
+                                         const I* __restrict__ argmax, T* __restrict__ gx) {
   typedef typename Acc<T>::type A;
   const unsigned group = blockIdx.x * blockDim.x + threadIdx.x;
   if (group >= (unsigned)(s.C / V)) return;
   const int c = (int)group * V;
-  const long long total = (long long)s.N * s.H * s.W;
+  const int runs = (s.W - 1) / POOL_RUN + 1, len = (s.W - 1) / runs + 1;
+  const long long total = (long long)s.N * s.H * runs;
   const unsigned first = blockIdx.y * blockDim.y + threadIdx.y;
   if (first >= total) return;
-  Walk at(first, gridDim.y * blockDim.y, s.H, s.W);
+  const int ksy = s.kh / s.sy, kry = s.kh - ksy * s.sy;
+  const int ksx = s.kw / s.sx, krx = s.kw - ksx * s.sx;
+  const long long out_row = (long long)s.OW * s.C;
+  Walk at(first, gridDim.y * blockDim.y, s.H, runs);
   while (true) {
-    const int h = (int)at.row, w = (int)at.col;
-    int oh0, oh1, ow0, ow1;
-    covering(h, s.kh, s.sy, s.ph, s.OH, oh0, oh1);
-    covering(w, s.kw, s.sx, s.pw, s.OW, ow0, ow1);
-    A sum[V];
-    for (int k = 0; k < V; ++k) sum[k] = 0;
-    const long long img = (long long)at.n * s.OH;
-    for (int oh = oh0; oh <= oh1; ++oh)
-      for (int ow = ow0; ow <= ow1; ++ow) {
-        const long long o = ((img + oh) * s.OW + ow) * s.C + c;
-        if (!kMax) {
-          A g[V];
-          load_v<V>(gy, o, g);
-          for (int k = 0; k < V; ++k) sum[k] += g[k];
-        } else {
-          const int offset = (h + s.ph - oh * s.sy) * s.kw + (w + s.pw - ow * s.sx);
-          int am[V];
-          load_v<V>(argmax, o, am);
-          if constexpr (V == 1) {
-            if (am[0] == offset) sum[0] += load(gy, o);
+    const int h = (int)at.row, w = (int)at.col * len;       // the run's first column
+    const int count = min(len, s.W - w);
+    const Cover cy(h + s.ph, s.kh, s.sy, ksy, kry);
+    Cover cx(w + s.pw, s.kw, s.sx, ksx, krx);
+    const int rows = min(cy.hi, s.OH - 1) - cy.lo + 1;
+    // The window offset of (h, w) in output (cy.lo + r, cx.lo + q) is i * kw + j: its row
+    // i = h + ph - cy.lo * sy - r * sy, first kh - cy.to_lo, in [0, kh) for r < rows; its column
+    // j = w + pw - cx.lo * sx - q * sx, first kw - cx.to_lo. Each is formed only where it is used
+    // (sy * kw < kh * kw where there is a second row), so no int overflows.
+    const int i0 = rows > 0 ? (s.kh - cy.to_lo) * s.kw : 0, row_step = rows > 1 ? s.sy * s.kw : 0;
+    // indices of gy/argmax at (cy.lo, 0) and of gx at (h, w)
+    const long long o0 = ((long long)at.n * s.OH + cy.lo) * out_row + c;
+    long long i = (((long long)at.n * s.H + h) * s.W + w) * s.C + c;
+    // Not unrolled: the output loops run once or twice for a 3x3/2 window, and the remainder
+    // loop NVRTC adds to a loop unrolled by 4 cost more set-up per row than the loop (SASS).
+#pragma unroll 1
+    for (int t = 0; t < count; ++t) {
+      A sum[V];
+      for (int k = 0; k < V; ++k) sum[k] = 0;
+      const int cols = min(cx.hi, s.OW - 1) - cx.lo + 1;
+      long long o_row = o0 + (long long)cx.lo * s.C;
+      const int j0 = s.kw - cx.to_lo;
+      int i_kw = i0;
+#pragma unroll 1
+      for (int r = 0; r < rows; ++r) {
+        long long o = o_row;
+        int offset = i_kw + j0;
+#pragma unroll 1
+        for (int q = 0; q < cols; ++q) {
+          if constexpr (!kMax) {
+            A v[V];
+            load_v<V>(gy, o, v);
+            for (int k = 0; k < V; ++k) sum[k] += v[k];
           } else {
-            A g[V];
-            load_v<V>(gy, o, g);
-            for (int k = 0; k < V; ++k)
-              if (am[k] == offset) sum[k] += g[k];
+            int am[V];
+            load_offsets<V>(argmax, o, am);
+            if constexpr (V == 1) {
+              if (am[0] == offset) sum[0] += load(gy, o);
+            } else {
+              A v[V];
+              load_v<V>(gy, o, v);
+              for (int k = 0; k < V; ++k)
+                if (am[k] == offset) sum[k] += v[k];
+            }
           }
+          o += s.C;
+          offset -= s.sx;
         }
+        o_row += out_row;
+        i_kw -= row_step;
       }
-    if (!kMax)
-      for (int k = 0; k < V; ++k) sum[k] = sum[k] / A(s.kh * s.kw);
-    store_v<V>(gx, at.p * s.C + c, sum);
+      if (!kMax)
+        for (int k = 0; k < V; ++k) sum[k] = sum[k] / A(s.kh * s.kw);
+      store_v<V>(gx, i, sum);
+      i += s.C;
+      cx.step(s.sx);
+    }
     if (at.p + at.step >= total) break;
-    at.next(s.H, s.W);
+    at.next(s.H, runs);
   }
 }
 
 }  // namespace pool
 
-template <typename T, int V>
+template <typename T, typename I, int V>
 __global__ void __launch_bounds__(POOL_THREADS, POOL_MIN_BLOCKS)
 max_pool_forward(const PoolShape s, const T* __restrict__ x, T* __restrict__ y,
-                 int* __restrict__ argmax) {
+                 I* __restrict__ argmax) {
   pool::forward<true, V>(s, x, y, argmax);
 }
 
-template <typename T, int V>
+template <typename T, typename I, int V>
 __global__ void __launch_bounds__(POOL_THREADS, POOL_MIN_BLOCKS)
-max_pool_backward(const PoolShape s, const T* __restrict__ gy, const int* __restrict__ argmax,
+max_pool_backward(const PoolShape s, const T* __restrict__ gy, const I* __restrict__ argmax,
                   T* __restrict__ gx) {
   pool::backward<true, V>(s, gy, argmax, gx);
 }
@@ -217,18 +330,21 @@ max_pool_backward(const PoolShape s, const T* __restrict__ gy, const int* __rest
 template <typename T, int V>
 __global__ void __launch_bounds__(POOL_THREADS, POOL_MIN_BLOCKS)
 avg_pool_forward(const PoolShape s, const T* __restrict__ x, T* __restrict__ y) {
-  pool::forward<false, V>(s, x, y, (int*)nullptr);
+  pool::forward<false, V>(s, x, y, (unsigned char*)nullptr);
 }
 
 template <typename T, int V>
 __global__ void __launch_bounds__(POOL_THREADS, POOL_MIN_BLOCKS)
 avg_pool_backward(const PoolShape s, const T* __restrict__ gy, T* __restrict__ gx) {
-  pool::backward<false, V>(s, gy, (const int*)nullptr, gx);
+  pool::backward<false, V>(s, gy, (const unsigned char*)nullptr, gx);
 }
 
+#define POOL_INSTANTIATE_MAX(T, I, V) \
+  template __global__ void max_pool_forward<T, I, V>(const PoolShape, const T*, T*, I*); \
+  template __global__ void max_pool_backward<T, I, V>(const PoolShape, const T*, const I*, T*);
 #define POOL_INSTANTIATE_V(T, V) \
-  template __global__ void max_pool_forward<T, V>(const PoolShape, const T*, T*, int*); \
-  template __global__ void max_pool_backward<T, V>(const PoolShape, const T*, const int*, T*); \
+  POOL_INSTANTIATE_MAX(T, unsigned char, V) \
+  POOL_INSTANTIATE_MAX(T, int, V) \
   template __global__ void avg_pool_forward<T, V>(const PoolShape, const T*, T*); \
   template __global__ void avg_pool_backward<T, V>(const PoolShape, const T*, T*);
 #define POOL_INSTANTIATE(T) POOL_INSTANTIATE_V(T, 1) POOL_INSTANTIATE_V(T, 2)

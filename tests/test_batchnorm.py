@@ -35,9 +35,9 @@ def data(shape, dtype, pdtype, seed=0, with_z=True):
 
 def tol(dtype):
     """Forward tolerances: float64 is exact up to reduction order; float32 differs from Chainer
-    by reduction order (Welford vs two-pass) and rounding of invstd (~1e-6 relative of |y|~5);
-    float16 output is rounded to 11 bits (relative 2^-11) of values up to ~8 (Chainer even
-    computes in float16)."""
+    by reduction order (shifted sums and Chan merges vs two-pass) and rounding of invstd (~1e-6
+    relative of |y|~5); float16 output is rounded to 11 bits (relative 2^-11) of values up to ~8
+    (Chainer even computes in float16)."""
     return {numpy.float64: dict(atol=1e-12, rtol=1e-12),
             numpy.float32: dict(atol=1e-5, rtol=1e-5),
             numpy.float16: dict(atol=2e-2, rtol=1e-2)}[dtype]
@@ -199,8 +199,8 @@ def test_emulated_kernels_equal_numpy_path(monkeypatch, rows, C, dtype, pdtype):
         out.append((y.array, rm, rv, [v.grad for v in vs], c.total))
     (y0, rm0, rv0, g0, n0), (y1, rm1, rv1, g1, n1) = out
     assert n0 == 0 and n1 == 6, 'three launches forward, three backward'
-    # Welford in blocks vs NumPy's two-pass mean: statistics agree to ~1e-6 relative in float32,
-    # which moves float16 outputs by at most one ulp
+    # shifted sums in blocks vs NumPy's two-pass mean: statistics agree to ~1e-6 relative in
+    # float32, which moves float16 outputs by at most one ulp
     t = dict(atol=2e-6 * numpy.sqrt(rows), rtol=1e-5) if dtype == numpy.float32 else \
         dict(atol=4e-3, rtol=2e-3)
     numpy.testing.assert_allclose(y1.astype('f8'), y0.astype('f8'), **t)
@@ -532,7 +532,7 @@ def test_single_sample_batch_statistics_warn_once_per_shape():
     assert len(messages) == 2 and '(1, 1, 1, 3)' in messages[0]
 
 
-# ---- the two elementwise kernel paths: two channels per thread (vector accesses) and one ------------
+# ---- the two kernel paths: two channels per thread (vector accesses) and one ----------------------
 
 def _offset_copy(a):
     """``a`` in an array that starts one element past an aligned allocation (a flat slice
@@ -544,10 +544,13 @@ def _offset_copy(a):
     return view
 
 
-def _apply_widths(counts):
-    """{'bn_apply': width, 'bn_backward_apply': width} of the launches counted."""
+def _apply_widths(counts, kinds=('bn_apply', 'bn_backward_apply')):
+    """{'bn_apply': width, 'bn_backward_apply': width} of the launches counted (or of ``kinds``)."""
     return {k.split('<')[0]: k.rsplit(', ', 1)[1].rstrip('>') for k in counts
-            if k.split('<')[0] in ('bn_apply', 'bn_backward_apply')}
+            if k.split('<')[0] in kinds}
+
+
+_DATA_KERNELS = ('bn_stats_partial', 'bn_apply', 'bn_backward_partial', 'bn_backward_apply')
 
 
 @pytest.mark.parametrize('dtype,pdtype', PAIRS)
@@ -555,8 +558,9 @@ def _apply_widths(counts):
 @pytest.mark.parametrize('shape', [(3, 5, 7, 64), (2, 3, 3, 2048), (37, 6), (9, 2)])
 def test_misaligned_data_takes_the_one_channel_path_with_the_same_bits(monkeypatch, dtype, pdtype,
                                                                        relu, with_z, shape):
-    """An even C takes two channels per thread (one vector access); an offset view of x holds
-    the launches that read it to one, with a warning, and every output is bitwise the same."""
+    """An even C takes two channels per thread (one vector access), in the reductions and the
+    elementwise kernels; an offset view of x holds the launches that read it to one, with a
+    warning each, and every output (the statistics too) is bitwise the same."""
     from chainer_tc import _tiles
     monkeypatch.setenv('CHAINER_TC_EMULATE', '1')
     monkeypatch.setattr(_tiles, '_WARNED', set())
@@ -578,12 +582,12 @@ def test_misaligned_data_takes_the_one_channel_path_with_the_same_bits(monkeypat
             y.backward()
         slow = [str(w.message) for w in caught
                 if issubclass(w.category, chainer.warnings.PerformanceWarning)]
-        out.append(([y.array, rm, rv] + [v.grad for v in vs], _apply_widths(c.per_kernel), slow))
+        out.append(([y.array, rm, rv] + [v.grad for v in vs],
+                    _apply_widths(c.per_kernel, _DATA_KERNELS), slow))
     (r0, k0, w0), (r1, k1, w1) = out
-    assert k0 == {'bn_apply': '2', 'bn_backward_apply': '2'} and not w0
-    assert k1 == {'bn_apply': '1', 'bn_backward_apply': '1'}
-    assert [m.split(' takes')[0] for m in w1] == ['chainer_tc: bn_apply',
-                                                 'chainer_tc: bn_backward_apply']
+    assert k0 == {k: '2' for k in _DATA_KERNELS} and not w0
+    assert k1 == {k: '1' for k in _DATA_KERNELS}
+    assert [m.split(' takes')[0] for m in w1] == ['chainer_tc: ' + k for k in _DATA_KERNELS]
     assert all('x starts at an address that is not a multiple of {} bytes'.format(
         2 * numpy.dtype(dtype).itemsize) in m for m in w1)
     for a, b in zip(r0, r1):
@@ -592,8 +596,9 @@ def test_misaligned_data_takes_the_one_channel_path_with_the_same_bits(monkeypat
 
 @pytest.mark.parametrize('C,width', [(3, '1'), (33, '1'), (2, '2'), (64, '2'), (2048, '2')])
 def test_channel_count_chooses_the_path_and_matches_numpy(monkeypatch, C, width):
-    """Odd C: one channel per thread, silently (the only path there); even C: two. Both match the
-    NumPy path; the fixed (inference) launch too."""
+    """Odd C: one channel per thread, silently (the only path there); even C: two, in the
+    statistics' reduction and the elementwise launch. Both match the NumPy path; the fixed
+    (inference) launch too."""
     x, gamma, beta, z = data((7, C), numpy.float32, numpy.float32, seed=C)
     mean, var = numpy.linspace(-1, 1, C).astype('f'), numpy.linspace(0.5, 2, C).astype('f')
     out = []
@@ -604,7 +609,8 @@ def test_channel_count_chooses_the_path_and_matches_numpy(monkeypatch, C, width)
             y = TF.batch_normalization_add_relu(x, z, gamma, beta).array
             yf = TF.fixed_batch_normalization(x, gamma, beta, mean, var).array
         out.append((y, yf))
-    assert _apply_widths(c.per_kernel) == {'bn_apply': width}
+    assert _apply_widths(c.per_kernel, _DATA_KERNELS) == {'bn_stats_partial': width,
+                                                           'bn_apply': width}
     for a, b in zip(*out):
         numpy.testing.assert_allclose(b, a, rtol=1e-5, atol=2e-5)
 
@@ -633,3 +639,182 @@ def test_gpu_aligned_and_offset_data_give_the_same_bits(dtype, pdtype):
     assert out[1][1] == {'bn_apply': '1', 'bn_backward_apply': '1'}
     for a, b in zip(out[0][0], out[1][0]):
         numpy.testing.assert_array_equal(a, b)
+
+
+# ---- the partial reductions: shifted sums, two channels per thread -------------------------------
+
+def _partial(x, per, width):
+    """bn_stats_partial<T, width> of ``x`` (rows, C) in row blocks of ``per`` rows, emulated:
+    the (count, mean, M2) array, shape (blocks, C, 3)."""
+    from chainer_tc.functions import _bn_kernels as K
+    rows, C = x.shape
+    blocks = -(-rows // per)
+    partial = numpy.full((blocks, C, 3), numpy.nan, K.acc_dtype(x.dtype))
+    K._kernel('bn_stats_partial', x.dtype, xp=numpy, width=width)(
+        (-(-C // (width * K.TILE_C)), blocks), (K.TILE_C, K.ROWS),
+        (x, numpy.int64(rows), numpy.int32(C), numpy.int64(per), partial))
+    return partial
+
+
+def _reference_partial(x, per):
+    """(exact, mean bound, M2 bound) of bn_stats_partial's (count, mean, M2) per row block of
+    ``per`` rows and channel.
+
+    exact: float64, computed around the block's first value (so that v - K0 is exact, also for
+    float64 data near 1e8, where a plain float64 mean would be off by more than our bound).
+
+    The bounds follow the kernel's arithmetic: each of the BN_ROWS threads sums its n values
+    d = v - K (K its first value; d exact for these data: v and K within a factor 2, or float16/32
+    values in float64), s1 = sum d and s2 = sum d^2 by recursive summation, which errs by at most
+    (n - 1) u sum|terms| each. M2 = s2 - s1 * (s1 / n) then errs by at most ~3 n u s2 (s1's
+    error enters as 2 |s1| err(s1) / n <= 2 (n - 1) u s2, since |s1| sum|d| <= n s2), and the
+    mean K + s1 / n by u sum|d| plus its roundings (of thread means, |mean| + delta). K is one of
+    the thread's values, so s2 <= (n + 1) M2_thread: that part is ~n^2 u of the spread whatever
+    the offset. The 7 Chan merges of a block's threads (as before the shifted sums) add a few u
+    of M2 and of |mean|, and, in delta^2 n nb / total with delta the difference of two thread
+    means, each rounded to u |mean|: 2 |delta| (2 u |mean| + u |delta|) n nb / total per merge,
+    n nb / total <= rows / 4 (for data far from 0 this term, not the sums, is the larger:
+    1e8 + N(0, 1) in float64)."""
+    u = numpy.finfo(numpy.float64 if x.dtype == numpy.float64 else numpy.float32).eps / 2
+    rows_step = 8                           # BN_ROWS: thread t of a block reads rows t, t + 8, ...
+    v = x.astype(numpy.float64)
+    exact, mean_bound, m2_bound = [], [], []
+    for b0 in range(0, v.shape[0], per):
+        block = v[b0:b0 + per]
+        d0 = block - block[0]
+        dmean = d0.mean(0)
+        mean, m2 = block[0] + dmean, ((d0 - dmean) ** 2).sum(0)
+        exact.append(numpy.stack([numpy.full(v.shape[1], len(block), numpy.float64), mean, m2], 1))
+        s2_err, s1_err = numpy.zeros(v.shape[1]), numpy.zeros(v.shape[1])
+        spread = numpy.zeros(v.shape[1])    # the largest |thread mean - block mean|
+        for t in range(rows_step):
+            vals = block[t::rows_step]
+            if len(vals):
+                d = vals - vals[0]
+                s2_err += 3 * len(vals) * u * (d * d).sum(0)
+                s1_err = numpy.maximum(s1_err, u * numpy.abs(d).sum(0))
+                spread = numpy.maximum(spread, numpy.abs(d.mean(0) + vals[0] - mean))
+        delta = 2 * spread
+        merges = ((rows_step - 1) * 2 * delta * (2 * u * numpy.abs(mean) + u * delta)
+                  * len(block) / 4)
+        m2_bound.append(s2_err + merges + 16 * u * m2)
+        mean_bound.append(s1_err + 10 * u * (numpy.abs(mean) + delta))
+    return numpy.array(exact), numpy.array(mean_bound), numpy.array(m2_bound)
+
+
+@pytest.mark.parametrize('dtype,loc,scale,C', [
+    (numpy.float32, 1000.0, 1.0, 6),        # 1000 + N(0, 1): mean/std 1000
+    (numpy.float16, 60000.0, 100.0, 6),     # float16 near its largest (65504), spacing 32
+    (numpy.float32, 0.5, 2.0, 5),           # the usual spread; odd C: one channel per thread
+    (numpy.float64, 1e8, 1.0, 4),
+])
+@pytest.mark.parametrize('per', [4001, 37])
+def test_shifted_sums_match_float64_despite_a_large_offset(monkeypatch, dtype, loc, scale, C, per):
+    """The partial statistics (count, mean, M2) of data far from 0 relative to its spread, where a
+    plain sum of squares in float32 loses every digit, against NumPy's float64 of the same
+    values: within the bounds of _reference_partial (one block of 4001 rows: 500 values per
+    thread; blocks of 37 rows: 4 or 5)."""
+    monkeypatch.setenv('CHAINER_TC_EMULATE', '1')
+    r = numpy.random.RandomState(3)
+    x = (loc + scale * r.randn(4001, C)).astype(dtype)
+    exact, mean_bound, bound = _reference_partial(x, per)
+    assert (bound <= 2e-2 * exact[:, :, 2]).all(), 'the bound says something'
+    widths = (1, 2) if C % 2 == 0 else (1,)
+    got = {w: _partial(x, per, w) for w in widths}
+    for w in widths:
+        numpy.testing.assert_array_equal(got[w][:, :, 0], exact[:, :, 0])
+        assert (numpy.abs(got[w][:, :, 1] - exact[:, :, 1]) <= mean_bound).all(), w
+        assert (numpy.abs(got[w][:, :, 2] - exact[:, :, 2]) <= bound).all(), w
+    if len(widths) == 2:
+        numpy.testing.assert_array_equal(got[2], got[1])
+    if dtype == numpy.float32 and loc == 1000.0:
+        # the data is hard: sum v^2 - (sum v)^2 / n in float32 is off by orders of magnitude
+        v = x[:per].astype(numpy.float32)
+        naive = (v * v).sum(0, dtype=numpy.float32) - v.sum(0, dtype=numpy.float32) ** 2 / len(v)
+        assert (numpy.abs(naive - exact[0, :, 2]) > 10 * bound[0]).any()
+
+
+@pytest.mark.parametrize('dtype,pdtype', PAIRS)
+def test_statistics_of_large_offset_data_through_the_callers_path(monkeypatch, dtype, pdtype):
+    """1000 + N(0, 1) (float16: 1000 + 8 N(0, 1), spacing 0.5 there) through the training
+    forward's statistics (1000 row blocks of 40 rows, 5 rows per thread, merged in chains of up
+    to 8, then 63 + 16 by the finalize): running mean and variance (decay 0: this batch's)
+    against NumPy's float64 of the same values. The merges dominate at this offset: each adds
+    delta^2 w (w = n nb / total, delta ~ sigma / sqrt(w) the difference of two means, each
+    rounded to u |mean|), an error of up to 4 u |mean| |delta| w ~ 4 u (|mean| / sigma) sigma^2
+    sqrt(w); over ~1000 merges of blocks of 40 rows (w <= 40) against M2 = 40000 sigma^2 that is
+    at most 4 u 1000 * 1000 sqrt(40) / 40000 = 4e-5 in float32 (measured: 9e-7, the roundings'
+    signs vary); float64 1e-12; float16 running statistics their own rounding, 2^-11."""
+    monkeypatch.setenv('CHAINER_TC_EMULATE', '1')
+    r = numpy.random.RandomState(4)
+    scale = 8.0 if dtype == numpy.float16 else 1.0
+    x = (1000 + scale * r.randn(40000, 4)).astype(dtype)
+    gamma, beta = numpy.ones(4, pdtype), numpy.zeros(4, pdtype)
+    rm, rv = numpy.zeros(4, pdtype), numpy.zeros(4, pdtype)
+    with kernels.count_launches() as c:
+        TF.batch_normalization(x, gamma, beta, running_mean=rm, running_var=rv, decay=0.0)
+    assert 'bn_stats_partial<{}, 2>'.format(
+        {numpy.float16: '__half', numpy.float32: 'float', numpy.float64: 'double'}[dtype]) \
+        in c.per_kernel
+    v = x.astype(numpy.float64)
+    rtol = {numpy.float64: 1e-12, numpy.float32: 4e-5, numpy.float16: 1e-3}[pdtype]
+    numpy.testing.assert_allclose(rm.astype('f8'), v.mean(0), rtol=max(rtol, 1e-7))
+    numpy.testing.assert_allclose(rv.astype('f8'), v.var(0, ddof=1), rtol=rtol)
+
+
+@pytest.mark.parametrize('C', [4, 5])
+@pytest.mark.parametrize('rows', [9, 300])
+def test_nan_and_inf_reach_the_statistics(monkeypatch, rows, C):
+    """A NaN or an inf anywhere in a channel (a thread's first value, its shift K, or a later
+    one; a thread with one value) makes that channel's variance NaN, hence invstd and every
+    output of the channel NaN, and its mean NaN or inf, as NumPy's (and Chainer's) statistics;
+    the other channels stay finite and match NumPy's float64."""
+    from chainer_tc.functions import _bn_kernels as K
+    monkeypatch.setenv('CHAINER_TC_EMULATE', '1')
+    x = numpy.random.RandomState(5).randn(rows, C).astype(numpy.float32)
+    if rows == 9:            # one block of 9 rows: thread 0 has rows 0 and 8, threads 1-7 one
+        x[0, 0] = numpy.nan      # thread 0's shift K
+        x[8, 1] = numpy.inf      # a later value
+        x[3, 2] = -numpy.inf     # the only value of thread 3
+    else:                    # 10 blocks of 30 rows
+        x[30, 0] = numpy.nan     # block 1, thread 0's first row
+        x[45, 1] = numpy.inf     # block 1, thread 7's second row
+        x[299, 2] = -numpy.inf   # the last block's last row
+    rm, rv = numpy.zeros(C, numpy.float32), numpy.ones(C, numpy.float32)
+    mean, invstd = K.statistics(x, 2e-5, 0.9, rm, rv, numpy)
+    with numpy.errstate(invalid='ignore'):
+        var64 = x.astype(numpy.float64).var(0)
+    bad = numpy.isnan(var64)
+    assert bad[:3].all() and not bad[3:].any()
+    numpy.testing.assert_array_equal(numpy.isnan(invstd), bad)
+    numpy.testing.assert_array_equal(numpy.isnan(rv), bad)
+    assert (numpy.isnan(mean[bad]) | numpy.isinf(mean[bad])).all()
+    good = ~bad
+    numpy.testing.assert_allclose(mean[good], x[:, good].astype('f8').mean(0), rtol=1e-5,
+                                  atol=1e-6)
+    numpy.testing.assert_allclose(invstd[good], 1 / numpy.sqrt(var64[good] + 2e-5), rtol=1e-5)
+    y = TF.batch_normalization(x, numpy.ones(C, 'f'), numpy.zeros(C, 'f')).array
+    assert numpy.isnan(y[:, bad]).all() and numpy.isfinite(y[:, good]).all()
+
+
+@pytest.mark.parametrize('dtype,pdtype', PAIRS)
+@pytest.mark.parametrize('relu', [1, 0])
+def test_partial_kernels_two_channels_give_the_bits_of_one(dtype, pdtype, relu):
+    """bn_stats_partial and bn_backward_partial with two channels per thread compute each channel
+    as with one, bit for bit: two row blocks of 151 and 150 rows (18 or 19 rows per thread, so
+    the loops that load several rows before adding them run, with their remainders), every
+    output of the six launches compared."""
+    from chainer_tc.testing import kernel_cases
+    backend = kernel_cases.EmulatorBackend()
+    out = {}
+    for w in (1, 2):
+        case = kernel_cases._batchnorm(301, 6, dtype, pdtype, relu=relu, width=w, row_blocks=2)
+        assert {k.kernel for k in case.launches if 'partial' in k.kernel} == {
+            'bn_stats_partial<{}, {}>'.format(kernel_cases._CTYPE[numpy.dtype(dtype)], w),
+            'bn_backward_partial<{}, {}>'.format(kernel_cases._CTYPE[numpy.dtype(dtype)], w)}
+        out[w], _ = kernel_cases.run(case, backend)
+        for name, (expected, rtol, atol) in case.reference(case.arrays).items():
+            numpy.testing.assert_allclose(out[w][name].astype('f8'), expected, rtol=rtol,
+                                          atol=atol, err_msg=name)
+    for name in out[1]:
+        numpy.testing.assert_array_equal(out[2][name], out[1][name], err_msg=name)

@@ -203,7 +203,8 @@ def test_training_kernels_for_float16_data_float32_gamma(monkeypatch, why, with_
     expected = "use_cudnn is 'never'" if why == 'use_cudnn_never' else 'divisible by 4'
     assert expected in node.cudnn_reason
     assert_close(got, want, bn_tol(numpy.float16), ['y', 'gx', 'ggamma', 'gbeta', 'gz'])
-    # float32 statistics of the same float16 data: Welford (kernel) against two-pass (NumPy)
+    # float32 statistics of the same float16 data: shifted sums per thread and Chan merges (kernel)
+    # against two-pass (NumPy)
     assert_close(stats[1], stats[0], dict(rtol=1e-5, atol=1e-6), ['running_mean', 'running_var'])
 
 

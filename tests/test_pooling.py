@@ -1,5 +1,6 @@
 """NHWC max/average pooling against Chainer's NCHW functions on transposed data, the emulated
 kernels against the NumPy path, gradient checks."""
+import importlib
 import warnings
 
 import numpy
@@ -170,7 +171,7 @@ def test_gpu_equals_numpy_path(case, dtype):
 
 def _launched(c):
     """The pooling kernels a count_launches() block ran, as {name without template: width}."""
-    return {k.split('<')[0]: k.split(', ')[1].rstrip('>') for k in c.per_kernel}
+    return {k.split('<')[0]: k.rsplit(', ', 1)[1].rstrip('>') for k in c.per_kernel}
 
 
 def offset_view(a):
@@ -267,8 +268,8 @@ def test_nan_in_one_channel_of_a_pair(monkeypatch, dtype):
             y.grad = gy
             y.backward()
         out.append((y.array, v.grad, y.creator.argmax))
-    assert c.per_kernel == {'max_pool_forward<{}, 2>'.format(t): 1,
-                            'max_pool_backward<{}, 2>'.format(t): 1}
+    assert c.per_kernel == {'max_pool_forward<{}, unsigned char, 2>'.format(t): 1,
+                            'max_pool_backward<{}, unsigned char, 2>'.format(t): 1}
     (y0, g0, a0), (y1, g1, a1) = out
     assert numpy.isnan(y1[..., 0]).any() and numpy.isnan(y1[..., 3]).any()
     assert not numpy.isnan(y1[..., 1]).any() and not numpy.isnan(y1[..., 2]).any()
@@ -302,3 +303,163 @@ def test_gpu_vector_and_scalar_paths_equal_numpy(dtype):
         # gradients of overlapping windows are added in another order than the NumPy path's
         numpy.testing.assert_allclose(cupy.asnumpy(got[1]).astype('f8'), ref[1].astype('f8'),
                                       rtol=2e-3 if dtype == numpy.float16 else 1e-6, atol=1e-7)
+
+
+# ---- window offsets in one byte, and the backward's order of additions ---------------------------
+
+@pytest.mark.parametrize('shape,ksize,stride,pad,index', [
+    ((2, 7, 9, 4), 3, 2, 1, 'unsigned char'),
+    ((2, 16, 16, 3), 16, 1, 0, 'unsigned char'),       # 256 elements: offsets up to 255
+    ((1, 3, 260, 2), (1, 256), (1, 3), 0, 'unsigned char'),
+    ((2, 17, 17, 6), 17, 1, 0, 'int'),                  # global pooling of 289 elements
+    ((2, 19, 20, 4), 17, 1, 1, 'int'),                  # overlapping 289-element windows
+    ((1, 3, 260, 3), (1, 257), (1, 2), 0, 'int'),
+])
+@pytest.mark.parametrize('dtype', [numpy.float16, numpy.float32])
+def test_argmax_is_one_byte_where_the_window_allows(monkeypatch, shape, ksize, stride, pad, index,
+                                                    dtype):
+    """argmax is uint8 for windows of at most 256 elements and int32 beyond, on both paths, with
+    the same values; the kernels take the matching instantiation."""
+    x = distinct(shape, numpy.float64).astype(dtype)
+    expected = numpy.uint8 if index == 'unsigned char' else numpy.int32
+    out = {}
+    for emulate in ('0', '1'):
+        monkeypatch.setenv('CHAINER_TC_EMULATE', emulate)
+        with kernels.count_launches() as c:
+            v = chainer.Variable(x)
+            y = TF.max_pooling_2d(v, ksize, stride, pad)
+            y.grad = numpy.random.RandomState(9).randn(*y.shape).astype(dtype)
+            y.backward()
+        argmax = y.creator.argmax
+        assert argmax.dtype == expected and argmax.shape == y.shape
+        kh, kw = (ksize, ksize) if isinstance(ksize, int) else ksize
+        assert argmax.min() >= 0 and argmax.max() < kh * kw
+        out[emulate] = (y.array, argmax, v.grad)
+        if emulate == '1':
+            assert {k.split('<')[0]: k.split(', ')[1] for k in c.per_kernel} == {
+                'max_pool_forward': index, 'max_pool_backward': index}
+    numpy.testing.assert_array_equal(out['1'][0], out['0'][0])
+    numpy.testing.assert_array_equal(out['1'][1], out['0'][1])
+    numpy.testing.assert_allclose(out['1'][2].astype('f8'), out['0'][2].astype('f8'),
+                                  rtol=2e-3 if dtype == numpy.float16 else 1e-6, atol=1e-6)
+
+
+def _covering(size, k, s, p, out):
+    """First and last output along an axis whose window covers each input position."""
+    q = numpy.arange(size) + p
+    lo = numpy.where(q < k, 0, (q - k) // s + 1)
+    return lo, numpy.minimum(q // s, out - 1)
+
+
+def gathered(gy, argmax, in_hw, ksize, stride, pad):
+    """gx as the kernels compute it, bit for bit: each input position adds the gy of the outputs
+    whose windows cover it (max pooling, ``argmax`` given: those whose argmax is the position;
+    average, ``argmax=None``: all, the sum then divided by kh*kw), in order of oh, then ow, in
+    float32 (float64 for float64 data), rounded to the data type once. The NumPy path's max
+    pooling adds in this order too (numpy.add.at over the outputs); its average pooling adds by
+    window offset, so that can differ in the last bit where three or more outputs meet. Skipped outputs add +0 here, which changes no sum: a sum that starts at +0 is
+    never -0."""
+    (kh, kw), (sy, sx), (ph, pw) = ksize, stride, pad
+    n, oh_n, ow_n, c = gy.shape
+    h, w = in_hw
+    a = numpy.float64 if gy.dtype == numpy.float64 else numpy.float32
+    lo_h, hi_h = _covering(h, kh, sy, ph, oh_n)
+    lo_w, hi_w = _covering(w, kw, sx, pw, ow_n)
+    g = gy.astype(a)
+    total = numpy.zeros((n, h, w, c), a)
+    for dr in range(-(-kh // sy)):             # at most ceil(k / s) windows cover a position
+        oh = lo_h + dr
+        ohc = numpy.minimum(oh, oh_n - 1)
+        for dq in range(-(-kw // sx)):
+            ow = lo_w + dq
+            owc = numpy.minimum(ow, ow_n - 1)
+            take = ((oh <= hi_h)[:, None] & (ow <= hi_w)[None, :])[None, :, :, None]
+            if argmax is not None:
+                offset = ((numpy.arange(h) + ph - oh * sy)[:, None] * kw
+                          + (numpy.arange(w) + pw - ow * sx)[None, :])
+                take = take & (argmax[:, ohc][:, :, owc] == offset[None, :, :, None])
+            total += numpy.where(take, g[:, ohc][:, :, owc], a(0))
+    return (total if argmax is not None else total / a(kh * kw)).astype(gy.dtype)
+
+
+GRIDS = [(k, s, p, cover_all) for k in (1, 2, 3, 4) for s in (1, 2, 3)
+         for p in sorted({0, 1, k - 1}) for cover_all in (True, False)]
+
+
+@pytest.mark.parametrize('ksize,stride,pad,cover_all', GRIDS)
+@pytest.mark.parametrize('shape,dtype', [((2, 7, 9, 4), numpy.float16),     # two channels
+                                         ((1, 5, 37, 3), numpy.float32)])   # one; 3 runs a row
+def test_backward_adds_the_covering_outputs_in_order(monkeypatch, ksize, stride, pad, cover_all,
+                                                     shape, dtype):
+    """Both backward kernels, and the NumPy path's max pooling, equal, bit for bit, the gather in
+    order of oh, then ow (what the kernels computed before they walked runs of columns), on
+    padded, strided, overlapping and gapped grids, windows with NaN included."""
+    r = numpy.random.RandomState(ksize * 100 + stride * 10 + pad)
+    x = r.randn(*shape).astype(dtype)
+    x[r.rand(*shape) < 0.05] = numpy.nan
+    x[:, ::3] = numpy.round(x[:, ::3])                 # ties
+    try:
+        y0 = TF.max_pooling_2d(x, ksize, stride, pad, cover_all)
+    except ValueError as e:                            # no output for this geometry
+        assert 'leaves no output' in str(e)
+        return
+    gy = r.randn(*y0.shape).astype(dtype)
+    k2, s2, p2 = (ksize, ksize), (stride, stride), (pad, pad)
+    for emulate in ('0', '1'):
+        monkeypatch.setenv('CHAINER_TC_EMULATE', emulate)
+        v = chainer.Variable(x)
+        y = TF.max_pooling_2d(v, ksize, stride, pad, cover_all)
+        y.grad = gy
+        y.backward()
+        numpy.testing.assert_array_equal(v.grad, gathered(gy, y.creator.argmax, shape[1:3], k2,
+                                                           s2, p2), err_msg=emulate)
+    if cover_all:
+        return
+    va = chainer.Variable(x)
+    ya = TF.average_pooling_2d(va, ksize, stride, pad)
+    ya.grad = gy
+    ya.backward()
+    numpy.testing.assert_array_equal(va.grad, gathered(gy, None, shape[1:3], k2, s2, p2))
+
+
+@pytest.mark.parametrize('dtype', [numpy.float16, numpy.float64])
+def test_backward_gather_order_on_big_windows_and_both_widths(monkeypatch, dtype):
+    """17x17 windows (int32 offsets, up to 9 outputs per input here), two channels per thread
+    and one (offset views of the same x and gy): each equals the ordered gather bit for bit."""
+    monkeypatch.setenv('CHAINER_TC_EMULATE', '1')
+    r = numpy.random.RandomState(11)
+    x = numpy.round(r.randn(2, 19, 20, 4) * 2).astype(dtype)    # many ties
+    gy = r.randn(2, 3, 4, 4).astype(dtype)
+    t = {numpy.float16: '__half', numpy.float64: 'double'}[dtype]
+    grads = []
+    for width, (inp, g) in ((2, (x, gy)), (1, (offset_view(x), offset_view(gy)))):
+        with kernels.count_launches() as c, warnings.catch_warnings():
+            warnings.simplefilter('ignore', chainer.warnings.PerformanceWarning)
+            v = chainer.Variable(inp)
+            y = TF.max_pooling_2d(v, 17, 1, 0)
+            y.grad = g
+            y.backward()
+        assert c.per_kernel == {'max_pool_forward<{}, int, {}>'.format(t, width): 1,
+                                'max_pool_backward<{}, int, {}>'.format(t, width): 1}
+        gx = gathered(gy, y.creator.argmax, (19, 20), (17, 17), (1, 1), (0, 0))
+        numpy.testing.assert_array_equal(v.grad, gx)
+        grads.append(v.grad)
+    numpy.testing.assert_array_equal(grads[0], grads[1])
+
+
+def test_numpy_max_pooling_copies_its_windows_a_few_images_at_a_time(monkeypatch):
+    """The NumPy path bounds its window copy (_WINDOW_BYTES): a bound of one image's windows,
+    and one below it, give the results of one copy of all."""
+    pooling = importlib.import_module('chainer_tc.functions.pooling')
+    monkeypatch.setenv('CHAINER_TC_EMULATE', '0')
+    x = numpy.random.RandomState(5).randn(5, 9, 7, 3).astype(numpy.float32)
+    x[1, 2, 3, 1] = numpy.nan
+    f = pooling.MaxPooling2D(3, 2, 1, True)
+    y_all, = f.forward((x,))
+    a_all = f.argmax
+    one_image = 5 * 4 * 3 * 4 * 9                         # (OH, OW, C) float32, 9 taps
+    for limit in (one_image, one_image - 1, 3 * one_image):
+        monkeypatch.setattr(pooling, '_WINDOW_BYTES', limit)
+        y, = f.forward((x,))
+        numpy.testing.assert_array_equal(y, y_all)
+        numpy.testing.assert_array_equal(f.argmax, a_all)

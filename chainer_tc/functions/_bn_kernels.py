@@ -1,10 +1,12 @@
 """BatchNormalization (+ Add + ReLU) over channels-last arrays with kernels/batchnorm.cu: the GPU
 path (CuPy) and, under CHAINER_TC_EMULATE=1, the emulated one. Arrays are 2-D (rows, C).
 
-The elementwise launches (``bn_apply``, ``bn_backward_apply``) take two channels per thread
-(``<T, P, 2>``: one __half2/float2/double2 access) when C is even and every data array is aligned
-to two elements, else one (``<T, P, 1>``); an even C held back by a misaligned array (an offset
-view) says so once, as a PerformanceWarning."""
+Every launch over the data, the elementwise ones (``bn_apply``, ``bn_backward_apply``) and the
+reductions (``bn_stats_partial``, ``bn_backward_partial``), takes two channels per thread
+(``<..., 2>``: one __half2/float2/double2 access) when C is even and every data array it reads or
+writes is aligned to two elements, else one (``<..., 1>``); an even C held back by a misaligned
+array (an offset view) says so once per kernel, as a PerformanceWarning. Both widths compute each
+channel with the same operations in the same order: their results are bitwise equal."""
 import numpy
 
 import chainer
@@ -19,8 +21,8 @@ _CTYPE = {numpy.dtype(numpy.float16): '__half', numpy.dtype(numpy.float32): 'flo
           numpy.dtype(numpy.float64): 'double'}
 PAIRS = [(numpy.float16, numpy.float16), (numpy.float16, numpy.float32),
          (numpy.float32, numpy.float32), (numpy.float64, numpy.float64)]
-_NAMES = tuple(['bn_stats_partial<{}>'.format(t) for t in ('__half', 'float', 'double')]
-          + ['bn_backward_partial<{}>'.format(t) for t in ('__half', 'float', 'double')]
+_NAMES = tuple(['{}<{}, {}>'.format(k, t, v) for k in ('bn_stats_partial', 'bn_backward_partial')
+           for t in ('__half', 'float', 'double') for v in (1, 2)]
           + ['bn_stats_finalize<{}>'.format(t) for t in ('__half', 'float', 'double')]
           + ['bn_backward_finalize<{}>'.format(t) for t in ('__half', 'float', 'double')]
           + ['{}<{}, {}, {}>'.format(k, _CTYPE[numpy.dtype(t)], _CTYPE[numpy.dtype(p)], v)
@@ -38,33 +40,47 @@ def _elementwise(name, rows, C, arrays):
     return _tiles.plan(name, C, rows, THREADS, arrays, chainer.warnings.PerformanceWarning)
 
 
+def _reduction(name, rows, C, arrays):
+    """(vector width, grid, block, rows per block) of bn_stats_partial / bn_backward_partial
+    over ``arrays`` (the data they read): the width chosen, and a misaligned array warned of once
+    per kernel, by the elementwise launches' own planner (whose grid is not used here); blocks
+    of TILE_C threads over channel groups by ROWS over rows, each block reducing ``per`` rows
+    (the same for both widths)."""
+    width = _tiles.plan(name, C, rows, THREADS, arrays, chainer.warnings.PerformanceWarning)[0]
+    per, blocks = _row_blocks(rows, C)
+    return width, (-(-C // (width * TILE_C)), blocks), (TILE_C, ROWS), per
+
+
 def acc_dtype(dtype):
     return numpy.float64 if dtype == numpy.float64 else numpy.float32
 
 
 def _row_blocks(rows, C):
-    """Rows per block of the reductions: about 1024 blocks in all, at least 4 rows per thread."""
-    tiles = -(-C // TILE_C)
+    """(rows per block, row blocks) of the reductions: about 1024 blocks in all for the launch
+    with two channels per thread (tiles of 2 * TILE_C channels), at least 4 rows per thread. The
+    one-channel launch reduces the same row blocks (twice as many blocks: its tiles are half as
+    wide), so that both widths give the same partial sums, bit for bit."""
+    tiles = -(-C // (2 * TILE_C))
     blocks = max(1, min(-(-rows // (4 * ROWS)), max(1, 1024 // tiles)))
     per = -(-rows // blocks)
-    return per, -(-rows // per), tiles
+    return per, -(-rows // per)
 
 
 def statistics(x, eps, decay, running_mean, running_var, xp):
     """(mean, invstd) in the accumulation dtype; updates the running statistics if given."""
     rows, C = x.shape
     a = acc_dtype(x.dtype)
-    per, blocks, tiles = _row_blocks(rows, C)
-    partial = xp.empty((blocks, C, 3), a)
-    _kernel('bn_stats_partial', x.dtype, xp=xp)(
-        (tiles, blocks), (TILE_C, ROWS),
-        (x, numpy.int64(rows), numpy.int32(C), numpy.int64(per), partial))
+    width, grid, block, per = _reduction('bn_stats_partial', rows, C, {'x': x})
+    partial = xp.empty((grid[1], C, 3), a)
+    _kernel('bn_stats_partial', x.dtype, xp=xp, width=width)(
+        grid, block, (x, numpy.int64(rows), numpy.int32(C), numpy.int64(per), partial))
+    tiles = -(-C // TILE_C)
     mean, invstd = xp.empty(C, a), xp.empty(C, a)
     update = running_mean is not None
     p_dtype = running_mean.dtype if update else x.dtype     # None: null pointers
     _kernel('bn_stats_finalize', p_dtype, xp=xp)(
         (tiles,), (TILE_C, FINAL_ROWS),
-        (partial, numpy.int32(blocks), numpy.int32(C), numpy.int64(rows), numpy.float64(eps),
+        (partial, numpy.int32(grid[1]), numpy.int32(C), numpy.int64(rows), numpy.float64(eps),
          numpy.float64(decay), numpy.int32(update), running_mean, running_var, mean, invstd))
     return mean, invstd
 
@@ -85,17 +101,18 @@ def backward(gy, y, x, gamma, mean, invstd, relu, fixed, want_gz, xp):
     if rows == 0:           # an empty batch (inference): nothing to reduce, nothing to launch
         return (xp.empty_like(x), xp.zeros_like(gamma), xp.zeros_like(gamma),
                 xp.empty_like(x) if want_gz else None)
-    per, blocks, tiles = _row_blocks(rows, C)
-    partial = xp.empty((blocks, C, 2), a)
-    _kernel('bn_backward_partial', x.dtype, xp=xp)(
-        (tiles, blocks), (TILE_C, ROWS),
-        (gy, y, x, mean, invstd, numpy.int64(rows), numpy.int32(C), numpy.int64(per),
-         numpy.int32(relu), partial))
+    width, grid, block, per = _reduction('bn_backward_partial', rows, C,
+                                         {'gy': gy, 'y': y if relu else None, 'x': x})
+    partial = xp.empty((grid[1], C, 2), a)
+    _kernel('bn_backward_partial', x.dtype, xp=xp, width=width)(
+        grid, block, (gy, y, x, mean, invstd, numpy.int64(rows), numpy.int32(C), numpy.int64(per),
+                      numpy.int32(relu), partial))
+    tiles = -(-C // TILE_C)
     sums = xp.empty(2 * C, a)
     ggamma, gbeta = xp.empty_like(gamma), xp.empty_like(gamma)
     _kernel('bn_backward_finalize', gamma.dtype, xp=xp)(
         (tiles,), (TILE_C, FINAL_ROWS),
-        (partial, numpy.int32(blocks), numpy.int32(C), sums, ggamma, gbeta))
+        (partial, numpy.int32(grid[1]), numpy.int32(C), sums, ggamma, gbeta))
     if fixed:               # inference statistics are constants: gx = gamma * invstd * g
         sums = xp.zeros(2 * C, a)
     gx = xp.empty_like(x)

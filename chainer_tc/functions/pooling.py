@@ -22,19 +22,35 @@ from chainer_tc import kernels
 from chainer_tc.functions import _util
 
 THREADS = 256
+RUN = 16                    # backward: at most RUN input columns per work item (POOL_RUN)
 _CTYPE = {numpy.dtype(numpy.float16): '__half', numpy.dtype(numpy.float32): 'float',
           numpy.dtype(numpy.float64): 'double'}
-_DEFINES = {'POOL_THREADS': THREADS}
-_NAMES = tuple('{}<{}, {}>'.format(k, t, v) for k in ('max_pool_forward', 'max_pool_backward',
-                                                      'avg_pool_forward', 'avg_pool_backward')
-               for t in ('__half', 'float', 'double') for v in (1, 2))
+# max pooling's window offsets (argmax): one byte where every offset i*kw+j < kh*kw fits
+_INDEX_CTYPE = {numpy.dtype(numpy.uint8): 'unsigned char', numpy.dtype(numpy.int32): 'int'}
+_DEFINES = {'POOL_THREADS': THREADS, 'POOL_RUN': RUN}
+_NAMES = (tuple('{}<{}, {}, {}>'.format(k, t, i, v)
+                for k in ('max_pool_forward', 'max_pool_backward')
+                for t in ('__half', 'float', 'double') for i in ('unsigned char', 'int')
+                for v in (1, 2))
+          + tuple('{}<{}, {}>'.format(k, t, v) for k in ('avg_pool_forward', 'avg_pool_backward')
+                  for t in ('__half', 'float', 'double') for v in (1, 2)))
 SHAPE = numpy.dtype([(f, '<i4') for f in ('N', 'H', 'W', 'C', 'OH', 'OW', 'kh', 'kw', 'sy', 'sx',
                                           'ph', 'pw')])
+# the NumPy max pooling copies the windows of this many bytes at a time at most (a 3x3 window
+# copies 9 times the output: ResNet-50's first pooling at batch 32 would take 230 MB in float32)
+_WINDOW_BYTES = 32 * 2 ** 20
 INT_MAX = 2 ** 31 - 1       # the kernels' geometry is 32-bit int (PoolShape, window offsets)
 
 
 def _acc(dtype):
     return numpy.float64 if dtype == numpy.float64 else numpy.float32
+
+
+def index_dtype(kh, kw):
+    """The dtype max pooling keeps its window offsets (argmax, ``i * kw + j``) in, from forward
+    to backward: uint8 where every offset fits (``kh * kw <= 256``: a quarter of int32's bytes,
+    half of float16 data's), int32 otherwise. The same on every path."""
+    return numpy.dtype(numpy.uint8 if kh * kw <= 256 else numpy.int32)
 
 
 class _Pooling2D(function_node.FunctionNode):
@@ -53,8 +69,9 @@ class _Pooling2D(function_node.FunctionNode):
                 raise ValueError('{} must be at most 2**31 - 1 = {} (the pooling kernels\' '
                                  'geometry is 32-bit); got {}'.format(name, INT_MAX, pair))
         if self.kh * self.kw > INT_MAX:
-            raise ValueError('ksize {} has {} elements per window; at most 2**31 - 1 (window '
-                             'offsets are int32)'.format((self.kh, self.kw), self.kh * self.kw))
+            raise ValueError('ksize {} has {} elements per window; at most 2**31 - 1 (the '
+                             'window offsets of windows over 256 elements are int32)'.format(
+                                 (self.kh, self.kw), self.kh * self.kw))
         self.cover_all = cover_all
 
     def check_type_forward(self, in_types):
@@ -90,16 +107,23 @@ class _Pooling2D(function_node.FunctionNode):
 
     def _launch(self, name, s, arrays, xp):
         """Launch kernel ``name`` on ``arrays`` (its array arguments in order, by name; the first
-        holds the data type): one row of threads per output position (forward) or input position
-        (backward), two channels per thread where C is even and every array is aligned to two of
-        its elements, else one (an even C held back by a misaligned array says so once)."""
-        rows, cols = ('OH', 'OW') if name.endswith('forward') else ('H', 'W')
-        positions = int(s['N']) * int(s[rows]) * int(s[cols])
-        width, grid, block = _tiles.plan(name, int(s['C']), positions, THREADS, arrays,
+        holds the data type, ``argmax``, where there is one, the window offsets' type): one row of
+        threads per work item (forward an output position; backward a run of up to RUN input
+        columns of one row, N * H * ceil(W / RUN) of them), two channels per thread where C is
+        even and every array is aligned to two of its elements, else one (an even C held back by
+        a misaligned array says so once)."""
+        if name.endswith('forward'):
+            items = int(s['N']) * int(s['OH']) * int(s['OW'])
+        else:
+            items = int(s['N']) * int(s['H']) * -(-int(s['W']) // RUN)
+        width, grid, block = _tiles.plan(name, int(s['C']), items, THREADS, arrays,
                                          chainer.warnings.PerformanceWarning)
         dtype = next(iter(arrays.values())).dtype
-        f = kernels.get_function('pooling', '{}<{}, {}>'.format(
-            name, _CTYPE[numpy.dtype(dtype)], width), xp, _DEFINES, name_expressions=_NAMES)
+        types = [_CTYPE[numpy.dtype(dtype)], str(width)]       # <T, V>; max pooling <T, I, V>
+        if 'argmax' in arrays:
+            types.insert(1, _INDEX_CTYPE[arrays['argmax'].dtype])
+        f = kernels.get_function('pooling', '{}<{}>'.format(name, ', '.join(types)), xp, _DEFINES,
+                                 name_expressions=_NAMES)
         f(grid, block, (s,) + tuple(arrays.values()))
 
     def _windows(self, s):
@@ -125,6 +149,27 @@ class _Pooling2D(function_node.FunctionNode):
     def _crop(self, gp, s):
         return gp[:, self.ph:self.ph + int(s['H']), self.pw:self.pw + int(s['W']), :]
 
+    def _window_rows(self, xpad, s, n0, count):
+        """Images n0 .. n0 + count - 1 of the padded array as (count, OH, OW, kh * kw, C): each
+        window's values copied out along axis 3, in window-offset order i * kw + j."""
+        oh, ow, c = int(s['OH']), int(s['OW']), int(s['C'])
+        s0, s1, s2, s3 = xpad.strides
+        view = numpy.ndarray((count, oh, ow, self.kh, self.kw, c), xpad.dtype, buffer=xpad,
+                             offset=n0 * s0, strides=(s0, self.sy * s1, self.sx * s2, s1, s2, s3))
+        return view.reshape(count, oh, ow, self.kh * self.kw, c)      # a copy: strided windows
+
+    def _flat_index(self, shape, s, offsets):
+        """Where in the flattened padded array of ``shape`` each output element's window offset
+        (``offsets``, i * kw + j, of shape (N, OH, OW, C)) falls: the scatter of max pooling's
+        gradient."""
+        n, hp, wp, c = shape
+        oh, ow = int(s['OH']), int(s['OW'])
+        start = ((numpy.arange(n).reshape(-1, 1, 1, 1) * hp
+                  + self.sy * numpy.arange(oh).reshape(-1, 1, 1)) * wp
+                 + self.sx * numpy.arange(ow).reshape(-1, 1)) * c + numpy.arange(c)
+        k = numpy.arange(self.kh * self.kw)
+        return start + ((k // self.kw) * wp + k % self.kw)[offsets] * c
+
 
 class MaxPooling2D(_Pooling2D):
 
@@ -134,23 +179,30 @@ class MaxPooling2D(_Pooling2D):
         self._in_dtype = x.dtype
         xp = chainer.backend.get_array_module(x)
         if kernels.backend(xp) == 'numpy':
-            xpad = self._padded(x, s, -numpy.inf)
-            y = argmax = None
-            for i, j, sl in self._windows(s):
-                v = xpad[sl]
-                if y is None:
-                    y, argmax = v.copy(), numpy.zeros(v.shape, numpy.int32)
-                else:        # the first NaN wins and stays, as with Chainer's argmax
-                    better = (v > y) | (numpy.isnan(v) & ~numpy.isnan(y))
-                    numpy.copyto(y, v, where=better)
-                    numpy.copyto(argmax, i * self.kw + j, where=better)
+            y, argmax = self._max_numpy(x, s)
         else:
             x = xp.ascontiguousarray(x)
             y = xp.empty((int(s['N']), int(s['OH']), int(s['OW']), int(s['C'])), x.dtype)
-            argmax = xp.empty(y.shape, numpy.int32)
+            argmax = xp.empty(y.shape, index_dtype(self.kh, self.kw))
             self._launch('max_pool_forward', s, {'x': x, 'y': y, 'argmax': argmax}, xp)
         self.argmax = argmax
         return y,
+
+    def _max_numpy(self, x, s):
+        """(y, argmax) on the NumPy path: the windows copied out as rows of kh * kw values (a
+        few images at a time, the copy at most _WINDOW_BYTES) and numpy.argmax along them: the
+        first maximum, or the first NaN (NaN propagates), as Chainer's argmax and the kernel."""
+        xpad = self._padded(x, s, -numpy.inf)
+        n = int(s['N'])
+        y = numpy.empty((n, int(s['OH']), int(s['OW']), int(s['C'])), x.dtype)
+        argmax = numpy.empty(y.shape, index_dtype(self.kh, self.kw))
+        per = max(1, _WINDOW_BYTES // max(1, y[:1].nbytes * self.kh * self.kw))
+        for n0 in range(0, n, per):
+            rows = self._window_rows(xpad, s, n0, min(per, n - n0))
+            first = rows.argmax(axis=3)
+            y[n0:n0 + per] = numpy.take_along_axis(rows, first[:, :, :, None], axis=3)[:, :, :, 0]
+            argmax[n0:n0 + per] = first
+        return y, argmax
 
     def backward(self, indexes, grad_outputs):
         return _PoolingGrad(self, True).apply(grad_outputs)
@@ -190,10 +242,13 @@ class _PoolingGrad(function_node.FunctionNode):
         if kernels.backend(xp) == 'numpy':
             a = _acc(gy.dtype)
             gp = f._padded(None, s, 0, a)
-            for i, j, sl in f._windows(s):
-                if self.is_max:
-                    gp[sl] += numpy.where(f.argmax == i * f.kw + j, gy.astype(a), a(0))
-                else:
+            if self.is_max:
+                # each output's gradient added where its maximum was, in the order of the outputs
+                # (oh, then ow) as the kernel sums, so the same float additions
+                numpy.add.at(gp.reshape(-1), f._flat_index(gp.shape, s, f.argmax).reshape(-1),
+                             gy.astype(a, copy=False).reshape(-1))
+            else:
+                for _, _, sl in f._windows(s):
                     gp[sl] += gy.astype(a)
             gx = f._crop(gp, s)
             return (gx if self.is_max else gx / a(f.kh * f.kw)).astype(gy.dtype),

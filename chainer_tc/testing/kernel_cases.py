@@ -20,7 +20,7 @@ from chainer_tc import kernels
 # chainer_tc._tiles, the callers' own functions.
 LAYOUT = {'LAYOUT_TILE': 32, 'LAYOUT_BLOCK_ROWS': 8}
 BN = {'BN_TILE_C': 32, 'BN_ROWS': 8, 'BN_THREADS': 256, 'BN_FINAL_ROWS': 16}
-POOL = {'POOL_THREADS': 256}
+POOL = {'POOL_THREADS': 256, 'POOL_RUN': 16}
 OPT = {'OPT_BLOCK': 256, 'OPT_GRAD_TABLE': 480}
 OPT_CHUNK = 2048
 
@@ -107,9 +107,12 @@ def _layout(n, c, h, w, tin, tout, big=False, grid_cap=None, seed=0):
 
 POOL_SHAPE = numpy.dtype([(f, '<i4') for f in ('N', 'H', 'W', 'C', 'OH', 'OW', 'kh', 'kw', 'sy',
                                                'sx', 'ph', 'pw')])
-_POOL_NAMES = ['{}<{}, {}>'.format(k, t, v) for k in ('max_pool_forward', 'max_pool_backward',
-                                                       'avg_pool_forward', 'avg_pool_backward')
-               for t in ('__half', 'float', 'double') for v in (1, 2)]
+_POOL_NAMES = (['{}<{}, {}, {}>'.format(k, t, i, v)
+                for k in ('max_pool_forward', 'max_pool_backward')
+                for t in ('__half', 'float', 'double') for i in ('unsigned char', 'int')
+                for v in (1, 2)]
+               + ['{}<{}, {}>'.format(k, t, v) for k in ('avg_pool_forward', 'avg_pool_backward')
+                  for t in ('__half', 'float', 'double') for v in (1, 2)])
 
 
 def _out(size, k, s, p):
@@ -142,16 +145,22 @@ def _pooling(n, h, w, c, k, s, p, dtype, big=False, grid_cap=None, seed=0, width
     x = r.randn(n, h, w, c).astype(dtype)
     gy = r.randn(n, oh, ow, c).astype(dtype)
     t = _CTYPE[numpy.dtype(dtype)]
+    # window offsets in one byte where they fit, as functions/pooling.py keeps them; argmax
+    # starts at a value no window offset of a case has (k * k < 256 or int32)
+    index, it, unset = ((numpy.uint8, 'unsigned char', 255) if k * k <= 256 else
+                        (numpy.int32, 'int', -1))
     fwd = _tile_launch(c // v, n * oh * ow, POOL['POOL_THREADS'], grid_cap)
-    bwd = _tile_launch(c // v, n * h * w, POOL['POOL_THREADS'], grid_cap)
+    # backward: a row of threads per run of up to POOL_RUN input columns
+    bwd = _tile_launch(c // v, n * h * -(-w // POOL['POOL_RUN']), POOL['POOL_THREADS'], grid_cap)
     arrays = {'x': x, 'gy': gy, 'y': numpy.full(gy.shape, numpy.nan, dtype),
-              'argmax': numpy.full(gy.shape, -1, numpy.int32),
+              'argmax': numpy.full(gy.shape, unset, index),
               'gx': numpy.full(x.shape, numpy.nan, dtype),
               'ya': numpy.full(gy.shape, numpy.nan, dtype),
               'gxa': numpy.full(x.shape, numpy.nan, dtype)}
     launches = [
-        Launch('max_pool_forward<{}, {}>'.format(t, v), *fwd, (shape, 'x', 'y', 'argmax')),
-        Launch('max_pool_backward<{}, {}>'.format(t, v), *bwd, (shape, 'gy', 'argmax', 'gx')),
+        Launch('max_pool_forward<{}, {}, {}>'.format(t, it, v), *fwd, (shape, 'x', 'y', 'argmax')),
+        Launch('max_pool_backward<{}, {}, {}>'.format(t, it, v), *bwd,
+               (shape, 'gy', 'argmax', 'gx')),
         Launch('avg_pool_forward<{}, {}>'.format(t, v), *fwd, (shape, 'x', 'ya')),
         Launch('avg_pool_backward<{}, {}>'.format(t, v), *bwd, (shape, 'gy', 'gxa')),
     ]
@@ -191,8 +200,8 @@ def _pooling(n, h, w, c, k, s, p, dtype, big=False, grid_cap=None, seed=0, width
 
 _BN_PAIRS = [(numpy.float16, numpy.float16), (numpy.float16, numpy.float32),
              (numpy.float32, numpy.float32), (numpy.float64, numpy.float64)]
-_BN_NAMES = (['bn_stats_partial<{}>'.format(t) for t in ('__half', 'float', 'double')]
-             + ['bn_backward_partial<{}>'.format(t) for t in ('__half', 'float', 'double')]
+_BN_NAMES = (['{}<{}, {}>'.format(k, t, v) for k in ('bn_stats_partial', 'bn_backward_partial')
+              for t in ('__half', 'float', 'double') for v in (1, 2)]
              + ['bn_stats_finalize<{}>'.format(t) for t in ('__half', 'float', 'double')]
              + ['bn_backward_finalize<{}>'.format(t) for t in ('__half', 'float', 'double')]
              + ['{}<{}, {}, {}>'.format(k, _CTYPE[numpy.dtype(t)], _CTYPE[numpy.dtype(p)], v)
@@ -200,12 +209,19 @@ _BN_NAMES = (['bn_stats_partial<{}>'.format(t) for t in ('__half', 'float', 'dou
 
 
 def _batchnorm(rows, c, dtype, pdtype, relu=1, with_z=True, big=False, grid_cap=None, seed=0,
-               width=None):
+               width=None, row_blocks=None):
+    """``row_blocks``: reduce the rows in this many blocks instead of the callers' (about 1024
+    in all, at least 4 rows per thread): fewer blocks give each thread of the partial kernels
+    more rows, so that their loops of several rows at a time run (the contract allows any)."""
     tile, nrows, threads = BN['BN_TILE_C'], BN['BN_ROWS'], BN['BN_THREADS']
     v = _width(c, width)
     a = numpy.float64 if dtype == numpy.float64 else numpy.float32
     tiles = -(-c // tile)
-    blocks = max(1, min(-(-rows // (4 * nrows)), max(1, 1024 // tiles)))
+    # the row blocks of functions/_bn_kernels._row_blocks: about 1024 blocks of the two-channel
+    # launch, the same for both widths (both give the same partial sums)
+    blocks = max(1, min(-(-rows // (4 * nrows)), max(1, 1024 // -(-c // (2 * tile)))))
+    if row_blocks:
+        blocks = row_blocks
     per = -(-rows // blocks)
     blocks = -(-rows // per)
     r = _rng(seed)
@@ -232,10 +248,11 @@ def _batchnorm(rows, c, dtype, pdtype, relu=1, with_z=True, big=False, grid_cap=
     arrays['mean_fwd'], arrays['invstd_fwd'] = fwd['mean'].astype(a), fwd['invstd'].astype(a)
     elementwise = _tile_launch(c // v, rows, threads, grid_cap)
     final = ((tiles,), (tile, BN['BN_FINAL_ROWS']))
+    reduction = ((-(-c // (v * tile)), blocks), (tile, nrows))   # the partial kernels' tiles
     z = 'z' if with_z else None
     gz = 'gz' if with_z else None
     launches = [
-        Launch('bn_stats_partial<{}>'.format(t), (tiles, blocks), (tile, nrows),
+        Launch('bn_stats_partial<{}, {}>'.format(t, v), *reduction,
                ('x', numpy.int64(rows), numpy.int32(c), numpy.int64(per), 'partial')),
         Launch('bn_stats_finalize<{}>'.format(p), *final,
                ('partial', numpy.int32(blocks), numpy.int32(c), numpy.int64(rows),
@@ -244,7 +261,7 @@ def _batchnorm(rows, c, dtype, pdtype, relu=1, with_z=True, big=False, grid_cap=
         Launch('bn_apply<{}, {}, {}>'.format(t, p, v), *elementwise,
                ('x', z, 'gamma', 'beta', 'mean', 'invstd', 'y', numpy.int64(rows), numpy.int32(c),
                 numpy.int32(relu))),
-        Launch('bn_backward_partial<{}>'.format(t), (tiles, blocks), (tile, nrows),
+        Launch('bn_backward_partial<{}, {}>'.format(t, v), *reduction,
                ('gy', 'y_fwd', 'x', 'mean_fwd', 'invstd_fwd', numpy.int64(rows), numpy.int32(c),
                 numpy.int64(per), numpy.int32(relu), 'bpartial')),
         Launch('bn_backward_finalize<{}>'.format(p), *final,
@@ -255,10 +272,11 @@ def _batchnorm(rows, c, dtype, pdtype, relu=1, with_z=True, big=False, grid_cap=
     ]
     if not with_z:
         del arrays['z'], arrays['gz']
-    label = 'bn {}/{} rows{} C{} x{}{}{}{}'.format(
+    label = 'bn {}/{} rows{} C{} x{}{}{}{}{}'.format(
         _SHORT[numpy.dtype(dtype)], _SHORT[numpy.dtype(pdtype)], rows, c, v,
         '' if relu else ' no-relu', '' if with_z else ' no-z',
-        ' grid<=' + str(grid_cap) if grid_cap else '')
+        ' grid<=' + str(grid_cap) if grid_cap else '',
+        ' row blocks ' + str(blocks) if row_blocks else '')
     outputs = ['partial', 'mean', 'invstd', 'running_mean', 'running_var', 'y', 'bpartial', 'sums',
                'ggamma', 'gbeta', 'gx'] + (['gz'] if with_z else [])
 
@@ -446,6 +464,12 @@ def cases(big=True, awkward=True):
             out.append(_pooling(3, 6, 6, 64, 2, 1, 0, numpy.float16, grid_cap=1, width=w))
         out.append(_pooling(2, 4, 5, 70, 2, 2, 1, numpy.float64))  # 35 pairs: tiles of 18
         out.append(_pooling(2, 4, 4, 2, 2, 2, 0, numpy.float32))   # one pair per position
+        # backward runs: 37 columns make runs of 13, 13 and 11; 8 runs a step over 45 of them
+        for w in (2, 1):
+            out.append(_pooling(3, 5, 37, 64, 3, 2, 1, numpy.float16, grid_cap=1, width=w))
+        out.append(_pooling(2, 6, 8, 3, 2, 3, 0, numpy.float32))   # stride > window: gaps
+        # 17x17 windows (289 elements): int32 window offsets; up to 25 outputs per input
+        out.append(_pooling(2, 19, 21, 6, 17, 1, 1, numpy.float32, grid_cap=2))
         for t, p in _BN_PAIRS:
             out.append(_batchnorm(37, 33, t, p))                    # odd C: one channel
             out.append(_batchnorm(37, 34, t, p))                    # even C: two channels
@@ -455,6 +479,12 @@ def cases(big=True, awkward=True):
         out.append(_batchnorm(29, 70, numpy.float16, numpy.float16, relu=1, with_z=False))
         out.append(_batchnorm(50, 2, numpy.float64, numpy.float64, relu=0, with_z=True))
         out.append(_batchnorm(9, 2048, numpy.float16, numpy.float32))   # rows 9, tiles of 8
+        # two row blocks of 151 and 150 rows: 18 or 19 rows per thread, so the partial kernels'
+        # loops of four rows at a time run, with their remainders
+        for t, p in ((numpy.float16, numpy.float32), (numpy.float64, numpy.float64)):
+            for w in (2, 1):
+                out.append(_batchnorm(301, 6, t, p, width=w, row_blocks=2))
+        out.append(_batchnorm(301, 5, numpy.float32, numpy.float32, relu=0, row_blocks=2))
         # 22 row blocks: the finalize's 16 threads per channel merge two summaries (threads
         # 0-5) or one, and a second tile of channels is partly empty (C 33)
         for t, p in ((numpy.float32, numpy.float32), (numpy.float64, numpy.float64)):
