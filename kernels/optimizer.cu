@@ -41,6 +41,12 @@
 //   float16 parameters: master = p, p16 = half(p) rounded to nearest even. Before the update, a
 //   float16 parameter that no longer equals half(master) was written from outside the optimizer
 //   (serializers.load_npz, copyparams, by hand): its value becomes the new master.
+// A divisor that is a power of two with a normal reciprocal (every dynamic loss scale, unless it
+// started at another number) is applied as grad * (1 / divisor), which is the same bits as the
+// division for every grad (see GRAD_MUL below); any other divisor is divided by. Per chunk, all
+// of it decided once: the gradient's mode, the hyperparameters, the offsets; the elements are
+// walked in pairs (__half2/float2/double2 accesses) where the chunk's arrays allow it, one at a
+// time otherwise, with the same roundings in the same order either way.
 //
 // Entry points (launch: grid = number of chunks handled by the launch, block = OPT_BLOCK):
 //   momentum_sgd_check(sp, chunks, scaler)
@@ -57,6 +63,8 @@
 //     Writes the optimizer's lr, momentum and weight_decay into row 0 of hyper: how a new
 //     learning rate reaches the device without a host synchronisation.
 #include <cuda_fp16.h>
+
+#include "dtype.cuh"
 
 #ifndef OPT_BLOCK
 #define OPT_BLOCK 256
@@ -142,10 +150,6 @@ __device__ __forceinline__ double sub_rn(double a, double b) { return __dsub_rn(
 __device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
 __device__ __forceinline__ double div_rn(double a, double b) { return __ddiv_rn(a, b); }
 
-__device__ __forceinline__ float load(const float* g, long long i) { return g[i]; }
-__device__ __forceinline__ float load(const __half* g, long long i) { return __half2float(g[i]); }
-__device__ __forceinline__ double load(const double* g, long long i) { return g[i]; }
-
 __device__ __forceinline__ float read_scale(const unsigned* scaler) {
   return __uint_as_float(scaler[SCALER_SCALE]);
 }
@@ -171,45 +175,196 @@ __device__ __forceinline__ T grad_divisor(const StepParams& sp, const unsigned* 
   return sp.grad_divisor == 0.0 ? (T)read_scale(scaler) : (T)sp.grad_divisor;
 }
 
-// Whether any unscaled element of one chunk's gradient (storage type G) is inf or nan.
-template <typename G>
-__device__ __forceinline__ bool any_nonfinite(const Chunk& k, const StepParams& sp, const G* g,
-                                              bool divide, const unsigned* scaler) {
-  typedef decltype(load(g, 0)) T;
+// How a chunk's gradient becomes g, decided once per chunk (a template argument of the element
+// loops, so no element tests it):
+//   GRAD_ZERO   no gradient (a null address): g = 0
+//   GRAD_PLAIN  unmarked: g = grad
+//   GRAD_MUL    marked, divisor d a power of two whose reciprocal r is a normal number:
+//               g = grad * r, which is grad / d bit for bit (below)
+//   GRAD_DIV    marked, any other divisor (an odd initial scale, a backward's loss_scale=10):
+//               g = grad / d, IEEE division (a multi-instruction sequence with a slow path)
+// Why grad * r == grad / d for every grad when d = 2^k and r = 2^-k are both normal: r is then
+// exactly 1/d, so the exact product grad * r and the exact quotient grad / d are the same real
+// number, and an IEEE operation is that exact result rounded once, to the same format in the same
+// mode: the same bits, whatever the result is (a subnormal, an overflow to inf, a signed zero,
+// inf * r = inf / d = inf, nan; the sign of d is that of r). So isfinite() agrees too, including
+// a d < 1 whose quotient overflows: the product overflows for exactly the same grad. Both
+// normal, because CuPy compiles with -ftz=true: a subnormal divisor or reciprocal would be
+// flushed to zero on a GPU (x / 2^-127 would be x / 0, and 2^127's reciprocal 2^-127 would
+// multiply as 0), so the range is d in [2^-126, 2^126] (float) or [2^-1022, 2^1022] (double) and
+// anything else keeps the division. Under -ftz both operations also flush a subnormal grad and a
+// subnormal result the same way (the float32 subnormal range where docs/optimizer.md already says
+// a GPU differs from NumPy). Dynamic loss scaling only halves and doubles, so its scale stays a
+// power of two unless the user starts it at another number.
+enum { GRAD_ZERO = 0, GRAD_PLAIN = 1, GRAD_MUL = 2, GRAD_DIV = 3 };
+
+__device__ __forceinline__ bool exact_reciprocal(float d) {
+  const unsigned b = __float_as_uint(d);
+  const unsigned e = (b >> 23) & 0xffu;               // biased exponent: d = 2^(e - 127)
+  return (b & 0x7fffffu) == 0 && e >= 1 && e <= 253;  // 1/d = 2^(127 - e): biased 254 - e
+}
+__device__ __forceinline__ bool exact_reciprocal(double d) {
+  const unsigned long long b = (unsigned long long)__double_as_longlong(d);
+  const unsigned e = (unsigned)(b >> 52) & 0x7ffu;
+  return (b & 0xfffffffffffffULL) == 0 && e >= 1 && e <= 2045;
+}
+
+// The mode of one chunk's gradient, and x: r for GRAD_MUL, d for GRAD_DIV (r = 1 / d is exact).
+template <typename T>
+__device__ __forceinline__ int grad_mode(const StepParams& sp, const GradRef& g,
+                                         const unsigned* scaler, T& x) {
+  x = (T)1;
+  if (!g.ptr) return GRAD_ZERO;
+  if (!g.divide) return GRAD_PLAIN;
   const T d = grad_divisor<T>(sp, scaler);
+  if (!exact_reciprocal(d)) {
+    x = d;
+    return GRAD_DIV;
+  }
+  x = div_rn((T)1, d);
+  return GRAD_MUL;
+}
+
+// Whether any unscaled element of one chunk's gradient (storage type G, g at the chunk's first
+// element) is inf or nan. n <= 2048 (the work list's chunks), so the index is 32-bit.
+template <int Mode, typename G, typename T>
+__device__ __forceinline__ bool any_nonfinite(int n, const G* g, T x) {
   bool bad = false;
-  for (long long i = threadIdx.x; i < k.count; i += OPT_BLOCK) {
-    const T grad = load(g, k.inner + i);
-    bad |= !isfinite(divide ? div_rn(grad, d) : grad);
+  for (int i = threadIdx.x; i < n; i += OPT_BLOCK) {
+    T grad = ctc::load(g, i);
+    if (Mode == GRAD_MUL) grad = mul_rn(grad, x);
+    if (Mode == GRAD_DIV) grad = div_rn(grad, x);
+    bad |= !isfinite(grad);
   }
   return bad;
 }
 
-// One chunk of the update in arithmetic type T (float, or double for float64 parameters).
-// G is the gradient's storage type, P the master/parameter storage (float or double).
-template <typename T, typename G>
-__device__ __forceinline__ void update_chunk(const Chunk& k, const StepParams& sp, const Hyper& h,
-                                             const G* g, bool divide, const unsigned* scaler,
-                                             T* p, T* v, __half* p16) {
-  const T lr = (T)h.lr, momentum = (T)h.momentum, wd = (T)h.weight_decay;
-  const T d = grad_divisor<T>(sp, scaler);
-  const bool half = p16 != nullptr;
-  for (long long i = threadIdx.x; i < k.count; i += OPT_BLOCK) {
-    const long long e = k.flat + i;
-    T grad = g ? (T)load(g, k.inner + i) : (T)0;
-    if (g && divide) grad = div_rn(grad, d);
-    T pe = p[e];
-    if (half) {     // a float16 parameter written from outside (load_npz, copyparams): adopt it
-      const __half cur = p16[e];
-      if (__half_as_ushort(cur) != __half_as_ushort(__float2half_rn((float)pe))) pe = (T)__half2float(cur);
-    }
-    if (wd != (T)0) grad = add_rn(grad, mul_rn(wd, pe));
-    const T step = sub_rn(mul_rn(v[e], momentum), mul_rn(lr, grad));
-    v[e] = step;
-    pe = add_rn(pe, sp.nesterov ? sub_rn(mul_rn(step, momentum), mul_rn(lr, grad)) : step);
-    p[e] = pe;
-    if (half) p16[e] = __float2half_rn((float)pe);
+template <typename G, typename T>
+__device__ __forceinline__ bool chunk_nonfinite(const Chunk& k, const G* g, int mode, T x) {
+  const int n = (int)k.count;
+  g += k.inner;
+  return mode == GRAD_MUL   ? any_nonfinite<GRAD_MUL>(n, g, x)
+         : mode == GRAD_DIV ? any_nonfinite<GRAD_DIV>(n, g, x)
+                            : any_nonfinite<GRAD_PLAIN>(n, g, x);
+}
+
+// A chunk's hyperparameters in its arithmetic type, tested once per chunk.
+template <typename T>
+struct Rule {
+  T lr, momentum, wd;
+  bool decay, nesterov;
+};
+
+// V (1 or 2) consecutive elements i, i + 1 of one chunk, each computed alone with the same
+// roundings in the same order whatever V is (the pair path's bits are the scalar path's):
+// V == 2 only moves them with one __half2/float2/double2 access per array. g, p, v, p16 point at
+// the chunk's first element.
+template <int V, int Mode, bool Half, typename T, typename G>
+__device__ __forceinline__ void update_elements(int i, const Rule<T>& h, T x, const G* g, T* p,
+                                                T* v, __half* p16) {
+  T grad[V], pe[V], ve[V];
+  if constexpr (Mode == GRAD_ZERO) {
+    for (int j = 0; j < V; ++j) grad[j] = (T)0;
+  } else {
+    ctc::load_v<V>(g, i, grad);
   }
+  ctc::load_v<V>(p, i, pe);
+  ctc::load_v<V>(v, i, ve);
+  if constexpr (Half) {   // a float16 parameter written from outside (load_npz, copyparams): adopt
+    if constexpr (V == 2) {   // both lanes compared in one word: half2(pe) rounds each on its own
+      const unsigned cur = *reinterpret_cast<const unsigned*>(p16 + i);
+      const __half2 now = __floats2half2_rn(pe[0], pe[1]);
+      const unsigned diff =
+          cur ^ ((unsigned)__half_as_ushort(__low2half(now)) |
+                 (unsigned)__half_as_ushort(__high2half(now)) << 16);
+      if (diff & 0xffffu) pe[0] = __half2float(__ushort_as_half((unsigned short)cur));
+      if (diff >> 16) pe[1] = __half2float(__ushort_as_half((unsigned short)(cur >> 16)));
+    } else {
+      const __half cur = p16[i];
+      if (__half_as_ushort(cur) != __half_as_ushort(__float2half_rn(pe[0])))
+        pe[0] = __half2float(cur);
+    }
+  }
+  for (int j = 0; j < V; ++j) {
+    T gj = grad[j];
+    if (Mode == GRAD_MUL) gj = mul_rn(gj, x);
+    if (Mode == GRAD_DIV) gj = div_rn(gj, x);
+    if (h.decay) gj = add_rn(gj, mul_rn(h.wd, pe[j]));
+    const T step = sub_rn(mul_rn(ve[j], h.momentum), mul_rn(h.lr, gj));
+    ve[j] = step;
+    pe[j] = add_rn(pe[j], h.nesterov ? sub_rn(mul_rn(step, h.momentum), mul_rn(h.lr, gj)) : step);
+  }
+  ctc::store_v<V>(v, i, ve);
+  ctc::store_v<V>(p, i, pe);
+  if constexpr (Half) ctc::store_v<V>(p16, i, pe);
+}
+
+// One chunk's elements in one gradient mode. Pairs where every array the chunk touches starts
+// at an address aligned to two of its elements (the optimizer's flat buffers start every
+// parameter 256-byte aligned and chunks at multiples of 2048 elements, and Chainer's gradients
+// are fresh allocations, so that is the usual case): half the loads, stores and index steps per
+// element, thread t taking pairs t, t + OPT_BLOCK, ... and one thread an odd count's last
+// element. Otherwise (a gradient that is a view at an odd element, a work list with odd offsets)
+// one element at a time. The zero and division modes are rare and stay scalar.
+template <int Mode, bool Half, typename T, typename G>
+__device__ __forceinline__ void update_mode(int n, const Rule<T>& h, T x, const G* g, T* p, T* v,
+                                            __half* p16) {
+  bool pairs = Mode == GRAD_PLAIN || Mode == GRAD_MUL;
+  if (pairs) {
+    const unsigned long long wide = sizeof(T) * 2, narrow = sizeof(G) * 2;
+    pairs = ((reinterpret_cast<unsigned long long>(p) | reinterpret_cast<unsigned long long>(v)) &
+             (wide - 1)) == 0 &&
+            (reinterpret_cast<unsigned long long>(g) & (narrow - 1)) == 0 &&
+            (!Half || (reinterpret_cast<unsigned long long>(p16) & 3) == 0);
+  }
+  if (pairs) {
+    // The thread's own pointers, stepped by adds: indexing the chunk's pointers with 2 * j made
+    // NVVM fold the chunk offset back into a 64-bit index and rebuild every address from it.
+    const int half_n = n >> 1, t = threadIdx.x;
+    const G* gt = g + 2 * t;
+    T* pt = p + 2 * t;
+    T* vt = v + 2 * t;
+    __half* ht = Half ? p16 + 2 * t : nullptr;
+    for (int j = t; j < half_n; j += OPT_BLOCK) {
+      update_elements<2, Mode, Half>(0, h, x, gt, pt, vt, ht);
+      gt += 2 * OPT_BLOCK;
+      pt += 2 * OPT_BLOCK;
+      vt += 2 * OPT_BLOCK;
+      if constexpr (Half) ht += 2 * OPT_BLOCK;
+    }
+    if ((n & 1) && threadIdx.x == OPT_BLOCK - 1)
+      update_elements<1, Mode, Half>(n - 1, h, x, g, p, v, p16);
+  } else {
+    for (int i = threadIdx.x; i < n; i += OPT_BLOCK)
+      update_elements<1, Mode, Half>(i, h, x, g, p, v, p16);
+  }
+}
+
+// One chunk of the update in arithmetic type T (float, or double for float64 parameters).
+// G is the gradient's storage type, p/v the master (or parameter) and momentum buffers, p16 the
+// float16 parameters when Half. Everything per chunk (offsets, hyperparameters, the gradient's
+// mode) is settled here; n <= 2048, so the element loops index in 32 bits.
+template <typename T, typename G, bool Half>
+__device__ __forceinline__ void update_chunk(const Chunk& k, const StepParams& sp, const Hyper& hy,
+                                             const GradRef& gr, const unsigned* scaler,
+                                             T* p, T* v, __half* p16) {
+  Rule<T> h;
+  h.lr = (T)hy.lr;
+  h.momentum = (T)hy.momentum;
+  h.wd = (T)hy.weight_decay;
+  h.decay = h.wd != (T)0;
+  h.nesterov = sp.nesterov != 0;
+  T x;
+  const int mode = grad_mode<T>(sp, gr, scaler, x);
+  const int n = (int)k.count;
+  const G* g = gr.ptr ? static_cast<const G*>(gr.ptr) + k.inner : nullptr;
+  p += k.flat;
+  v += k.flat;
+  if constexpr (Half) p16 += k.flat;
+  if (mode == GRAD_MUL) update_mode<GRAD_MUL, Half>(n, h, x, g, p, v, p16);
+  else if (mode == GRAD_PLAIN) update_mode<GRAD_PLAIN, Half>(n, h, x, g, p, v, p16);
+  else if (mode == GRAD_DIV) update_mode<GRAD_DIV, Half>(n, h, x, g, p, v, p16);
+  else update_mode<GRAD_ZERO, Half>(n, h, x, g, p, v, p16);
 }
 
 // The last update block of a dynamic step: move the scale, clear the flag and the counter.
@@ -241,12 +396,18 @@ momentum_sgd_check(const StepParams sp, const long long* __restrict__ chunks, un
   const opt::Chunk k = opt::load_chunk(chunks);
   const opt::GradRef g = opt::load_grad(sp, k);
   if (!g.ptr) return;
-  const bool bad =
-      k.group == GROUP_F64
-          ? opt::any_nonfinite(k, sp, static_cast<const double*>(g.ptr), g.divide, scaler)
-      : k.group == GROUP_F16
-          ? opt::any_nonfinite(k, sp, static_cast<const __half*>(g.ptr), g.divide, scaler)
-          : opt::any_nonfinite(k, sp, static_cast<const float*>(g.ptr), g.divide, scaler);
+  bool bad;
+  if (k.group == GROUP_F64) {
+    double x;
+    const int mode = opt::grad_mode<double>(sp, g, scaler, x);
+    bad = opt::chunk_nonfinite(k, static_cast<const double*>(g.ptr), mode, x);
+  } else {
+    float x;
+    const int mode = opt::grad_mode<float>(sp, g, scaler, x);
+    bad = k.group == GROUP_F16
+              ? opt::chunk_nonfinite(k, static_cast<const __half*>(g.ptr), mode, x)
+              : opt::chunk_nonfinite(k, static_cast<const float*>(g.ptr), mode, x);
+  }
   if (__syncthreads_or(bad) && threadIdx.x == 0) *found = 1u;
 }
 
@@ -263,14 +424,11 @@ momentum_sgd_update(const StepParams sp, const long long* __restrict__ chunks,
     if (h.enabled) {
       const opt::GradRef g = opt::load_grad(sp, k);
       if (k.group == GROUP_F64)
-        opt::update_chunk<double>(k, sp, h, static_cast<const double*>(g.ptr), g.divide, scaler,
-                                  p64, mom64, (__half*)nullptr);
+        opt::update_chunk<double, double, false>(k, sp, h, g, scaler, p64, mom64, nullptr);
       else if (k.group == GROUP_F16)
-        opt::update_chunk<float>(k, sp, h, static_cast<const __half*>(g.ptr), g.divide, scaler,
-                                 master, mom16, p16);
+        opt::update_chunk<float, __half, true>(k, sp, h, g, scaler, master, mom16, p16);
       else
-        opt::update_chunk<float>(k, sp, h, static_cast<const float*>(g.ptr), g.divide, scaler,
-                                 p32, mom32, (__half*)nullptr);
+        opt::update_chunk<float, float, false>(k, sp, h, g, scaler, p32, mom32, nullptr);
     }
   }
   if (!dynamic) return;

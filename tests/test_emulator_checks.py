@@ -111,10 +111,10 @@ def test_optimizer_reading_past_each_gradient_is_caught():
     # optimizers' check kernel, mutated to read one element past each chunk: past the end of the
     # gradient for the last chunk of every parameter (issue 12: passed 9 of 10 checks)
     code = kernels.source('optimizer')
-    old = 'for (long long i = threadIdx.x; i < k.count; i += OPT_BLOCK) {\n    const T grad'
+    old = 'for (int i = threadIdx.x; i < n; i += OPT_BLOCK) {\n    T grad = ctc::load(g, i);'
     assert old in code
     backend = kernel_cases.EmulatorBackend({'optimizer': code.replace(old, old.replace(
-        'i < k.count', 'i <= k.count'))})
+        'i < n', 'i <= n'))})
     case = kernel_cases._optimizer([5, 2049], [numpy.float32, numpy.float16])
     with pytest.raises(KernelLaunchError, match=r"kernel 'momentum_sgd_check': out-of-bounds read of "
                                                 r"the \d+-byte array whose address argument 0 \(struct "

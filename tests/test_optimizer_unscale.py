@@ -1,0 +1,215 @@
+"""kernels/optimizer.cu's unscaling, launched directly in the emulator against a NumPy reference,
+bit for bit: a power-of-two divisor whose reciprocal is normal is applied as a multiplication
+(GRAD_MUL), any other divisor keeps the IEEE division (GRAD_DIV); both must give the bits of
+grad / divisor for every gradient, including quotients that overflow, underflow to subnormals or
+zero, signed zeros, inf and nan. The update's two element paths (pairs, where every array of a
+chunk is aligned to two elements, and one element at a time) must agree with the reference too,
+and the check must flag exactly the gradients whose quotient is not finite.
+
+The emulator, like NumPy, keeps float32 subnormals (a GPU under CuPy's -ftz=true flushes them in
+both the division and the multiplication: docs/optimizer.md), so these tests run here only.
+"""
+import numpy
+import pytest
+
+from chainer_tc import kernels
+from chainer_tc.testing import emulator
+from chainer_tc.testing import kernel_cases
+
+f16, f32, f64 = numpy.float16, numpy.float32, numpy.float64
+LR, MOMENTUM, WD = 0.05, 0.9, 1e-3
+SCALE_STATIC, SCALE_DYNAMIC = 1, 2
+
+
+@pytest.fixture(scope='module')
+def module():
+    return emulator.RawModule(code=kernels.source('optimizer'),
+                              options=tuple('-D{}={}'.format(k, v)
+                                            for k, v in kernel_cases.OPT.items()))
+
+
+def special_gradient(dtype, n, seed):
+    """Random gradients with the values that matter for unscaling mixed in: the largest finite
+    value (overflows once divided by a d < 1), the smallest normal and subnormal ones (underflow
+    once divided by a large d), signed zeros."""
+    r = numpy.random.RandomState(seed)
+    info = numpy.finfo(dtype)
+    g = (r.randn(n) * 100).astype(dtype)
+    special = numpy.array([info.max, -info.max, info.tiny, -info.tiny,
+                           info.smallest_subnormal, -info.smallest_subnormal, 0.0, -0.0,
+                           info.max / 3, info.tiny * 3], dtype)
+    at = r.choice(n, min(n, special.size), replace=False)
+    g[at] = special[:at.size]
+    return g
+
+
+def reference(p, v, g, d, dtype, divide=True, p16=None):
+    """The kernel's arithmetic in NumPy, each operation rounded once."""
+    t = f64 if dtype == f64 else f32
+    with numpy.errstate(all='ignore'):
+        grad = g.astype(t)
+        if divide:
+            grad = grad / t(d)
+        p = p.copy()
+        if p16 is not None:          # adopt float16 values written from outside
+            stale = p.astype(f16).view(numpy.uint16) != p16.view(numpy.uint16)
+            p[stale] = p16[stale].astype(f32)
+        grad = grad + t(WD) * p
+        v = v * t(MOMENTUM) - t(LR) * grad
+        p = p + v
+        return p, v, (p.astype(f16) if p16 is not None else None)
+
+
+def launch(module, dtype, grads, scale, scaling=SCALE_STATIC, grad_divisor=0.0, offset=0,
+           divide=True, adopt=False):
+    """One check + update over the gradients ``grads`` (one parameter each, laid out one after
+    another from flat element ``offset``) with loss scale ``scale``; returns the outputs and the
+    inputs they started from."""
+    sizes = [g.size for g in grads]
+    total = offset + sum(sizes)
+    r = numpy.random.RandomState(len(sizes) + total)
+    group = {f32: 0, f16: 1, f64: 2}[dtype]
+    a = {'p32': numpy.zeros(1, f32), 'p16': numpy.zeros(1, f16), 'master': numpy.zeros(1, f32),
+         'mom32': numpy.zeros(1, f32), 'mom16': numpy.zeros(1, f32), 'p64': numpy.zeros(1, f64),
+         'mom64': numpy.zeros(1, f64)}
+    t = f64 if dtype == f64 else f32
+    p = r.randn(total).astype(t)
+    v = (r.randn(total) * 0.1).astype(t)
+    if dtype == f16:
+        a['p16'] = p.astype(f16)
+        if adopt:                    # every third float16 parameter written from outside
+            a['p16'][::3] = (r.randn(a['p16'][::3].size)).astype(f16)
+        a['master'], a['mom16'] = p, v
+    elif dtype == f32:
+        a['p32'], a['mom32'] = p, v
+    else:
+        a['p64'], a['mom64'] = p, v
+    start = {k: x.copy() for k, x in a.items()}
+    rows, off = [], offset
+    for i, n in enumerate(sizes):
+        for inner in range(0, n, kernel_cases.OPT_CHUNK):
+            rows.append((off + inner, inner, min(kernel_cases.OPT_CHUNK, n - inner),
+                         i | (group << 16) | (i << 32)))
+        off += n
+    chunks = numpy.array(rows, numpy.int64).reshape(-1, 4)
+    hyper = numpy.zeros((1 + len(sizes), 4))
+    hyper[0, :3] = (LR, MOMENTUM, WD)
+    hyper[1:, 3] = 1                 # enabled, the optimizer's hyperparameters
+    hyper = hyper.reshape(-1)
+    scaler = numpy.zeros(8, numpy.uint32)
+    scaler[0] = f32(scale).view(numpy.uint32)
+    sp = numpy.zeros(1, kernel_cases.STEP_PARAMS)
+    sp['scaling'], sp['interval'] = scaling, 1000
+    sp['min_scale'], sp['max_scale'] = 2.0 ** -126, 2.0 ** 127
+    sp['total_blocks'] = chunks.shape[0]
+    sp['grad_divisor'] = grad_divisor
+    for i, g in enumerate(grads):
+        sp['grad'][0, i] = g.ctypes.data | (1 if divide else 0)
+    block = (kernel_cases.OPT['OPT_BLOCK'],)
+    with emulator.checking(race=True, schedules=['forward', 'reverse', 'random:5']):
+        if scaling == SCALE_DYNAMIC:
+            module.get_function('momentum_sgd_check')((chunks.shape[0],), block,
+                                                      (sp, chunks, scaler))
+        module.get_function('momentum_sgd_update')(
+            (chunks.shape[0],), block,
+            (sp, chunks, a['p32'], a['p16'], a['master'], a['mom32'], a['mom16'], a['p64'],
+             a['mom64'], hyper, scaler))
+    return a, start, scaler
+
+
+def expected(dtype, grads, d, start, offset=0, divide=True):
+    p_name, v_name = {f32: ('p32', 'mom32'), f16: ('master', 'mom16'), f64: ('p64', 'mom64')}[dtype]
+    g = numpy.concatenate([numpy.zeros(offset, grads[0].dtype)] + list(grads))
+    p, v, p16 = reference(start[p_name], start[v_name], g, d, dtype, divide,
+                          start['p16'] if dtype == f16 else None)
+    out = {p_name: p, v_name: v}
+    if dtype == f16:
+        out['p16'] = p16
+    return {k: x[offset:] for k, x in out.items()}
+
+
+def assert_bits(out, want, offset=0):
+    for k, w in want.items():
+        numpy.testing.assert_array_equal(out[k][offset:].view(numpy.uint8), w.view(numpy.uint8),
+                                         err_msg=k)
+
+
+# 3 and 1000: divided (not powers of two); 2^-127: a subnormal divisor, 2^127: a subnormal
+# reciprocal, both divided; the others multiplied by their exact reciprocal
+SCALES = [3.0, 1000.0, 2.0 ** -126, 2.0 ** -127, 0.5, 1.0, 2.0 ** 15, 2.0 ** 24, 2.0 ** 126,
+          2.0 ** 127]
+
+
+@pytest.mark.parametrize('scale', SCALES, ids=lambda s: '{:g}'.format(s))
+@pytest.mark.parametrize('dtype', [f16, f32, f64], ids=lambda d: d.__name__)
+def test_unscaled_update_is_the_quotient_bit_for_bit(module, dtype, scale):
+    """The device scale (float32) divides the gradients: 2049 elements (a pair path with an odd
+    tail chunk) and 31 (one chunk, odd), special values included."""
+    grads = [special_gradient(dtype, 2049, 1), special_gradient(dtype, 31, 2)]
+    out, start, _ = launch(module, dtype, grads, scale, adopt=True)
+    assert_bits(out, expected(dtype, grads, scale, start))
+
+
+@pytest.mark.parametrize('divisor', [10.0, 2.0 ** -1022, 2.0 ** -1023, 2.0 ** 1022, 2.0 ** 1023,
+                                     2.0 ** -200, 2.0 ** 100],
+                         ids=lambda s: '{:g}'.format(s))
+def test_host_divisor_of_float64_gradients(module, divisor):
+    """A backward's loss_scale (StepParams.grad_divisor, a double): float64 parameters divide by
+    it in float64, where the exact-reciprocal range is [2^-1022, 2^1022]."""
+    grads = [special_gradient(f64, 700, 3)]
+    out, start, _ = launch(module, f64, grads, 1.0, grad_divisor=divisor)
+    assert_bits(out, expected(f64, grads, divisor, start))
+
+
+@pytest.mark.parametrize('dtype', [f16, f32, f64], ids=lambda d: d.__name__)
+@pytest.mark.parametrize('scale', [3.0, 2.0 ** 10], ids=['div', 'mul'])
+@pytest.mark.parametrize('where', ['aligned', 'odd offset', 'gradient view'])
+def test_pair_and_scalar_paths_give_the_same_bits(module, dtype, scale, where):
+    """Pairs need the chunk's flat offset, and the gradient's address, aligned to two elements:
+    an odd flat offset or a gradient that is a view at an odd element takes the scalar path (the
+    emulator keeps a view's offset, so it is misaligned here as on a GPU)."""
+    base = special_gradient(dtype, 4099, 4)
+    grads = [base[1:] if where == 'gradient view' else base[:4098]]
+    offset = 1 if where == 'odd offset' else 0
+    out, start, _ = launch(module, dtype, grads, scale, offset=offset, adopt=True)
+    assert_bits(out, expected(dtype, grads, scale, start, offset), offset)
+
+
+@pytest.mark.parametrize('dtype', [f16, f32, f64], ids=lambda d: d.__name__)
+def test_unmarked_gradients_are_used_as_they_are(module, dtype):
+    grads = [special_gradient(dtype, 300, 5)]
+    out, start, _ = launch(module, dtype, grads, 2.0 ** 10, divide=False)
+    assert_bits(out, expected(dtype, grads, 1.0, start, divide=False))
+
+
+@pytest.mark.parametrize('dtype', [f16, f32, f64], ids=lambda d: d.__name__)
+@pytest.mark.parametrize('scale', [0.5, 0.75, 2.0 ** -126, 2.0 ** 10, 3.0])
+@pytest.mark.parametrize('bad', [None, 'overflow', 'inf', '-inf', 'nan'])
+def test_check_flags_exactly_the_nonfinite_quotients(module, dtype, scale, bad):
+    """Dynamic scaling: the check flags a gradient whose quotient is inf or nan (a finite value
+    that overflows once divided by a scale below 1 included), and then the update writes nothing
+    at all; a gradient whose quotient stays finite is not flagged and the step is applied."""
+    info = numpy.finfo(dtype)
+    r = numpy.random.RandomState(6)
+    g = (r.randn(2100) * 10).astype(dtype)
+    g[5] = info.max * dtype(0.99) if scale >= 1 else dtype(info.max * scale * 0.5)  # finite quotient
+    if bad is not None:
+        g[1500] = {'overflow': info.max, 'inf': numpy.inf, '-inf': -numpy.inf,
+                   'nan': numpy.nan}[bad]
+    with numpy.errstate(all='ignore'):
+        t = f64 if dtype == f64 else f32
+        quotient_finite = bool(numpy.isfinite(g.astype(t) / t(scale)).all())
+    out, start, scaler = launch(module, dtype, [g], scale, scaling=SCALE_DYNAMIC)
+    flagged = bool(scaler[3])            # SCALER_SKIPPED: the step counted as skipped
+    assert flagged == (not quotient_finite)
+    if bad == 'overflow':
+        if dtype != f16:             # float16's max, unscaled in float32, need not overflow
+            assert flagged == (scale < 1), 'max / d overflows exactly when d < 1'
+    elif bad is not None:
+        assert flagged
+    if flagged:
+        for k in start:
+            numpy.testing.assert_array_equal(out[k].view(numpy.uint8),
+                                             start[k].view(numpy.uint8), err_msg=k)
+    else:
+        assert_bits(out, expected(dtype, [g], scale, start))
