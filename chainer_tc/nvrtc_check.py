@@ -39,8 +39,10 @@ _SMEM = re.compile(r"(\d+) bytes smem")
 
 
 def compile_source(code, name, arch, options=()):
-    """NVRTC-compile ``code`` for ``arch``; returns (cubin bytes, ptxas log). Cached."""
-    opts = ('--gpu-architecture=' + arch, '--ptxas-options=-v', '--std=c++17') + \
+    """NVRTC-compile ``code`` for ``arch``; returns (cubin bytes, ptxas log). Cached. With
+    ``-ftz=true``, which CuPy adds to every RawModule (``_cubin.compile_options``): the code
+    checked is the code loaded (flushing subnormals changes instruction selection)."""
+    opts = ('--gpu-architecture=' + arch, '--ptxas-options=-v', '--std=c++17', '-ftz=true') + \
         tuple('-I' + d for d in kernels.cuda_include_dirs()) + tuple(options)
     version = '{}.{}'.format(*_cubin.nvrtc_version())
     key = _cache.key_of('nvrtc-1', version, '\0'.join(opts), code)

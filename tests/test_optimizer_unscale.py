@@ -213,3 +213,40 @@ def test_check_flags_exactly_the_nonfinite_quotients(module, dtype, scale, bad):
                                              start[k].view(numpy.uint8), err_msg=k)
     else:
         assert_bits(out, expected(dtype, [g], scale, start))
+
+
+_PROBE = r'''
+extern "C" __global__ void probe_exact_reciprocal(const float* f, int* mf, const double* d,
+                                                  int* md, int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) {
+    mf[i] = opt::exact_reciprocal(f[i]);
+    md[i] = opt::exact_reciprocal(d[i]);
+  }
+}
+'''
+
+
+def test_the_multiplication_is_chosen_only_where_a_gpu_flushes_nothing(source=None):
+    """Which divisors become a multiplication: the bound that only -ftz=true needs (a subnormal
+    divisor or reciprocal is 0 on a GPU, so 2^127 and 2^-127 must keep the division) cannot be
+    seen through the kernels' results here, where subnormals stay exact; the decision itself is
+    checked instead. float32: 2^-126 .. 2^126; float64: 2^-1022 .. 2^1022; powers of two only,
+    either sign; never 0, inf, nan or a subnormal."""
+    m = emulator.RawModule(code=(source or kernels.source('optimizer')) + _PROBE,
+                           options=tuple('-D{}={}'.format(k, v)
+                                         for k, v in kernel_cases.OPT.items()))
+    both = [(1.0, 1, 1), (2.0, 1, 1), (0.5, 1, 1), (-4.0, 1, 1), (2.0 ** 15, 1, 1),
+            (2.0 ** 126, 1, 1), (2.0 ** -126, 1, 1), (2.0 ** 127, 0, 1), (2.0 ** -127, 0, 1),
+            (2.0 ** -149, 0, 1), (3.0, 0, 0), (1000.0, 0, 0), (1.0 + 2.0 ** -23, 0, 0),
+            (0.0, 0, 0), (-0.0, 0, 0), (numpy.inf, 0, 0), (numpy.nan, 0, 0)]
+    double_only = [(2.0 ** 1022, 1), (2.0 ** -1022, 1), (2.0 ** 1023, 0), (2.0 ** -1023, 0),
+                   (2.0 ** -1074, 0), (1.0 + 2.0 ** -52, 0)]
+    f = numpy.array([v for v, _, _ in both] + [1.0] * len(double_only), f32)
+    want_f = numpy.array([w for _, w, _ in both] + [1] * len(double_only), numpy.int32)
+    d = numpy.array([v for v, _, _ in both] + [v for v, _ in double_only], f64)
+    want_d = numpy.array([w for _, _, w in both] + [w for _, w in double_only], numpy.int32)
+    mf, md = numpy.full(len(f), -1, numpy.int32), numpy.full(len(d), -1, numpy.int32)
+    m.get_function('probe_exact_reciprocal')((1,), (64,), (f, mf, d, md, numpy.int32(len(f))))
+    numpy.testing.assert_array_equal(mf, want_f, err_msg=str(f))
+    numpy.testing.assert_array_equal(md, want_d, err_msg=str(d))

@@ -447,19 +447,26 @@ def test_backward_gather_order_on_big_windows_and_both_widths(monkeypatch, dtype
     numpy.testing.assert_array_equal(grads[0], grads[1])
 
 
-def test_numpy_max_pooling_copies_its_windows_a_few_images_at_a_time(monkeypatch):
-    """The NumPy path bounds its window copy (_WINDOW_BYTES): a bound of one image's windows,
-    and one below it, give the results of one copy of all."""
+def test_numpy_max_pooling_takes_a_few_images_at_a_time(monkeypatch):
+    """The NumPy path bounds its temporaries (_WINDOW_BYTES): forward the window copy, backward
+    the scatter indices; bounds of one image, below one and of a few give the results of one
+    pass over all."""
     pooling = importlib.import_module('chainer_tc.functions.pooling')
     monkeypatch.setenv('CHAINER_TC_EMULATE', '0')
-    x = numpy.random.RandomState(5).randn(5, 9, 7, 3).astype(numpy.float32)
+    r = numpy.random.RandomState(5)
+    x = r.randn(5, 9, 7, 3).astype(numpy.float32)
     x[1, 2, 3, 1] = numpy.nan
+    x[2, :4] = 1.0                                        # ties: overlapping windows share maxima
     f = pooling.MaxPooling2D(3, 2, 1, True)
     y_all, = f.forward((x,))
     a_all = f.argmax
-    one_image = 5 * 4 * 3 * 4 * 9                         # (OH, OW, C) float32, 9 taps
-    for limit in (one_image, one_image - 1, 3 * one_image):
+    gy = r.randn(*y_all.shape).astype(numpy.float32)
+    gx_all, = pooling._PoolingGrad(f, True).forward((gy,))
+    windows, indices = 5 * 4 * 3 * 4 * 9, 3 * 8 * 5 * 4 * 3     # per image: (OH, OW, C) = 5, 4, 3
+    for limit in (windows, windows - 1, 3 * windows, indices, indices - 1, 2 * indices):
         monkeypatch.setattr(pooling, '_WINDOW_BYTES', limit)
         y, = f.forward((x,))
         numpy.testing.assert_array_equal(y, y_all)
         numpy.testing.assert_array_equal(f.argmax, a_all)
+        gx, = pooling._PoolingGrad(f, True).forward((gy,))
+        numpy.testing.assert_array_equal(gx, gx_all)

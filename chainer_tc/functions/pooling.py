@@ -36,10 +36,17 @@ _NAMES = (tuple('{}<{}, {}, {}>'.format(k, t, i, v)
                   for t in ('__half', 'float', 'double') for v in (1, 2)))
 SHAPE = numpy.dtype([(f, '<i4') for f in ('N', 'H', 'W', 'C', 'OH', 'OW', 'kh', 'kw', 'sy', 'sx',
                                           'ph', 'pw')])
-# the NumPy max pooling copies the windows of this many bytes at a time at most (a 3x3 window
-# copies 9 times the output: ResNet-50's first pooling at batch 32 would take 230 MB in float32)
+# the NumPy max pooling's temporaries, at most this many bytes at a time (a few images at a
+# time): forward the windows' copy (9 times the output for a 3x3 window: ResNet-50's first
+# pooling at batch 32 would take 230 MB in float32), backward the int64 scatter indices
 _WINDOW_BYTES = 32 * 2 ** 20
 INT_MAX = 2 ** 31 - 1       # the kernels' geometry is 32-bit int (PoolShape, window offsets)
+
+
+def _images_per_pass(bytes_per_image):
+    """How many images the NumPy max pooling takes at once for temporaries of
+    ``bytes_per_image`` each: as many as fit in _WINDOW_BYTES, at least one."""
+    return max(1, _WINDOW_BYTES // max(1, bytes_per_image))
 
 
 def _acc(dtype):
@@ -159,9 +166,9 @@ class _Pooling2D(function_node.FunctionNode):
         return view.reshape(count, oh, ow, self.kh * self.kw, c)      # a copy: strided windows
 
     def _flat_index(self, shape, s, offsets):
-        """Where in the flattened padded array of ``shape`` each output element's window offset
-        (``offsets``, i * kw + j, of shape (N, OH, OW, C)) falls: the scatter of max pooling's
-        gradient."""
+        """Where in the flattened padded array of ``shape`` (n images) each output element's
+        window offset (``offsets``, i * kw + j, of shape (n, OH, OW, C)) falls: the scatter of
+        max pooling's gradient."""
         n, hp, wp, c = shape
         oh, ow = int(s['OH']), int(s['OW'])
         start = ((numpy.arange(n).reshape(-1, 1, 1, 1) * hp
@@ -196,7 +203,7 @@ class MaxPooling2D(_Pooling2D):
         n = int(s['N'])
         y = numpy.empty((n, int(s['OH']), int(s['OW']), int(s['C'])), x.dtype)
         argmax = numpy.empty(y.shape, index_dtype(self.kh, self.kw))
-        per = max(1, _WINDOW_BYTES // max(1, y[:1].nbytes * self.kh * self.kw))
+        per = _images_per_pass(y[:1].nbytes * self.kh * self.kw)
         for n0 in range(0, n, per):
             rows = self._window_rows(xpad, s, n0, min(per, n - n0))
             first = rows.argmax(axis=3)
@@ -244,9 +251,14 @@ class _PoolingGrad(function_node.FunctionNode):
             gp = f._padded(None, s, 0, a)
             if self.is_max:
                 # each output's gradient added where its maximum was, in the order of the outputs
-                # (oh, then ow) as the kernel sums, so the same float additions
-                numpy.add.at(gp.reshape(-1), f._flat_index(gp.shape, s, f.argmax).reshape(-1),
-                             gy.astype(a, copy=False).reshape(-1))
+                # (oh, then ow) as the kernel sums, so the same float additions; a few images at a
+                # time (each image's sums are its own), the int64 indices at most _WINDOW_BYTES
+                per = _images_per_pass(3 * 8 * gy[:1].size)
+                for n0 in range(0, in_shape[0], per):
+                    part = gp[n0:n0 + per]              # a view: leading images of gp
+                    numpy.add.at(part.reshape(-1),
+                                 f._flat_index(part.shape, s, f.argmax[n0:n0 + per]).reshape(-1),
+                                 gy[n0:n0 + per].astype(a, copy=False).reshape(-1))
             else:
                 for _, _, sl in f._windows(s):
                     gp[sl] += gy.astype(a)
