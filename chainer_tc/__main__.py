@@ -2,6 +2,8 @@
 
     info [--json]              versions, GPUs, and which chainer_tc features can run here (and why not)
     kernels [--json]           compile kernels/*.cu with NVRTC 12 for sm_70/80/90: registers, spills
+    sass FAMILY KERNEL         a kernel's SASS (nvdisasm) and its innermost loops: instructions,
+                               global loads and stores, source lines ([--arch sm_90] [--json])
     check-gpu-stack            check the CUDA/cuDNN install without a GPU (what CI runs)
     dali-check ROOT [LIST]     scan an image data set (root + list file, or a class-per-directory
                                tree) and list every bad line and file; non-zero exit if any
@@ -11,6 +13,7 @@ import sys
 COMMANDS = {
     'info': ('chainer_tc.info', 'versions, GPUs, and which features can run here'),
     'kernels': ('chainer_tc.nvrtc_check', 'compile every kernel with NVRTC 12; registers, spills'),
+    'sass': ('chainer_tc.sass', "a kernel's innermost loops in SASS: instructions, loads, stores"),
     'check-gpu-stack': ('chainer_tc.gpu_stack', 'check the CUDA/cuDNN install without a GPU'),
     'dali-check': ('chainer_tc.dali.check', 'scan an image data set for bad lines and files'),
 }

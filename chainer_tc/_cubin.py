@@ -25,7 +25,8 @@ from chainer_tc import _tally
 from chainer_tc.errors import CompileError
 
 KIND = 'cubin'          # the cache's sub-directory
-FORMAT = 1              # bump when the entry layout or the key changes meaning
+FORMAT = 2              # bump when the entry layout or the key changes meaning (2: whole
+                        # cubins; 1 stored CuPy's, a byte short)
 
 
 _lock = threading.Lock()
@@ -96,11 +97,61 @@ def compile_program(code, name, options, name_expressions=(), target='cubin'):
             raise CompileError('NVRTC failed to compile {} for {} ({}):\n{}'
                                .format(name, arch, e, log)) from e
         lowered = {x: lib.getLoweredName(prog, x) for x in name_expressions}
-        binary = lib.getCUBIN(prog) if target == 'cubin' else lib.getPTX(prog)
+        binary = _full_cubin(prog, lib.getCUBIN(prog)) if target == 'cubin' else lib.getPTX(prog)
         log = lib.getProgramLog(prog).rstrip('\x00')
     finally:
         lib.destroyProgram(prog)
     return Program(binary, lowered, log)
+
+
+def _loaded_nvrtc():
+    """ctypes handle of the libnvrtc this process loaded (CuPy's binding links it by soname), or
+    None with the reason. Only a library already mapped will do: a program handle is valid in
+    the library instance that created it, never in another copy."""
+    import ctypes
+    try:
+        with open('/proc/self/maps') as f:
+            paths = {line.split(None, 5)[-1].strip() for line in f
+                     if os.path.basename(line.split(None, 5)[-1].strip()).startswith('libnvrtc.so')}
+    except (OSError, IndexError) as e:
+        return None, 'cannot read /proc/self/maps ({})'.format(e)
+    paths = sorted({os.path.realpath(p) for p in paths})
+    if len(paths) != 1:
+        return None, ('no libnvrtc.so* is mapped in this process' if not paths else
+                      'several libnvrtc libraries are mapped ({})'.format(', '.join(paths)))
+    try:
+        return ctypes.CDLL(paths[0], mode=os.RTLD_NOLOAD), None
+    except OSError as e:
+        return None, 'cannot open {} ({})'.format(paths[0], e)
+
+
+def _full_cubin(prog, cupy_bytes):
+    """The whole cubin of the compiled program ``prog`` (CuPy's handle, an integer).
+
+    CuPy 13's ``nvrtc.getCUBIN`` returns the binary one byte short (it drops the last byte): the
+    driver loads it, but ``nvdisasm`` rejects it as a truncated ELF. So the size and bytes are
+    asked again from the same libnvrtc through ctypes. Where that route fails (no such library
+    mapped, an NVRTC error, bytes that do not extend CuPy's), a warning once and CuPy's bytes."""
+    import ctypes
+    hit = _memo.get('nvrtc-ctypes')
+    if hit is None:
+        hit = _memo['nvrtc-ctypes'] = _loaded_nvrtc()
+    lib, why = hit
+    if lib is not None:
+        handle, size = ctypes.c_void_p(prog), ctypes.c_size_t()
+        rc = lib.nvrtcGetCUBINSize(handle, ctypes.byref(size))
+        if rc == 0:
+            buf = ctypes.create_string_buffer(size.value)
+            rc = lib.nvrtcGetCUBIN(handle, buf)
+        if rc != 0:
+            why = 'nvrtcGetCUBIN(Size) returned error {}'.format(rc)
+        elif not buf.raw.startswith(cupy_bytes):
+            why = 'its {} bytes do not extend CuPy\'s {}'.format(size.value, len(cupy_bytes))
+        else:
+            return buf.raw
+    _warn_once('full-cubin', 'chainer_tc: could not read the whole cubin from libnvrtc ({}); '
+               'using CuPy\'s bytes, which nvdisasm may reject as truncated'.format(why))
+    return cupy_bytes
 
 
 # -- what to compile for --------------------------------------------------------------------------

@@ -45,7 +45,7 @@ def compile_source(code, name, arch, options=()):
     opts = ('--gpu-architecture=' + arch, '--ptxas-options=-v', '--std=c++17', '-ftz=true') + \
         tuple('-I' + d for d in kernels.cuda_include_dirs()) + tuple(options)
     version = '{}.{}'.format(*_cubin.nvrtc_version())
-    key = _cache.key_of('nvrtc-1', version, '\0'.join(opts), code)
+    key = _cache.key_of('nvrtc-2', version, '\0'.join(opts), code)   # 2: whole cubins
     hit = _cache.load('nvrtc', key)
     if hit is not None:
         entry = json.loads(hit.decode())

@@ -166,6 +166,56 @@ def test_compile_returns_cubin_and_lowered_names(cache):
     assert _cubin.counters() == dict(ZERO, nvrtc_compiles=1)
 
 
+def _elf_is_complete(binary):
+    """True when the ELF header's program and section header tables (e_phoff + e_phnum *
+    e_phentsize, e_shoff + e_shnum * e_shentsize) and every section's bytes lie inside
+    ``binary`` (NVRTC's cubins end with the program headers: CuPy's copy cuts the last one)."""
+    import struct
+    phoff, shoff = struct.unpack_from('<QQ', binary, 0x20)
+    phentsize, phnum, shentsize, shnum = struct.unpack_from('<HHHH', binary, 0x36)
+    if max(phoff + phnum * phentsize, shoff + shnum * shentsize) > len(binary):
+        return False
+    for k in range(shnum):
+        kind, = struct.unpack_from('<I', binary, shoff + k * shentsize + 4)
+        offset, size = struct.unpack_from('<QQ', binary, shoff + k * shentsize + 0x18)
+        if kind != 8 and offset + size > len(binary):       # 8: SHT_NOBITS, no bytes in the file
+            return False
+    return True
+
+
+def test_cubin_is_the_whole_binary(cache):
+    # CuPy 13's nvrtc.getCUBIN drops the last byte (nvdisasm then rejects the ELF); the size
+    # NVRTC itself reports for the same program is what compile_program must return
+    import ctypes
+    lib = _cubin.nvrtc()
+    options = [o for o in OPTS]
+    prog = lib.createProgram(TEMPLATED, 'scaled.cu', [], [])
+    try:
+        lib.compileProgram(prog, options)
+        size = ctypes.c_size_t()
+        handle, _ = _cubin._loaded_nvrtc()
+        assert handle.nvrtcGetCUBINSize(ctypes.c_void_p(prog), ctypes.byref(size)) == 0
+        full = _cubin._full_cubin(prog, lib.getCUBIN(prog))
+    finally:
+        lib.destroyProgram(prog)
+    assert len(full) == size.value and _elf_is_complete(full)
+    binary = _cubin.compile_program(TEMPLATED, 'kernels/scaled.cu', OPTS, NAMES).binary
+    assert len(binary) == size.value and _elf_is_complete(binary)
+    assert not _elf_is_complete(binary[:-1])                # the check sees CuPy's truncation
+
+
+def test_cubin_without_the_ctypes_route_warns_once(cache, monkeypatch):
+    monkeypatch.setitem(_cubin._memo, 'nvrtc-ctypes', (None, 'no libnvrtc.so* is mapped'))
+    monkeypatch.setattr(_cubin, '_warned', set())
+    with pytest.warns(RuntimeWarning, match='could not read the whole cubin.*no libnvrtc'):
+        first = _cubin.compile_program(TEMPLATED, 'kernels/scaled.cu', OPTS, NAMES).binary
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        second = _cubin.compile_program(TEMPLATED, 'kernels/scaled.cu', OPTS, NAMES).binary
+    assert first == second and first[:4] == b'\x7fELF'     # CuPy's bytes, still loadable
+
+
 def test_compile_to_ptx(cache):
     ptx = _cubin.compile_program(TEMPLATED, 'kernels/scaled.cu',
                                  OPTS[:2] + ('-arch=compute_80',), NAMES, target='ptx').binary

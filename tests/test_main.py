@@ -11,7 +11,7 @@ def run(*args):
 def test_usage_lists_commands():
     p = run('--help')
     assert p.returncode == 0
-    for cmd in ('info', 'kernels', 'check-gpu-stack'):
+    for cmd in ('info', 'kernels', 'sass', 'check-gpu-stack'):
         assert cmd in p.stdout
 
 
