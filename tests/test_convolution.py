@@ -80,11 +80,12 @@ def test_gradient_check_float64(case):
                                   atol=1e-7, rtol=1e-6)
 
 
-# (ksize, stride, pad, dilate, groups): the input gradient as one convolution of the spread output
-# gradient (pad within the dilated window, one group) and, for the rest, the per-tap scatter
-SPREAD = [(3, 1, 1, 1, 1), (3, 2, 1, 1, 1), (3, 3, 2, 1, 1), (4, 2, 1, 1, 1), (5, 1, 1, 2, 1),
-          (2, 3, 1, 2, 1), (1, 2, 0, 1, 1), (3, 1, 0, 1, 1)]
-SCATTER = [(1, 1, 1, 1, 1), (3, 1, 3, 1, 1), (3, 2, 1, 1, 2)]
+# (ksize, stride, pad, dilate, groups): the input gradient as one convolution of the padded output
+# gradient (stride 1, pad within the dilated window, one group) and, for the rest, the per-tap
+# scatter
+SPREAD = [(3, 1, 1, 1, 1), (5, 1, 1, 2, 1), (3, 1, 0, 1, 1), (2, 1, 1, 1, 1), (4, 1, 3, 1, 1)]
+SCATTER = [(1, 1, 1, 1, 1), (3, 1, 3, 1, 1), (3, 2, 1, 1, 2), (3, 2, 1, 1, 1), (3, 3, 2, 1, 1),
+           (4, 2, 1, 1, 1), (2, 3, 1, 2, 1), (1, 2, 0, 1, 1)]
 
 
 @pytest.mark.parametrize('geometry', SPREAD + SCATTER)

@@ -5,10 +5,10 @@
 
 The patches of a channels-last image are a strided view of the (padded) input: shape
 (N, oh, ow, kh, kw, C), no copy until the matrix product reads it. A 1x1 convolution with stride
-1 and no padding (most of ResNet-50's) needs no patches at all. The input gradient is itself one
-convolution (the output gradient spread out by the stride, the filter flipped); where it is not
-(groups, or a pad wider than the window) the patch gradients are scattered back with one add per
-filter tap (kh * kw adds), never per pixel.
+1 and no padding (most of ResNet-50's) needs no patches at all. With stride 1 the input gradient
+is itself one convolution (of the zero-padded output gradient with the flipped filter); otherwise
+(strides, groups, a pad wider than the window) the patch gradients are scattered back with one
+add per filter tap (kh * kw adds), never per pixel.
 
 float16 data is multiplied in float32 (NumPy has no float16 BLAS) and rounded once to float16 at
 the end; float32 and float64 use BLAS in their own precision. With float16, overflows (expected
@@ -94,10 +94,13 @@ def _forward(x, W, b, g):
 
 
 def _spread(g, kh, kw):
-    """(qh, qw): where the input gradient is a convolution of the output gradient, the offset
-    of its first row and column in the spread array :func:`_input_grad` builds; None where it is
-    not (groups above 1, or a pad beyond the dilated window: :func:`_scatter` handles those)."""
-    if g.groups != 1:
+    """(qh, qw): where the input gradient is computed as a convolution of the output gradient,
+    the offset of its first row and column in the array :func:`_input_grad` builds; None where
+    :func:`_scatter` computes it: groups above 1, a pad beyond the dilated window, and strides
+    above 1 (spread out by a stride s, the output gradient is s * s times larger, mostly zeros:
+    the product would do s * s times the scatter's arithmetic, which costs more than the
+    scatter's kh * kw adds on any but tiny images)."""
+    if g.groups != 1 or g.sy != 1 or g.sx != 1:
         return None
     qh, qw = g.dy * (kh - 1) - g.ph, g.dx * (kw - 1) - g.pw
     if qh < 0 or qw < 0:
