@@ -86,7 +86,7 @@ KERNELS = [
          why='reads x (2 B); 4 rows x 2 channels (__half2) per iteration'),
     dict(label='bn_backward_partial f16 x1', family='batchnorm',
          names=['bn_backward_partial<__half, 1>', 'bn_backward_partial<__half>'], bytes=6,
-         pick=_main_loop, why='reads x, gy and y or z (3 x 2 B; the fused-ReLU loop)'),
+         pick=_main_loop, why='reads gy, y (the ReLU mask) and x (3 x 2 B; the ReLU loop)'),
     dict(label='bn_backward_partial f16 x2', family='batchnorm',
          names=['bn_backward_partial<__half, 2>', 'bn_backward_partial<__half>'], bytes=6,
          pick=_main_loop, why='as x1, two channels per access'),

@@ -53,15 +53,21 @@ def vector_width(channels, arrays):
 _WARNED = set()
 
 
-def plan(kernel, channels, positions, threads, arrays, category):
-    """``(width, grid, block)`` of a launch of ``kernel`` over ``positions`` with ``arrays``: the
-    vector width :func:`vector_width` allows and :func:`channel_tiles` for it. An even channel
-    count held back to one channel per thread by a misaligned array says so once per kernel and
-    reason (a warning of ``category``): nothing falls back silently."""
-    width, why = vector_width(channels, arrays)
+def width(kernel, channels, arrays, category, stacklevel=3):
+    """The vector width :func:`vector_width` allows a launch of ``kernel`` over ``arrays``. An
+    even channel count held back to one channel per thread by a misaligned array says so once
+    per kernel and reason (a warning of ``category``): nothing falls back silently."""
+    w, why = vector_width(channels, arrays)
     if why is not None and (kernel, why) not in _WARNED:
         _WARNED.add((kernel, why))
         warnings.warn('chainer_tc: {} takes one channel per thread instead of two: {}'.format(
-            kernel, why), category, stacklevel=3)
-    grid, block = channel_tiles(channels // width, positions, threads)
-    return width, grid, block
+            kernel, why), category, stacklevel=stacklevel)
+    return w
+
+
+def plan(kernel, channels, positions, threads, arrays, category):
+    """``(width, grid, block)`` of a launch of ``kernel`` over ``positions`` with ``arrays``: the
+    :func:`width` it may take (warned of once when held back) and :func:`channel_tiles` for it."""
+    w = width(kernel, channels, arrays, category, stacklevel=4)
+    grid, block = channel_tiles(channels // w, positions, threads)
+    return w, grid, block

@@ -43,10 +43,10 @@ def _elementwise(name, rows, C, arrays):
 def _reduction(name, rows, C, arrays):
     """(vector width, grid, block, rows per block) of bn_stats_partial / bn_backward_partial
     over ``arrays`` (the data they read): the width chosen, and a misaligned array warned of once
-    per kernel, by the elementwise launches' own planner (whose grid is not used here); blocks
-    of TILE_C threads over channel groups by ROWS over rows, each block reducing ``per`` rows
-    (the same for both widths)."""
-    width = _tiles.plan(name, C, rows, THREADS, arrays, chainer.warnings.PerformanceWarning)[0]
+    per kernel, as for the elementwise launches (``_tiles.width``); blocks of TILE_C threads over
+    channel groups by ROWS over rows, each block reducing ``per`` rows (the same for both
+    widths)."""
+    width = _tiles.width(name, C, arrays, chainer.warnings.PerformanceWarning)
     per, blocks = _row_blocks(rows, C)
     return width, (-(-C // (width * TILE_C)), blocks), (TILE_C, ROWS), per
 
