@@ -47,6 +47,70 @@ def test_read_far_before_the_start(buggy):
         buggy.get_function('read_far')((4,), (256,), (a, b, numpy.int32(1000), numpy.int32(-10000)))
 
 
+# every distance from 16 bytes to 32 GiB (2^35: a 32-bit element index of 16-byte elements), both
+# ways, and the ends of the int32 range
+FAR_INDICES = sorted({s * (1 << k) for k in range(0, 31) for s in (1, -1)} |
+                     {2 ** 31 - 1, -2 ** 31, 2 ** 20 + 3, -(2 ** 24) - 5})
+
+
+@pytest.mark.parametrize('kernel', ['read_first_at', 'read_last_at'])
+def test_far_accesses_are_reported_against_their_own_array(buggy, kernel):
+    """An access up to 32 GiB off an array lands in its own slot of the arena or in an empty one
+    (docs/emulator.md): reported against that array with its offset, whatever the distance, never
+    taken as a read of another argument and never outside the launch's memory, with `a` the
+    first argument (the arena's leading empty slot) or the last (its trailing one)."""
+    assert emulator.FAR_BYTES == 2 ** 35 == 16 * 2 ** 31
+    a, b, out = (numpy.zeros(4 * n, numpy.float32) for n in (3, 1000, 2))    # float4s
+    args = (a, b, out) if kernel == 'read_first_at' else (b, out, a)
+    name = 'argument {}'.format(0 if kernel == 'read_first_at' else 2)
+    for index in FAR_INDICES:
+        if 0 <= index < 3:
+            continue
+        with pytest.raises(KernelLaunchError) as e:
+            buggy.get_function(kernel)((1,), (1,), args + (numpy.int64(index),))
+        msg = str(e.value)
+        assert 'out-of-bounds read of {} '.format(name) in msg, (index, msg)
+        assert 'at byte offset {} (element {} of 12)'.format(16 * index, 4 * index) in msg, \
+            (index, msg)
+
+
+def test_smaller_slots_where_the_address_space_is_short(tmp_path):
+    """Under an address-space limit (RLIMIT_AS) too small for 32 GiB slots, the launch halves them
+    until they fit, warns once that far accesses are caught over a shorter distance, and still
+    names an access a slot off against its array."""
+    script = tmp_path / 'short.py'
+    script.write_text('''
+import resource, warnings
+import numpy
+from chainer_tc.errors import KernelLaunchError
+from chainer_tc.testing import emulator
+code = ('extern "C" __global__ void k(const float* a, float* out, long long i) '
+        '{ out[0] = a[i]; }')
+f = emulator.RawModule(code=code).get_function('k')
+a, out = numpy.ones(4, numpy.float32), numpy.zeros(1, numpy.float32)
+with open('/proc/self/status') as s:
+    vm = [int(l.split()[1]) * 1024 for l in s if l.startswith('VmSize')][0]
+resource.setrlimit(resource.RLIMIT_AS, (vm + (256 << 30), resource.RLIM_INFINITY))
+with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter('always')
+    f((1,), (1,), (a, out, numpy.int64(3)))
+    f((1,), (1,), (a, out, numpy.int64(2)))
+print('warnings:', len(w), w[0].message if w else '')
+print('out:', out[0])
+try:
+    f((1,), (1,), (a, out, numpy.int64(-(1 << 24))))
+except KernelLaunchError as e:
+    print('raised:', e)
+''')
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert 'warnings: 1 emulator: the address space for 32 GiB slots could not be reserved' \
+        in proc.stdout, proc.stdout
+    assert 'out: 1.0' in proc.stdout
+    assert ('raised: kernel \'k\': out-of-bounds read of argument 0 (const float*, float32 array '
+            'of shape (4,)) at byte offset -67108864') in proc.stdout, proc.stdout
+
+
 def test_arrays_are_aligned_as_cudamalloc_aligns_them(buggy):
     out = numpy.zeros(3, numpy.uint64)
     for n in (1, 3, 1001):          # sizes that are no multiple of anything

@@ -41,6 +41,7 @@ import signal
 import subprocess
 import tempfile
 import threading
+import warnings
 
 import numpy
 
@@ -680,7 +681,23 @@ class _LaunchArgs(ctypes.Structure):
         ('race', ctypes.c_int),
         ('schedules', ctypes.c_char_p),
         ('err', ctypes.c_char_p),
+        ('slot_bytes', ctypes.POINTER(ctypes.c_uint64)),
     ]
+
+
+#: The arena's slot size the runtime asks for: an access up to this many bytes before or after
+#: an array (a 32-bit index of 16-byte elements) is reported against that array.
+FAR_BYTES = 1 << 35
+_far_warned = []
+
+
+def _check_slot_bytes(got):
+    if got < FAR_BYTES and not _far_warned:
+        _far_warned.append(got)
+        warnings.warn('emulator: the address space for 32 GiB slots could not be reserved; this '
+                      'launch catches accesses up to {} bytes off an array, not {} (an access '
+                      'further away may land in another array)'.format(got, FAR_BYTES),
+                      RuntimeWarning, stacklevel=3)
 
 
 class _Param:
@@ -905,6 +922,7 @@ class Function:
         race, schedules = current_checks()
         names = ','.join(schedules).encode()
         err = ctypes.create_string_buffer(_ERR_LEN)
+        slot_bytes = ctypes.c_uint64(0)
         targets, slots = tables
 
         def array(ctype, items):
@@ -924,9 +942,12 @@ class Function:
             slot_arg=array(ctypes.c_int, [s[0] for s in slots]),
             slot_offset=array(ctypes.c_uint64, [s[1] for s in slots]),
             slot_target=array(ctypes.c_int, [s[2] for s in slots]),
-            race=int(race), schedules=names, err=ctypes.cast(err, ctypes.c_char_p))
+            race=int(race), schedules=names, err=ctypes.cast(err, ctypes.c_char_p),
+            slot_bytes=ctypes.pointer(slot_bytes))
         with _launch_lock:
             rc = self._launch(ctypes.byref(la))
+        if slot_bytes.value:
+            _check_slot_bytes(slot_bytes.value)
         if rc != 0:
             raise KernelLaunchError(self._explain(err.value.decode(errors='replace'), args, tables))
 

@@ -70,6 +70,18 @@ extern "C" __global__ void read_far(const float* a, float* b, int n, int far) {
   if (i < n) b[i] = a[i + far];
 }
 
+// Read element `index` of `a` (a 64-bit index: any distance) beside the arrays `b` and `out`, with
+// `a` the first array argument or the last: an access far off `a` must be reported against `a`,
+// never read from `b` or `out` and never from memory outside the launch.
+extern "C" __global__ void read_first_at(const float4* a, const float4* b, float4* out, long long index) {
+  out[0] = a[index];
+  out[1] = b[0];
+}
+extern "C" __global__ void read_last_at(const float4* b, float4* out, const float4* a, long long index) {
+  out[0] = a[index];
+  out[1] = b[0];
+}
+
 // Sums each gradient of a table of addresses, one element too many (i <= count).
 extern "C" __global__ void table_sum_off_by_one(const unsigned long long* table, const int* count,
                                                 float* out, int n) {

@@ -60,6 +60,7 @@ struct LaunchArgs {
   int race;                    // run the race detector
   const char* schedules;       // comma-separated: forward, reverse, random:<seed>
   char* err;                   // kErrLen bytes for the error message
+  u64* slot_bytes;             // out: the arena's slot size (accesses that far off an array are caught)
 };
 
 enum { kErrLen = 2048, kMaxParams = 1024 };

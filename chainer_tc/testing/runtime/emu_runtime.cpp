@@ -18,8 +18,9 @@
 //   variable (per block) and dynamic shared memory is copied into its own page-aligned region of a
 //   per-launch arena (256-byte alignment, as cudaMalloc gives, and more; an argument that is a view
 //   starts as far past it as the view starts in its array, mod 256, so it is as misaligned as on a
-//   GPU); the gaps between regions are PROT_NONE. Every instrumented access is checked against its region exactly (memcheck); one
-//   outside any region is an error naming the nearest region, the offset and the thread.
+//   GPU), each in its own 32 GiB slot of address space with an empty slot between two (see "the
+//   arena"). Every instrumented access is checked against its region exactly (memcheck); one
+//   outside any region is an error naming the region it belongs to, the offset and the thread.
 // - Race detector (on request): a shadow cell per byte of every region records the last write and
 //   up to two reads (block, thread, barrier generation, warp-sync count, atomic or not). Two
 //   accesses by different threads, at least one a write, not both atomic (volatile counts as
@@ -182,9 +183,8 @@ struct Runtime {
   void* body_ctx;
   // memory
   char* arena;
-  size_t arena_size, arena_used;
-  uint32_t* page_region;           // region index + 1 per arena page, 0 in the gaps
-  size_t page_region_len;
+  size_t arena_size;
+  unsigned slot_shift;             // log2 of the slot size: region k in slot 2k + 1
   std::vector<Region> regions;
   std::vector<int> arg_region;     // per parameter, or -1
   std::vector<int> target_region;
@@ -269,58 +269,60 @@ namespace {
 // ---- the arena -------------------------------------------------------------------------------
 size_t round_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
 
-// The PROT_NONE gap before a region: twice its size, at least 16 MiB, at most 4 GiB, so that an
-// access far past the end of one array (or before its start) lands in a gap, not in another array.
-size_t gap_for(size_t bytes) {
-  size_t g = 2 * round_up(bytes, rt.page);
-  if (g < (16ull << 20)) g = 16ull << 20;
-  if (g > (4ull << 30)) g = 4ull << 30;
-  return g;
-}
+// The arena is a row of slots of S = 2^slot_shift bytes: region k (in creation order) lies in slot
+// 2k + 1, k pages after its start (plus its lead), and the even slots, the first and the last among
+// them, are never mapped. S is 32 GiB (2^35 bytes) unless an array needs more (it is then at least
+// twice the largest region). So the data of two regions are more than 2S apart, and every address
+// from S before a region's data to S after it is in that region's own slot or in an empty one:
+// an access at any offset in [-2^35, 2^35) from an array (every 32-bit element index of elements
+// up to 16 bytes) is caught, never taken for an access to another region or to memory outside the
+// launch, and is named against that array (owner_of). Which region an address is in takes a shift,
+// not a page table. The arena is reserved (PROT_NONE, no memory behind it) for one launch and
+// given back after it; where the address space for 32 GiB slots cannot be had, the slots are
+// halved until it can (the launch reports the size it got, and the emulator warns).
+enum : size_t { kSlotShift = 35, kMinSlotShift = 24 };
+enum { kSharedVarsPerBlock = 64 };     // static __shared__ variables a launch may reach, per block
 
-size_t region_need(size_t bytes) { return round_up(bytes ? bytes : 1, rt.page) + gap_for(bytes); }
+size_t region_span(size_t bytes, size_t lead) { return round_up(lead + (bytes ? bytes : 1), rt.page); }
 
-void unmap_arena() {
-  if (rt.arena) munmap(rt.arena, rt.arena_size);
-  if (rt.page_region) munmap(rt.page_region, rt.page_region_len);
-  rt.arena = nullptr;
-  rt.arena_size = rt.arena_used = 0;
-  rt.page_region = nullptr;
-}
-
-// The arena stays reserved between launches (mapping 64 GiB of address space and its page table
-// for every launch costs more than the launch of a small kernel); a launch that needs more gets a
-// larger one.
-void reserve_arena(size_t need) {
-  need = round_up(need + gap_for(0), rt.page);
-  rt.arena_used = 0;
-  if (rt.arena && need <= rt.arena_size) return;
-  unmap_arena();
-  void* m = mmap(nullptr, need, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-  if (m == MAP_FAILED) fail("emulator: cannot reserve %zu bytes of address space for the launch", need);
-  rt.page_region_len = need / rt.page * sizeof(uint32_t);
-  void* t = mmap(nullptr, rt.page_region_len, PROT_READ | PROT_WRITE,
-                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-  if (t == MAP_FAILED) {
-    munmap(m, need);
-    fail("emulator: cannot map the page table of the launch");
+// Reserves 2 * regions + 1 slots, each at least twice `largest` bytes.
+void reserve_arena(size_t regions, size_t largest) {
+  unsigned shift = kSlotShift;
+  while (shift < 62 && ((size_t)1 << shift) < 2 * largest) ++shift;
+  size_t slots = 2 * regions + 2;       // the last one: room for the regions' page offsets
+  for (;;) {
+    size_t bytes = slots << shift;
+    if ((bytes >> shift) == slots) {
+      void* m = mmap(nullptr, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+      if (m != MAP_FAILED) {
+        rt.arena = (char*)m;
+        rt.arena_size = bytes;
+        rt.slot_shift = shift;
+        return;
+      }
+    }
+    if (shift <= kMinSlotShift || ((size_t)1 << (shift - 1)) < 2 * largest)
+      fail("emulator: cannot reserve %zu slots of %zu bytes of address space for the launch", slots,
+           (size_t)1 << shift);
+    --shift;
   }
-  rt.arena = (char*)m;
-  rt.arena_size = need;
-  rt.page_region = (uint32_t*)t;
 }
 
-// After a launch: the regions' memory is given back and their pages are inaccessible again.
+// After a launch: the regions' memory and the reservation are given back.
 void release_arena() {
   for (Region& r : rt.regions)
     if (r.shadow) munmap(r.shadow, r.shadow_len);
   rt.regions.clear();
-  if (rt.arena && rt.arena_used) {
-    madvise(rt.arena, rt.arena_used, MADV_DONTNEED);
-    mprotect(rt.arena, rt.arena_used, PROT_NONE);
-    memset(rt.page_region, 0, rt.arena_used / rt.page * sizeof(uint32_t));
-  }
-  rt.arena_used = 0;
+  if (rt.arena) munmap(rt.arena, rt.arena_size);
+  rt.arena = nullptr;
+  rt.arena_size = 0;
+}
+
+// The region an arena address is in (its slot's), or -1 in an empty slot.
+inline int region_at(const char* a) {
+  size_t slot = (size_t)(a - rt.arena) >> rt.slot_shift;
+  if (!(slot & 1) || (slot >> 1) >= rt.regions.size()) return -1;
+  return (int)(slot >> 1);
 }
 
 void alloc_shadow(Region& r) {
@@ -341,10 +343,14 @@ void fill_slack(Region& r) {
 // array argument's offset in its allocation: a view misaligned on the host is misaligned here);
 // the slack before and after the data is filled with the canary. Returns its index.
 int new_region(size_t nbytes, size_t itemsize, int kind, int index, int slot, size_t lead = 0) {
-  size_t span = round_up(lead + (nbytes ? nbytes : 1), rt.page);
-  size_t start = round_up(rt.arena_used + gap_for(nbytes), rt.page);
-  if (start + span + gap_for(0) > rt.arena_size)
-    fail("emulator: the launch ran out of its reserved address space (%zu bytes)", rt.arena_size);
+  size_t span = region_span(nbytes, lead);
+  size_t k = rt.regions.size(), bytes = (size_t)1 << rt.slot_shift;
+  size_t start = (2 * k + 1) * bytes + k * rt.page;
+  if ((2 * k + 2) * bytes >= rt.arena_size)
+    fail("emulator: the launch has more regions than it reserved slots for (%zu): more than %d static "
+         "__shared__ variables per block?", rt.arena_size >> rt.slot_shift, (int)kSharedVarsPerBlock);
+  if (k * rt.page + span > bytes)
+    fail("emulator: a %zu-byte region does not fit the launch's %zu-byte slots", span, bytes);
   char* p = rt.arena + start;
   if (mprotect(p, span, PROT_READ | PROT_WRITE) != 0) fail("emulator: cannot map %zu bytes", span);
   Region r;
@@ -360,10 +366,7 @@ int new_region(size_t nbytes, size_t itemsize, int kind, int index, int slot, si
   fill_slack(r);
   if (rt.race) alloc_shadow(r);
   rt.regions.push_back(r);
-  int id = (int)rt.regions.size() - 1;
-  for (size_t k = 0; k < span / rt.page; ++k) rt.page_region[start / rt.page + k] = (uint32_t)id + 1;
-  rt.arena_used = start + span;
-  return id;
+  return (int)rt.regions.size() - 1;
 }
 
 void reset_shadow(Region& r) {
@@ -378,26 +381,25 @@ size_t slack_damage(const Region& r) {
   return n;
 }
 
-// The region nearest to an arena address outside every region (for the error message).
-int nearest_region(char* a) {
-  int best = -1;
-  size_t dist = (size_t)-1;
+// The region an arena address outside every region's data belongs to (for the error message):
+// the last region whose data starts at or below it, if the address is less than a slot after that
+// start, else the first one above it. Region data are more than two slots apart, so an address
+// from a slot before a region's data to a slot after it belongs to that region.
+int owner_of(const char* a) {
+  int below = -1, above = -1;
   for (size_t i = 0; i < rt.regions.size(); ++i) {
-    const Region& r = rt.regions[i];
-    size_t d = a < r.data ? (size_t)(r.data - a) : a >= r.data + r.nbytes ? (size_t)(a - (r.data + r.nbytes)) : 0;
-    if (d < dist) { dist = d; best = (int)i; }
+    if (rt.regions[i].data <= a) below = (int)i;
+    else if (above < 0) above = (int)i;
   }
-  return best;
+  if (below >= 0 && (size_t)(a - rt.regions[below].data) < ((size_t)1 << rt.slot_shift)) return below;
+  return above >= 0 ? above : below;
 }
 
 [[noreturn]] void out_of_bounds(char* a, size_t n, int flags, uint64_t pc, const char* cause) {
   char w[128], what[192], tag[48];
   where(w, sizeof w);
   pc_tag(tag, sizeof tag, pc);
-  int id = rt.arena && (size_t)(a - rt.arena) < rt.arena_size
-               ? (rt.page_region[(size_t)(a - rt.arena) / rt.page] ? (int)rt.page_region[(size_t)(a - rt.arena) / rt.page] - 1
-                                                                    : nearest_region(a))
-               : -1;
+  int id = rt.arena && (size_t)(a - rt.arena) < rt.arena_size ? owner_of(a) : -1;
   if (id < 0)
     fail("kernel '%s': invalid memory access (%s) at address %p in %s%s: not inside any argument "
          "(a wild pointer, or a host address)", rt.kernel_name, cause, (void*)a, w, tag);
@@ -539,10 +541,9 @@ void sync_atomic(uintptr_t x) {
 
 // ---- checked accesses ----------------------------------------------------------------------------
 __attribute__((noinline)) void checked_access(char* a, size_t n, int flags, uint64_t pc) {
-  size_t off = (size_t)(a - rt.arena);
-  uint32_t id = rt.page_region[off / rt.page];
-  if (!id) out_of_bounds(a, n, flags, pc, "SIGSEGV");
-  Region& r = rt.regions[id - 1];
+  int id = region_at(a);
+  if (id < 0) out_of_bounds(a, n, flags, pc, "SIGSEGV");
+  Region& r = rt.regions[id];
   if (a < r.data || a + n > r.data + r.nbytes) out_of_bounds(a, n, flags, pc, "SIGSEGV");
   if (rt.race && rt.running) race_access(r, a, n, flags, pc);
 }
@@ -1113,7 +1114,7 @@ void atomic_access(void* p, usize size) {
   uint64_t pc = (uint64_t)__builtin_return_address(0);
   checked_access(a, size, kAtomic | kWrite, pc);
   if (rt.race && rt.running) {
-    const Region& r = rt.regions[rt.page_region[(size_t)(a - rt.arena) / rt.page] - 1];
+    const Region& r = rt.regions[region_at(a)];
     if (r.kind == kArg || r.kind == kTarget) sync_atomic((uintptr_t)a);
   }
 }
@@ -1205,14 +1206,21 @@ int run_launch(const char* name, const LaunchArgs* la, int nparams, const usize*
     for (int s = 0; s < nsched; ++s) random |= schedules[s].kind == Schedule::kRandom;
     unsigned k = random ? (unsigned)(rt.nblocks < kMaxSlots ? rt.nblocks : kMaxSlots) : 1;
     rt.kslots = k;
-    // address space: every array and table target with its gap, dynamic and static shared memory
-    size_t need = 64ull << 30;        // static __shared__ variables, registered as they are reached
+    // address space: a slot for every array and table target, the dynamic shared memory and the
+    // static __shared__ variables (registered as they are reached) of each live block
+    size_t nregions = (size_t)k * (1 + kSharedVarsPerBlock), largest = region_span(kMaxDynamicOptIn, 0);
     for (int i = 0; i < la->nargs; ++i)
-      if (la->nbytes[i] != ~0ull && la->alias[i] < 0) need += region_need(la->nbytes[i] + 256);
+      if (la->nbytes[i] != ~0ull && la->alias[i] < 0) {
+        ++nregions;
+        largest = std::max(largest, region_span(la->nbytes[i], 256));
+      }
     for (int t = 0; t < la->ntargets; ++t)
-      if (la->target_arg[t] < 0) need += region_need(la->target_nbytes[t]);
-    need += k * region_need(la->shared_mem);
-    reserve_arena(need);
+      if (la->target_arg[t] < 0) {
+        ++nregions;
+        largest = std::max(largest, region_span(la->target_nbytes[t], 0));
+      }
+    reserve_arena(nregions, largest);
+    if (la->slot_bytes) *la->slot_bytes = (u64)1 << rt.slot_shift;
     for (int i = 0; i < la->nargs; ++i) {
       if (la->nbytes[i] == ~0ull) {              // by value: read in place, so it must be aligned
         if ((uintptr_t)la->args[i] % aligns[i])
