@@ -165,6 +165,40 @@ def test_half_to_float_is_exact_for_every_half(mod):
     assert numpy.isnan(y[~finite]).all() and (~finite).sum() == 2 * 1023
 
 
+def _subnormal_ops(mod, **checks):
+    f = numpy.array([2.0 ** -70, 2.0 ** -70, 2.0 ** -140], numpy.float32)
+    h = numpy.array([2.0 ** -20, 1.0], numpy.float16)
+    d = numpy.array([2.0 ** -140, 2.0 ** -540, 2.0 ** -540])
+    fo, ho, do = numpy.zeros(5, numpy.float32), numpy.zeros(1, numpy.float16), numpy.zeros(1)
+    with emulator.checking(**checks):
+        mod.get_function('subnormal_ops')((1,), (1,), (f, h, d, fo, ho, do))
+    return fo, ho, do
+
+
+def test_ftz_flushes_float32_subnormals_as_cupy_compiles():
+    """CuPy compiles with -ftz=true: a float32 subnormal input reads as zero (so it is not > 0)
+    and a subnormal result is zero. checking(ftz=True) does that here; float16 arithmetic keeps
+    its subnormals (a GPU's does too); float64 ones flush here, which a GPU does not do (the
+    documented difference). Without it every subnormal stays, as in NumPy."""
+    mod = emulator.RawModule(path=cuda_source('selftest.cu'))
+    tiny = numpy.float32(2.0 ** -140)
+    fo, ho, do = _subnormal_ops(mod)
+    numpy.testing.assert_array_equal(fo, [tiny, tiny, 1.0, 2.0 ** -140, tiny])
+    assert ho[0] == numpy.float16(2.0 ** -20) and do[0] == 2.0 ** -1080
+    fo, ho, do = _subnormal_ops(mod, ftz=True)
+    numpy.testing.assert_array_equal(fo, [0.0, 0.0, -1.0, 0.0, 0.0])
+    assert ho[0] == numpy.float16(2.0 ** -20) and do[0] == 0.0
+    # the caller's thread keeps its subnormals, after a launch and after a failed one
+    assert numpy.float32(2.0 ** -70) * numpy.float32(2.0 ** -70) == tiny
+    with emulator.checking(ftz=True), pytest.raises(KernelLaunchError, match='out-of-bounds'):
+        mod.get_function('subnormal_ops')((1,), (1,), (fo[:1].copy(), ho, do, fo, ho, do))
+    assert numpy.float32(2.0 ** -70) * numpy.float32(2.0 ** -70) == tiny
+    with emulator.checking(ftz=True):
+        with emulator.checking(ftz=False):
+            assert not emulator.current_ftz()
+        assert emulator.current_ftz()
+
+
 @pytest.mark.parametrize('rows,cols', [(1, 1), (7, 33), (40, 17), (64, 64)])
 def test_2d_launch(mod, rows, cols):
     x = rng().randn(rows, cols).astype(numpy.float32)

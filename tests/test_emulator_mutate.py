@@ -11,7 +11,7 @@ def test_every_operator_finds_its_sites():
     assert len(ids) == len(set(ids)), [i for i, n in collections.Counter(ids).items() if n > 1]
     ops = collections.Counter(m.id.split(':')[1].split('@')[0] for m in found)
     for op in ('drop_barrier', 'vote_to_local', 'vote_to_shared_flag', 'drop_fence', 'plain_atomic',
-               'off_by_one', 'move_reduction', 'wrong_thread'):
+               'off_by_one', 'move_reduction', 'wrong_thread', 'no_vector_path'):
         assert ops[op] >= 1, op
     assert {m.family for m in found} == set(mutate.FAMILY_TESTS)
     for m in found:

@@ -6,8 +6,10 @@ zero, signed zeros, inf and nan. The update's two element paths (pairs, where ev
 chunk is aligned to two elements, and one element at a time) must agree with the reference too,
 and the check must flag exactly the gradients whose quotient is not finite.
 
-The emulator, like NumPy, keeps float32 subnormals (a GPU under CuPy's -ftz=true flushes them in
-both the division and the multiplication: docs/optimizer.md), so these tests run here only.
+By default the emulator, like NumPy, keeps float32 subnormals; a GPU under CuPy's -ftz=true
+flushes them in both the division and the multiplication (docs/optimizer.md). The float16 and
+float32 launches are also run flushing them (emulator.checking(ftz=True)) against a reference
+that flushes each float32 operation: what a GPU computes, bit for bit.
 """
 import numpy
 import pytest
@@ -43,20 +45,37 @@ def special_gradient(dtype, n, seed):
     return g
 
 
-def reference(p, v, g, d, dtype, divide=True, p16=None):
-    """The kernel's arithmetic in NumPy, each operation rounded once."""
+def flush(x):
+    """A GPU under -ftz=true: float32 subnormals read and written as zeros of their sign."""
+    x = numpy.asarray(x)
+    if x.dtype != f32:
+        return x
+    return numpy.where(numpy.abs(x) < numpy.finfo(f32).tiny, numpy.copysign(f32(0), x), x)
+
+
+def reference(p, v, g, d, dtype, divide=True, p16=None, ftz=False):
+    """The kernel's arithmetic in NumPy, each operation rounded once; with ``ftz``, each float32
+    operation's inputs and result flushed as on a GPU."""
     t = f64 if dtype == f64 else f32
+    fz = flush if ftz else numpy.asarray
+
+    def mul(a, b):
+        return fz(fz(a) * fz(b))
+
+    def add(a, b):
+        return fz(fz(a) + fz(b))
+
     with numpy.errstate(all='ignore'):
         grad = g.astype(t)
         if divide:
-            grad = grad / t(d)
+            grad = fz(fz(grad) / fz(t(d)))
         p = p.copy()
         if p16 is not None:          # adopt float16 values written from outside
             stale = p.astype(f16).view(numpy.uint16) != p16.view(numpy.uint16)
             p[stale] = p16[stale].astype(f32)
-        grad = grad + t(WD) * p
-        v = v * t(MOMENTUM) - t(LR) * grad
-        p = p + v
+        grad = add(grad, mul(t(WD), p))
+        v = fz(mul(v, t(MOMENTUM)) - mul(t(LR), grad))
+        p = add(p, v)
         return p, v, (p.astype(f16) if p16 is not None else None)
 
 
@@ -117,11 +136,11 @@ def launch(module, dtype, grads, scale, scaling=SCALE_STATIC, grad_divisor=0.0, 
     return a, start, scaler
 
 
-def expected(dtype, grads, d, start, offset=0, divide=True):
+def expected(dtype, grads, d, start, offset=0, divide=True, ftz=False):
     p_name, v_name = {f32: ('p32', 'mom32'), f16: ('master', 'mom16'), f64: ('p64', 'mom64')}[dtype]
     g = numpy.concatenate([numpy.zeros(offset, grads[0].dtype)] + list(grads))
     p, v, p16 = reference(start[p_name], start[v_name], g, d, dtype, divide,
-                          start['p16'] if dtype == f16 else None)
+                          start['p16'] if dtype == f16 else None, ftz)
     out = {p_name: p, v_name: v}
     if dtype == f16:
         out['p16'] = p16
@@ -150,6 +169,25 @@ def test_unscaled_update_is_the_quotient_bit_for_bit(module, dtype, scale):
     assert_bits(out, expected(dtype, grads, scale, start))
 
 
+@pytest.mark.parametrize('scale', SCALES, ids=lambda s: '{:g}'.format(s))
+@pytest.mark.parametrize('dtype', [f16, f32], ids=lambda d: d.__name__)
+def test_unscaled_update_under_ftz_is_what_a_gpu_computes(module, dtype, scale):
+    """The same launches with float32 subnormals flushed, as CuPy's -ftz=true makes a GPU do,
+    against the reference with each float32 operation flushed: the multiplication by an exact
+    reciprocal still gives the quotient's bits. A subnormal divisor (2^-127) is zero there, so
+    its quotients are infinite (or nan for a zero gradient), which NumPy's path does not give;
+    and 2^127, whose reciprocal would flush to zero, must keep the division: the mutation that
+    lets it multiply is caught here by its results. (float64 is left out: the emulator flushes
+    float64 subnormals too, a GPU does not.)"""
+    grads = [special_gradient(dtype, 2049, 1), special_gradient(dtype, 31, 2)]
+    with emulator.checking(ftz=True):
+        out, start, _ = launch(module, dtype, grads, scale, adopt=True)
+    assert_bits(out, expected(dtype, grads, scale, start, ftz=True))
+    if scale == 2.0 ** -127:
+        p = out['master' if dtype == f16 else 'p32']
+        assert not numpy.isfinite(p).any()
+
+
 @pytest.mark.parametrize('divisor', [10.0, 2.0 ** -1022, 2.0 ** -1023, 2.0 ** 1022, 2.0 ** 1023,
                                      2.0 ** -200, 2.0 ** 100],
                          ids=lambda s: '{:g}'.format(s))
@@ -167,12 +205,25 @@ def test_host_divisor_of_float64_gradients(module, divisor):
 def test_pair_and_scalar_paths_give_the_same_bits(module, dtype, scale, where):
     """Pairs need the chunk's flat offset, and the gradient's address, aligned to two elements:
     an odd flat offset or a gradient that is a view at an odd element takes the scalar path (the
-    emulator keeps a view's offset, so it is misaligned here as on a GPU)."""
+    emulator keeps a view's offset, so it is misaligned here as on a GPU), and so does a divided
+    gradient. Which path ran is read from the accesses' widths: the pair path reads each two
+    gradient elements with one access of twice their width (a __half2, float2 or double2) and
+    writes the momenta and float16 parameters the same way."""
     base = special_gradient(dtype, 4099, 4)
     grads = [base[1:] if where == 'gradient view' else base[:4098]]
     offset = 1 if where == 'odd offset' else 0
-    out, start, _ = launch(module, dtype, grads, scale, offset=offset, adopt=True)
+    with emulator.recording() as launches:
+        out, start, _ = launch(module, dtype, grads, scale, offset=offset, adopt=True)
     assert_bits(out, expected(dtype, grads, scale, start, offset), offset)
+    (update,) = launches
+    pairs = where == 'aligned' and scale != 3.0
+    g, t = numpy.dtype(dtype).itemsize, 8 if dtype == f64 else 4
+    width, n = (2, 2049) if pairs else (1, 4098)
+    assert update.of(grads[0]).reads == {width * g: n}
+    momentum = {f16: 'mom16', f32: 'mom32', f64: 'mom64'}[dtype]
+    assert update.of(out[momentum]).writes == {width * t: n}
+    if dtype == f16:
+        assert update.of(out['p16']).writes == {width * 2: n}
 
 
 @pytest.mark.parametrize('dtype', [f16, f32, f64], ids=lambda d: d.__name__)
@@ -229,10 +280,11 @@ extern "C" __global__ void probe_exact_reciprocal(const float* f, int* mf, const
 
 def test_the_multiplication_is_chosen_only_where_a_gpu_flushes_nothing(source=None):
     """Which divisors become a multiplication: the bound that only -ftz=true needs (a subnormal
-    divisor or reciprocal is 0 on a GPU, so 2^127 and 2^-127 must keep the division) cannot be
-    seen through the kernels' results here, where subnormals stay exact; the decision itself is
-    checked instead. float32: 2^-126 .. 2^126; float64: 2^-1022 .. 2^1022; powers of two only,
-    either sign; never 0, inf, nan or a subnormal."""
+    divisor or reciprocal is 0 on a GPU, so 2^127 and 2^-127 must keep the division). The float32
+    bound shows in the results under checking(ftz=True) (test above); the float64 one cannot
+    (the emulator flushes float64 subnormals too, a GPU does not), so the decision itself is
+    checked. float32: 2^-126 .. 2^126; float64: 2^-1022 .. 2^1022; powers of two only, either
+    sign; never 0, inf, nan or a subnormal."""
     m = emulator.RawModule(code=(source or kernels.source('optimizer')) + _PROBE,
                            options=tuple('-D{}={}'.format(k, v)
                                          for k, v in kernel_cases.OPT.items()))

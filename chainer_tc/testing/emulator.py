@@ -27,10 +27,16 @@ Checks, chosen per launch (see docs/emulator.md):
   and the launch run under several schedules (``forward,reverse,random:1`` unless
   ``CHAINER_TC_EMULATOR_SCHEDULES`` says otherwise) whose results must agree.
 
+``with emulator.recording() as launches:`` counts every access of each launch per array, by
+width, with its bytes (``chainer_tc.testing.access_counts``): a kernel's vector path, or the bytes
+it moves, made visible.
+
 Differences from a GPU, by design: the emulator rejects what CuPy would let through silently
 (non-contiguous arrays, scalars of the wrong width, writing through a pointer to const), and NVRTC
 options other than ``-D``/``-U``/``-I`` (architecture, fast-math, ``-ftz``) are ignored: fp32
-results are IEEE-exact on the CPU, with subnormals, while CuPy always compiles with ``-ftz=true``.
+results are IEEE-exact on the CPU, with subnormals, while CuPy always compiles with ``-ftz=true``;
+``emulator.checking(ftz=True)`` (or ``CHAINER_TC_EMULATOR_FTZ=1``) flushes them as a GPU does
+(float64 subnormals too, which a GPU keeps).
 """
 import contextlib
 import ctypes
@@ -48,6 +54,8 @@ import numpy
 from chainer_tc import _cache
 from chainer_tc.errors import CompileError
 from chainer_tc.errors import KernelLaunchError
+from chainer_tc.testing import access_counts
+from chainer_tc.testing.access_counts import recording  # NOQA: emulator.recording()
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 INCLUDE_DIR = os.path.join(HERE, 'include')
@@ -63,6 +71,7 @@ PARAM_LIMIT = 4096
 MAX_SHARED_OPT_IN = 227 * 1024
 
 ENV_RACECHECK = 'CHAINER_TC_EMULATOR_RACECHECK'
+ENV_FTZ = 'CHAINER_TC_EMULATOR_FTZ'
 ENV_SCHEDULES = 'CHAINER_TC_EMULATOR_SCHEDULES'
 DEFAULT_RACE_SCHEDULES = ('forward', 'reverse', 'random:1')
 
@@ -412,8 +421,11 @@ _RUNTIME_FLAGS = ('-std=c++17', '-O2', '-fPIC', '-fvisibility=hidden', '-fno-str
                   '-U_FORTIFY_SOURCE')
 # Every load and store of the kernel calls __tsan_readN/__tsan_writeN (volatile ones their own),
 # with no function entry/exit hooks; array bounds, alignment and integer division by zero call
-# __ubsan_handle_*: all defined by the runtime, no sanitizer library is linked.
-_KERNEL_FLAGS = ('-std=c++17', '-O1', '-g1', '-gdwarf-4', '-fPIC', '-fno-strict-aliasing', '-fvisibility=hidden',
+# __ubsan_handle_*: all defined by the runtime, no sanitizer library is linked. -fno-tree-sra keeps
+# a copy of a vector type one access (a float2 load is one 8-byte read, as NVVM makes it one
+# ld.v2), where scalar replacement would split it into its members: emulator.recording() counts
+# accesses by width, and the tests read a kernel's vector path from them (no slower here).
+_KERNEL_FLAGS = ('-std=c++17', '-O1', '-fno-tree-sra', '-g1', '-gdwarf-4', '-fPIC', '-fno-strict-aliasing', '-fvisibility=hidden',
                  '-U_FORTIFY_SOURCE', '-fsanitize=thread',
                  '--param=tsan-instrument-func-entry-exit=0', '--param=tsan-distinguish-volatile=1',
                  '-fsanitize=bounds,alignment,integer-divide-by-zero', '-fno-sanitize-recover=all')
@@ -446,7 +458,8 @@ def _runtime_object(cxx, cxx_id, name):
 def _build(unit, options, source_name):
     cxx = _compiler()
     cxx_id = _compiler_id(cxx)
-    key = _cache.key_of(_EMULATOR_VERSION, cxx_id, _header_text(), '\0'.join(options), unit)
+    key = _cache.key_of(_EMULATOR_VERSION, cxx_id, '\0'.join(_KERNEL_FLAGS), _header_text(),
+                        '\0'.join(options), unit)
     binary = _cache.load('emulator', key)
     if binary is None:
         runtime = _runtime_object(cxx, cxx_id, 'emu_runtime')
@@ -682,6 +695,8 @@ class _LaunchArgs(ctypes.Structure):
         ('schedules', ctypes.c_char_p),
         ('err', ctypes.c_char_p),
         ('slot_bytes', ctypes.POINTER(ctypes.c_uint64)),
+        ('counts', ctypes.POINTER(ctypes.c_uint64)),
+        ('ftz', ctypes.c_int),
     ]
 
 
@@ -800,13 +815,26 @@ def current_checks():
     return race, schedules
 
 
+def current_ftz():
+    """Whether the next launch flushes float32 subnormals as CuPy's ``-ftz=true`` does: the
+    innermost :func:`checking` that says, else CHAINER_TC_EMULATOR_FTZ=1."""
+    ftz = os.environ.get(ENV_FTZ, '') == '1'
+    for override in getattr(_checks, 'stack', ()):
+        if override[2] is not None:
+            ftz = override[2]
+    return ftz
+
+
 @contextlib.contextmanager
-def checking(race=None, schedules=None):
-    """Within this block, launches run with the race detector on or off (``race``) and under the
-    given ``schedules`` (a list such as ``['forward', 'reverse', 'random:7']``, or a count)."""
+def checking(race=None, schedules=None, ftz=None):
+    """Within this block, launches run with the race detector on or off (``race``), under the
+    given ``schedules`` (a list such as ``['forward', 'reverse', 'random:7']``, or a count), and
+    flushing float32 subnormals to zero or not (``ftz``: as a GPU does under CuPy's
+    ``-ftz=true``; float64 subnormals flush too here, which a GPU does not do)."""
     if not hasattr(_checks, 'stack'):
         _checks.stack = []
-    _checks.stack.append((race, None if schedules is None else _schedule_names(schedules)))
+    _checks.stack.append((race, None if schedules is None else _schedule_names(schedules),
+                          None if ftz is None else bool(ftz)))
     try:
         yield
     finally:
@@ -924,6 +952,7 @@ class Function:
         err = ctypes.create_string_buffer(_ERR_LEN)
         slot_bytes = ctypes.c_uint64(0)
         targets, slots = tables
+        counts = access_counts.buffer(n + len(targets) + 1) if access_counts.active() else None
 
         def array(ctype, items):
             arr = (ctype * max(len(items), 1))(*items)
@@ -943,13 +972,17 @@ class Function:
             slot_offset=array(ctypes.c_uint64, [s[1] for s in slots]),
             slot_target=array(ctypes.c_int, [s[2] for s in slots]),
             race=int(race), schedules=names, err=ctypes.cast(err, ctypes.c_char_p),
-            slot_bytes=ctypes.pointer(slot_bytes))
+            slot_bytes=ctypes.pointer(slot_bytes),
+            counts=None if counts is None else counts.ctypes.data_as(ctypes.POINTER(ctypes.c_uint64)),
+            ftz=int(current_ftz()))
         with _launch_lock:
             rc = self._launch(ctypes.byref(la))
         if slot_bytes.value:
             _check_slot_bytes(slot_bytes.value)
         if rc != 0:
             raise KernelLaunchError(self._explain(err.value.decode(errors='replace'), args, tables))
+        if counts is not None:
+            access_counts.record(self.name, grid, block, args, targets, counts)
 
     def _tables(self, args, raw_values, seen):
         """Words of struct values and uint64 arrays that hold addresses of arrays: ([targets],

@@ -45,7 +45,7 @@ FAMILY_TESTS = {
     'layout': ['tests/test_layout.py'],
     'pooling': ['tests/test_pooling.py'],
     'batchnorm': ['tests/test_batchnorm.py'],
-    'optimizer': ['tests/test_optimizer.py'],
+    'optimizer': ['tests/test_optimizer.py', 'tests/test_optimizer_unscale.py'],
 }
 KERNEL_CASES = 'tests/test_emulator_kernels.py'
 
@@ -264,8 +264,22 @@ def wrong_thread(code, plain):
     return out
 
 
+def no_vector_path(code, plain):
+    """``if (pairs)`` -> ``if (false)`` at each test of a kernel's own vector-path flag: where it
+    guards the path, the path is never taken (the same results, only slower: only the tests that
+    read the accesses' widths through emulator.recording can kill it); where it guards the
+    alignment test, the path is taken unchecked (the memcheck's alignment check kills it)."""
+    out = []
+    for m in re.finditer(r'\bif\s*\(\s*(pairs)\s*\)', plain):
+        n = _line(code, m.start())
+        out.append(('no_vector_path@{}'.format(n),
+                    'line {}: if ({}) -> if (false)'.format(n, m.group(1)),
+                    _replace(code, m.start(), m.end(), 'if (false)')))
+    return out
+
+
 OPERATORS = [drop_barrier, vote_to_local, vote_to_shared_flag, drop_fence, plain_atomic,
-             off_by_one, move_reduction, wrong_thread]
+             off_by_one, move_reduction, wrong_thread, no_vector_path]
 
 
 def _equivalent(family, ident):

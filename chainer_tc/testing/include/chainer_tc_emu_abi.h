@@ -61,9 +61,13 @@ struct LaunchArgs {
   const char* schedules;       // comma-separated: forward, reverse, random:<seed>
   char* err;                   // kErrLen bytes for the error message
   u64* slot_bytes;             // out: the arena's slot size (accesses that far off an array are caught)
+  u64* counts;                 // out, or null: kCountsPerRegion accesses counted per argument, per
+                               // target and for shared memory (emu_runtime.cpp: count_access)
+  int ftz;                     // flush float32 subnormals, as CuPy's -ftz=true (floating-point
+                               // control register: float64 ones flush too, unlike on a GPU)
 };
 
-enum { kErrLen = 2048, kMaxParams = 1024 };
+enum { kErrLen = 2048, kMaxParams = 1024, kCountsPerRegion = 21 };
 
 // ---- runtime entry points used by the inline code of chainer_tc_emu.h ----------------------
 int run_launch(const char* name, const LaunchArgs* la, int nparams, const usize* aligns,

@@ -58,6 +58,10 @@ enum { kMaxWarps = 32, kMaxSlots = 4, kMaxStaticShared = 48 * 1024,
        kMaxDynamicOptIn = 227 * 1024 };
 enum : unsigned char { kCanary = 0xA5, kUninit = 0xff };
 enum { kRead = 0, kWrite = 1, kAtomic = 2, kVolatile = 4 };
+// Access counts per region, as the ABI's LaunchArgs::counts lays them out: for reads, writes and
+// atomics in turn, the accesses of 1, 2, 4, 8 and 16 bytes and of any other size, then the bytes.
+enum { kSizeClasses = 6, kCountsPerKind = kSizeClasses + 1, kCounts = 3 * kCountsPerKind };
+static_assert(kCounts == ctemu::kCountsPerRegion, "the ABI's count layout");
 
 // ---- race detector state ------------------------------------------------------------------------
 // What a release covers of one block's accesses: those of any thread at barrier generation
@@ -119,6 +123,7 @@ struct Region {
   bool output;             // compared between schedules and copied back
   Cell* shadow;            // race detector: one cell per byte of `span`
   size_t shadow_len;
+  u64 count[kCounts];      // accesses counted (emulator.recording): see count_access
 };
 
 struct Block {
@@ -185,6 +190,8 @@ struct Runtime {
   char* arena;
   size_t arena_size;
   unsigned slot_shift;             // log2 of the slot size: region k in slot 2k + 1
+  bool counting;                   // count accesses per region (the first schedule, on request)
+  unsigned long fp_caller, fp_kernel;   // the floating-point control register outside and inside
   std::vector<Region> regions;
   std::vector<int> arg_region;     // per parameter, or -1
   std::vector<int> target_region;
@@ -540,11 +547,34 @@ void sync_atomic(uintptr_t x) {
 }
 
 // ---- checked accesses ----------------------------------------------------------------------------
+inline void count_access(Region& r, size_t n, int flags) {
+  int kind = flags & kAtomic ? 2 : flags & kWrite ? 1 : 0;
+  int size = n == 1 ? 0 : n == 2 ? 1 : n == 4 ? 2 : n == 8 ? 3 : n == 16 ? 4 : 5;
+  r.count[kind * kCountsPerKind + size] += 1;
+  r.count[kind * kCountsPerKind + kSizeClasses] += n;
+}
+
+// The counts of the first schedule's run, per argument (an alias's row stays 0: its array is
+// counted once, under its first argument), per table target, and for shared memory as a whole.
+void report_counts(const LaunchArgs* la) {
+  u64* out = la->counts;
+  if (!out) return;
+  memset(out, 0, sizeof(u64) * kCounts * (la->nargs + la->ntargets + 1));
+  auto add = [](u64* row, const Region& r) { for (int c = 0; c < kCounts; ++c) row[c] += r.count[c]; };
+  for (int i = 0; i < la->nargs; ++i)
+    if (rt.arg_region[i] >= 0 && la->alias[i] < 0) add(out + (size_t)i * kCounts, rt.regions[rt.arg_region[i]]);
+  for (int t = 0; t < la->ntargets; ++t)
+    if (la->target_arg[t] < 0) add(out + (size_t)(la->nargs + t) * kCounts, rt.regions[rt.target_region[t]]);
+  for (const Region& r : rt.regions)
+    if (r.kind == kShared || r.kind == kDyn) add(out + (size_t)(la->nargs + la->ntargets) * kCounts, r);
+}
+
 __attribute__((noinline)) void checked_access(char* a, size_t n, int flags, uint64_t pc) {
   int id = region_at(a);
   if (id < 0) out_of_bounds(a, n, flags, pc, "SIGSEGV");
   Region& r = rt.regions[id];
   if (a < r.data || a + n > r.data + r.nbytes) out_of_bounds(a, n, flags, pc, "SIGSEGV");
+  if (rt.counting) count_access(r, n, flags);
   if (rt.race && rt.running) race_access(r, a, n, flags, pc);
 }
 
@@ -552,6 +582,25 @@ inline void access(void* p, size_t n, int flags, void* pc) {
   if ((size_t)((char*)p - rt.arena) >= rt.arena_size) return;    // not kernel memory
   checked_access((char*)p, n, flags, (uint64_t)pc);
 }
+
+// ---- flushing subnormals (-ftz=true) -------------------------------------------------------------
+// The floating-point control register's flush bits: kernel code runs with them set when the launch
+// asks for -ftz, and with them clear otherwise, whatever the caller's thread had. They flush
+// float32 and float64 alike (a GPU flushes only float32); __half arithmetic is done in float on
+// values that are normal there, so it keeps its subnormals, as a GPU's does.
+#if defined(__x86_64__) || defined(__i386__)
+const unsigned long kFlushBits = 0x8040;          // MXCSR: FTZ (bit 15), DAZ (bit 6)
+unsigned long read_fp_mode() { unsigned m; __asm__ volatile("stmxcsr %0" : "=m"(m)); return m; }
+void write_fp_mode(unsigned long m) { unsigned v = (unsigned)m; __asm__ volatile("ldmxcsr %0" : : "m"(v)); }
+#elif defined(__aarch64__)
+const unsigned long kFlushBits = 1ul << 24;       // FPCR.FZ
+unsigned long read_fp_mode() { unsigned long m; __asm__ volatile("mrs %0, fpcr" : "=r"(m)); return m; }
+void write_fp_mode(unsigned long m) { __asm__ volatile("msr fpcr, %0" : : "r"(m)); }
+#else
+const unsigned long kFlushBits = 0;
+unsigned long read_fp_mode() { return 0; }
+void write_fp_mode(unsigned long) {}
+#endif
 
 // ---- fibers and the scheduler ----------------------------------------------------------------
 __attribute__((noinline)) void resume(Fiber* f) {
@@ -636,6 +685,7 @@ void try_complete(Block* b, Warp& w, unsigned l) {
 }
 
 void fiber_main() {
+  write_fp_mode(rt.fp_kernel);       // setcontext loaded the mode getcontext saw
   rt.body(rt.body_ctx);
   Fiber* f = rt.running;
   Block* b = f->blk;
@@ -1189,10 +1239,14 @@ int run_launch(const char* name, const LaunchArgs* la, int nparams, const usize*
   rt.launch_thread = pthread_self();
   module_base();
   install_fault_handler();
+  rt.fp_caller = read_fp_mode();
+  rt.fp_kernel = la->ftz ? rt.fp_caller | kFlushBits : rt.fp_caller & ~kFlushBits;
   rt.in_launch = 1;
   if (sigsetjmp(rt.jmp, 1) == 0) {
     if (la->nargs != nparams)
       fail("kernel '%s' takes %d arguments, launcher passed %d", name, nparams, la->nargs);
+    if (la->ftz && !kFlushBits)
+      fail("emulator: flushing subnormals (ftz) is not supported on this CPU");
     Schedule schedules[16];
     int nsched = parse_schedules(la->schedules, schedules, 16);
     grid_dim = dim3(la->grid[0], la->grid[1], la->grid[2]);
@@ -1258,7 +1312,10 @@ int run_launch(const char* name, const LaunchArgs* la, int nparams, const usize*
     for (int si = 0; si < nsched; ++si) {
       if (si) reset_for_schedule(la);
       else copy_inputs(la);
+      rt.counting = si == 0 && la->counts;
       run_grid(schedules[si]);
+      rt.counting = false;
+      if (si == 0) report_counts(la);
       rt.running = nullptr;
       cur = nullptr;
       check_canaries();
@@ -1302,6 +1359,7 @@ int run_launch(const char* name, const LaunchArgs* la, int nparams, const usize*
     snprintf(la->err, kErrLen, "%s", rt.err);
   }
   rt.in_launch = 0;
+  write_fp_mode(rt.fp_caller);
   rt.running = nullptr;
   cur = nullptr;
   restore_fault_handler();
