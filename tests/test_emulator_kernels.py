@@ -47,6 +47,38 @@ def test_kernel_case(case, backend):
                                           rtol=rtol, atol=atol, err_msg=name)
 
 
+OPTIMIZER_DATA = ('p32', 'p16', 'master', 'mom32', 'mom16', 'p64', 'mom64')
+TRAFFIC_CASES = [c for c in CASES if c.family in ('batchnorm', 'layout', 'optimizer')]
+
+
+@pytest.mark.parametrize('case', TRAFFIC_CASES,
+                         ids=['{}-{}'.format(c.family, c.name) for c in TRAFFIC_CASES])
+def test_memory_bound_kernels_move_each_data_array_once(case, backend):
+    """The GB/s columns of the GPU table (docs/performance.md) count each array a launch touches
+    once. The code's own traffic, counted by the emulator (emulator.recording), must not exceed
+    that for the arrays that carry the data: every (rows, C) array of the batch-norm kernels,
+    every array of the transposes and of the batched update (pointer-table gradients included)
+    is read at most once and written at most once per launch. (Per-channel arrays are re-read by
+    each row group, and the update's work list and hyperparameters by every thread, from cache on
+    a GPU; pooling windows overlap, so it is not held to this.)"""
+    with emulator.recording() as launches:
+        kernel_cases.run(case, backend)
+    assert len(launches) == len(case.launches)
+    checked = 0
+    for launch, counted in zip(case.launches, launches):
+        for access in counted.arrays:
+            if access.what.startswith('argument'):
+                name = launch.args[int(access.what.split()[1])]
+                if case.family == 'batchnorm' and case.arrays[name].ndim != 2 or \
+                        case.family == 'optimizer' and name not in OPTIMIZER_DATA:
+                    continue
+            where = '{} in {}'.format(access.what, launch.kernel)
+            assert access.bytes_read <= access.nbytes, where
+            assert access.bytes_written <= access.nbytes, where
+            checked += bool(access.bytes_read or access.bytes_written)
+    assert checked
+
+
 def test_every_kernel_has_a_case():
     from chainer_tc import kernels
     launched = {(c.family, k.split('<')[0]) for c in CASES for k in c.kernel_names()}
