@@ -77,6 +77,8 @@ def test_pointer_table_targets_are_counted_by_allocation(mod):
     (la,) = launches
     assert la.of(a).reads == {8: 4} and la.of(b).reads == {8: 4}
     assert la.of(a).what.startswith('table target')
+    with pytest.raises(KeyError):               # a struct passed by value is no array
+        la.of(table)
     numpy.testing.assert_array_equal(out, [0, 4, 1, 5, 2, 6, 3, 7])
 
 
@@ -93,3 +95,19 @@ def test_nothing_is_counted_outside_a_recording(mod):
     assert len(inner) == 1 and len(outer) == 2
     with pytest.raises(KeyError, match='kernel pairs had no array'):
         outer[0].of(numpy.zeros(3))
+
+
+def test_an_array_passed_twice_is_counted_once_under_both():
+    code = r'''
+extern "C" __global__ void twice(const float* a, float* b, float* out) {
+  out[threadIdx.x] = a[threadIdx.x] + 1.0f;
+  b[threadIdx.x] = 2.0f;
+}'''
+    f = emulator.RawModule(code=code).get_function('twice')
+    x, out = numpy.zeros(8, numpy.float32), numpy.zeros(8, numpy.float32)
+    with emulator.recording() as launches:
+        f((1,), (8,), (x, x.view(), out))
+    (la,) = launches
+    assert la.of(x).reads == {4: 8} and la.of(x).writes == {4: 8}
+    assert la.arrays[1].reads == {4: 8} and la.arrays[1].same_as == 0
+    assert la.bytes_moved == 32 + 32 + 32

@@ -55,7 +55,10 @@ def flush(x):
 
 def reference(p, v, g, d, dtype, divide=True, p16=None, ftz=False):
     """The kernel's arithmetic in NumPy, each operation rounded once; with ``ftz``, each float32
-    operation's inputs and result flushed as on a GPU."""
+    operation's inputs and result flushed as on a GPU. (The result is flushed after rounding;
+    the CPU's FTZ, which the emulator uses, flushes one that is below 2^-126 before rounding, so
+    the two differ for exact results in [2^-126 - 2^-150, 2^-126), which these tests' values
+    never give; which of the two a GPU does is left for a GPU to show.)"""
     t = f64 if dtype == f64 else f32
     fz = flush if ftz else numpy.asarray
 
@@ -177,7 +180,7 @@ def test_unscaled_update_under_ftz_is_what_a_gpu_computes(module, dtype, scale):
     reciprocal still gives the quotient's bits. A subnormal divisor (2^-127) is zero there, so
     its quotients are infinite (or nan for a zero gradient), which NumPy's path does not give;
     and 2^127, whose reciprocal would flush to zero, must keep the division: the mutation that
-    lets it multiply is caught here by its results. (float64 is left out: the emulator flushes
+    lets it multiply is caught here by its results (float32 gradients of magnitude 2 or more). (float64 is left out: the emulator flushes
     float64 subnormals too, a GPU does not.)"""
     grads = [special_gradient(dtype, 2049, 1), special_gradient(dtype, 31, 2)]
     with emulator.checking(ftz=True):
@@ -280,10 +283,11 @@ extern "C" __global__ void probe_exact_reciprocal(const float* f, int* mf, const
 
 def test_the_multiplication_is_chosen_only_where_a_gpu_flushes_nothing(source=None):
     """Which divisors become a multiplication: the bound that only -ftz=true needs (a subnormal
-    divisor or reciprocal is 0 on a GPU, so 2^127 and 2^-127 must keep the division). The float32
-    bound shows in the results under checking(ftz=True) (test above); the float64 one cannot
-    (the emulator flushes float64 subnormals too, a GPU does not), so the decision itself is
-    checked. float32: 2^-126 .. 2^126; float64: 2^-1022 .. 2^1022; powers of two only, either
+    divisor or reciprocal is 0 on a GPU, so 2^127 and 2^-127 must keep the division). Only the
+    float32 upper bound shows in results under checking(ftz=True) (test above): multiplying by
+    2^-127 flushed to 0 loses the quotient, while 2^-127 as a multiplier would give r = inf, and
+    x * inf has the bits of x / 0. The float64 bounds cannot (the emulator flushes float64
+    subnormals too, a GPU does not), so the decision itself is checked. float32: 2^-126 .. 2^126; float64: 2^-1022 .. 2^1022; powers of two only, either
     sign; never 0, inf, nan or a subnormal."""
     m = emulator.RawModule(code=(source or kernels.source('optimizer')) + _PROBE,
                            options=tuple('-D{}={}'.format(k, v)

@@ -38,6 +38,9 @@ class Access:
         self.array = array
         self.address = address
         self.nbytes = nbytes
+        #: for an argument passing the same array as an earlier one: that argument's index (the
+        #: counts are the array's, shown under both)
+        self.same_as = None
         kinds = []
         for k in range(3):
             part = row[k * 7:(k + 1) * 7]
@@ -79,7 +82,8 @@ class Launch:
     def bytes_moved(self):
         """Bytes read, written and atomically updated in global memory (shared memory not
         included)."""
-        return sum(a.bytes_read + a.bytes_written + a.bytes_atomic for a in self.arrays)
+        return sum(a.bytes_read + a.bytes_written + a.bytes_atomic for a in self.arrays
+                   if a.same_as is None)
 
     def __repr__(self):
         return '<launch of {} {}x{}: {} arrays, {} bytes moved>'.format(
@@ -110,20 +114,25 @@ def buffer(nrows):
     return numpy.zeros(nrows * PER_REGION, numpy.uint64)
 
 
-def record(kernel, grid, block, args, targets, counts):
+def record(kernel, grid, block, args, arrays, targets, counts):
     """Hand the counts of a finished launch to every open recording(): ``args`` the launch's
-    arguments, ``targets`` its table targets as (host address, bytes, argument or -1)."""
+    arguments, ``arrays`` per argument None for a value (a scalar, a struct) or the argument
+    whose row counts its array (itself, or the first argument passing the same array),
+    ``targets`` its table targets as (host address, bytes, argument or -1)."""
     rows = counts.reshape(-1, PER_REGION)
-    arrays = []
-    for i, a in enumerate(args):
-        if isinstance(a, numpy.ndarray):
-            arrays.append(Access('argument {}'.format(i), a, a.__array_interface__['data'][0],
-                                 a.nbytes, rows[i]))
+    accesses = []
+    for i, (a, row) in enumerate(zip(args, arrays)):
+        if row is not None:
+            access = Access('argument {}'.format(i), a, a.__array_interface__['data'][0],
+                            a.nbytes, rows[row])
+            if row != i:
+                access.same_as = row
+            accesses.append(access)
     for t, (address, nbytes, arg) in enumerate(targets):
         if arg < 0:
-            arrays.append(Access('table target {:#x}'.format(address), None, address, nbytes,
-                                 rows[len(args) + t]))
+            accesses.append(Access('table target {:#x}'.format(address), None, address, nbytes,
+                                   rows[len(args) + t]))
     shared = Access('shared memory', None, 0, 0, rows[-1])
-    launch = Launch(kernel, grid, block, arrays, shared)
+    launch = Launch(kernel, grid, block, accesses, shared)
     for launches in _recorders.stack:
         launches.append(launch)

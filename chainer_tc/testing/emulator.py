@@ -458,7 +458,8 @@ def _runtime_object(cxx, cxx_id, name):
 def _build(unit, options, source_name):
     cxx = _compiler()
     cxx_id = _compiler_id(cxx)
-    key = _cache.key_of(_EMULATOR_VERSION, cxx_id, '\0'.join(_KERNEL_FLAGS), _header_text(),
+    key = _cache.key_of(_EMULATOR_VERSION, cxx_id, '\0'.join(_KERNEL_FLAGS),
+                        '\0'.join(_RUNTIME_FLAGS), _header_text(),
                         '\0'.join(options), unit)
     binary = _cache.load('emulator', key)
     if binary is None:
@@ -982,7 +983,9 @@ class Function:
         if rc != 0:
             raise KernelLaunchError(self._explain(err.value.decode(errors='replace'), args, tables))
         if counts is not None:
-            access_counts.record(self.name, grid, block, args, targets, counts)
+            arrays = [None if nbytes[i] == _SCALAR else (alias[i] if alias[i] >= 0 else i)
+                      for i in range(n)]
+            access_counts.record(self.name, grid, block, args, arrays, targets, counts)
 
     def _tables(self, args, raw_values, seen):
         """Words of struct values and uint64 arrays that hold addresses of arrays: ([targets],

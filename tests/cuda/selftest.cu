@@ -363,7 +363,7 @@ extern "C" __global__ void subnormal_ops(const float* f, const __half* h, const 
   fo[0] = f[0] * f[1];                 // 2^-70 * 2^-70: a subnormal product
   fo[1] = f[2] + 0.0f;                 // a subnormal input
   fo[2] = f[2] > 0.0f ? 1.0f : -1.0f;  // compared with zero
-  fo[3] = f[0] * f[0];                 // a normal result
+  fo[3] = f[0] * 1.0f;                 // a normal result, the same either way
   fo[4] = (float)d[0];                 // a double that rounds to a subnormal float
   ho[0] = __hmul(h[0], h[1]);          // a subnormal half times one
   dout[0] = d[1] * d[2];               // a subnormal double product

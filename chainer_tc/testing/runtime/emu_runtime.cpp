@@ -292,15 +292,26 @@ enum { kSharedVarsPerBlock = 64 };     // static __shared__ variables a launch m
 
 size_t region_span(size_t bytes, size_t lead) { return round_up(lead + (bytes ? bytes : 1), rt.page); }
 
-// Reserves 2 * regions + 1 slots, each at least twice `largest` bytes.
+// Reserves 2 * regions + 1 slots (region k in slot 2k + 1, the even ones empty, the last of them
+// after the last region), each at least twice `largest` bytes. Where 32 GiB slots do not fit, the
+// first size that does is halved once more, so that as much address space is left for what the
+// launch maps after the arena (the threads' stacks, the race detector's shadows).
 void reserve_arena(size_t regions, size_t largest) {
   unsigned shift = kSlotShift;
   while (shift < 62 && ((size_t)1 << shift) < 2 * largest) ++shift;
-  size_t slots = 2 * regions + 2;       // the last one: room for the regions' page offsets
+  size_t slots = 2 * regions + 1;
+  bool refused = false;
   for (;;) {
     size_t bytes = slots << shift;
     if ((bytes >> shift) == slots) {
       void* m = mmap(nullptr, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+      bool smaller = refused && shift > kMinSlotShift && ((size_t)1 << (shift - 1)) >= 2 * largest;
+      if (m != MAP_FAILED && smaller) {
+        munmap(m, bytes);
+        m = mmap(nullptr, bytes / 2, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        --shift;
+        bytes /= 2;
+      }
       if (m != MAP_FAILED) {
         rt.arena = (char*)m;
         rt.arena_size = bytes;
@@ -308,6 +319,7 @@ void reserve_arena(size_t regions, size_t largest) {
         return;
       }
     }
+    refused = true;
     if (shift <= kMinSlotShift || ((size_t)1 << (shift - 1)) < 2 * largest)
       fail("emulator: cannot reserve %zu slots of %zu bytes of address space for the launch", slots,
            (size_t)1 << shift);
@@ -355,7 +367,7 @@ int new_region(size_t nbytes, size_t itemsize, int kind, int index, int slot, si
   size_t start = (2 * k + 1) * bytes + k * rt.page;
   if ((2 * k + 2) * bytes >= rt.arena_size)
     fail("emulator: the launch has more regions than it reserved slots for (%zu): more than %d static "
-         "__shared__ variables per block?", rt.arena_size >> rt.slot_shift, (int)kSharedVarsPerBlock);
+         "__shared__ variables per block?", (rt.arena_size >> rt.slot_shift) / 2, (int)kSharedVarsPerBlock);
   if (k * rt.page + span > bytes)
     fail("emulator: a %zu-byte region does not fit the launch's %zu-byte slots", span, bytes);
   char* p = rt.arena + start;
