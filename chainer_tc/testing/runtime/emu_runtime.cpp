@@ -286,7 +286,8 @@ size_t round_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
 // launch, and is named against that array (owner_of). Which region an address is in takes a shift,
 // not a page table. The arena is reserved (PROT_NONE, no memory behind it) for one launch and
 // given back after it; where the address space for 32 GiB slots cannot be had, the slots are
-// halved until it can (the launch reports the size it got, and the emulator warns).
+// halved until they fit and once more (reserve_arena; the launch reports the size it got, and the
+// emulator warns).
 enum : size_t { kSlotShift = 35, kMinSlotShift = 24 };
 enum { kSharedVarsPerBlock = 64 };     // static __shared__ variables a launch may reach, per block
 
@@ -1371,6 +1372,7 @@ int run_launch(const char* name, const LaunchArgs* la, int nparams, const usize*
     snprintf(la->err, kErrLen, "%s", rt.err);
   }
   rt.in_launch = 0;
+  rt.counting = false;               // a launch that failed mid-run left it on
   write_fp_mode(rt.fp_caller);
   rt.running = nullptr;
   cur = nullptr;
