@@ -419,6 +419,98 @@ def test_plain_counter_across_blocks(buggy):
             buggy.get_function('plain_counter')((5,), (32,), (count,))
 
 
+@pytest.mark.parametrize('schedule', ['forward', 'random:3'])
+@pytest.mark.parametrize('readers,silent', [(3, 1), (3, 0), (3, 2), (9, 4), (9, 8)])
+def test_write_races_with_one_unreleased_read_among_many(buggy, readers, silent, schedule):
+    # A cell keeps two reads; a third that neither is ordered before used to evict the second, so
+    # the write saw only released reads: (3, 1) and (9, 4) passed under the forward schedule,
+    # (3, 2), (9, 4) and (9, 8) under random:3. The read set keeps every reader, and the report
+    # names the silent block's thread and line.
+    x, flag, out = numpy.ones(1, numpy.float32), numpy.zeros(1, numpy.uint32), \
+        numpy.zeros(readers, numpy.float32)
+    k = buggy.get_function('write_after_unreleased_read')
+    with emulator.checking(race=True, schedules=[schedule]):
+        with pytest.raises(KernelLaunchError, match=(
+                r'data race on argument 0 \(float\*, float32 array of shape \(1,\)\) at byte offset '
+                r'0 \(element 0 of 1\): a write by thread \(0,0,0\) of block \(%d,0,0\) \(at .*buggy'
+                r'\.cu:\d+\) and an earlier read by thread \(0,0,0\) of block \(%d,0,0\) \(at .*buggy'
+                r'\.cu:\d+\), in different blocks' % (readers, silent))):
+            k((readers + 1,), (32,), (x, flag, out, numpy.int32(silent)))
+
+
+@pytest.mark.parametrize('readers', [3, 9])
+def test_write_after_many_released_reads_is_race_free(buggy, readers):
+    x, flag, out = numpy.ones(1, numpy.float32), numpy.zeros(1, numpy.uint32), \
+        numpy.zeros(readers, numpy.float32)
+    with emulator.checking(race=True, schedules=['forward', 'random:3']):
+        buggy.get_function('write_after_unreleased_read')(
+            (readers + 1,), (32,), (x, flag, out, numpy.int32(-1)))
+    assert x[0] == 2 and (out == 1).all() and flag[0] == readers
+
+
+def test_write_races_with_another_warps_read_between_two_synced_lanes(buggy):
+    # forward order: lane 0 reads, thread 32 reads, lane 1 reads; lane 0's write after the
+    # __syncwarp is ordered after both lanes' reads. Thread 32's read was the evicted one.
+    out = numpy.zeros(3, numpy.float32)
+    k = buggy.get_function('write_after_other_warps_read')
+    with emulator.checking(race=True, schedules=['forward']):
+        with pytest.raises(KernelLaunchError, match=(
+                r"data race on __shared__ variable 's' \(float, 4 bytes\) at byte offset 0 \(element "
+                r"0 of 1\): a write by thread \(0,0,0\) of block \(0,0,0\) \(at .*buggy\.cu:\d+\) and "
+                r"an earlier read by thread \(32,0,0\) of block \(0,0,0\) \(at .*buggy\.cu:\d+\), in "
+                r"one block, with no __syncthreads\(\) between them")):
+            k((1,), (64,), (out,))
+
+
+def test_reads_before_a_barrier_are_ordered_and_later_ones_are_not(buggy):
+    # 64 readers, then 16 + 32 again after a barrier: the byte's reads are in a read set, in two
+    # barrier intervals. Thread 63's write is ordered after warp 1's (a __syncwarp) and after
+    # every first read (the barrier); threads 0-15's second reads race with it.
+    k = buggy.get_function('write_after_reads_in_two_intervals')
+    out = numpy.zeros(64, numpy.float32)
+    with emulator.checking(race=True):
+        k((1,), (64,), (out, numpy.int32(0)))
+    assert (out == numpy.repeat([1, 2], 32)).all()
+    with emulator.checking(race=True, schedules=['forward']):
+        with pytest.raises(KernelLaunchError, match=(
+                r"data race on __shared__ variable 's' .*: a write by thread \(63,0,0\) of block "
+                r"\(0,0,0\) \(at .*buggy\.cu:\d+\) and an earlier read by thread \(0,0,0\) of block "
+                r"\(0,0,0\) \(at .*buggy\.cu:\d+\), in one block, with no __syncthreads\(\)")):
+            k((1,), (64,), (out, numpy.int32(16)))
+
+
+@pytest.mark.parametrize('readers', [2, 5])
+def test_volatile_reads_race_with_a_plain_write_not_an_atomic(buggy, readers):
+    # with 5 readers the volatile reads are in a read set, which keeps them apart from plain ones
+    x, out = numpy.zeros(1, numpy.uint32), numpy.zeros(readers, numpy.uint32)
+    k = buggy.get_function('write_after_volatile_reads')
+    with emulator.checking(race=True, schedules=['forward']):
+        k((readers + 1,), (32,), (x, out, numpy.int32(1)))
+        assert x[0] == 1
+        with pytest.raises(KernelLaunchError, match=(
+                r'a write by thread \(0,0,0\) of block \(%d,0,0\) \(at .*\) and an earlier volatile '
+                r'read by thread \(0,0,0\) of block \(\d,0,0\) \(at .*buggy\.cu:\d+\), in different '
+                r'blocks' % readers)):
+            k((readers + 1,), (32,), (x, out, numpy.int32(0)))
+
+
+def test_fence_before_the_write_is_a_race(buggy):
+    # The fence must come between the data and the signal. It used to release everything its
+    # thread did in its barrier interval, accesses after it included, and this passed.
+    data, flag, out = numpy.zeros(1, numpy.float32), numpy.zeros(1, numpy.uint32), \
+        numpy.zeros(1, numpy.float32)
+    k = buggy.get_function('fence_before_the_write')
+    k((2,), (32,), (data, flag, out))
+    assert out[0] == 1
+    with emulator.checking(race=True, schedules=['forward']):
+        with pytest.raises(KernelLaunchError, match=(
+                r'data race on argument 0 \(float\*, float32 array of shape \(1,\)\) at byte offset 0 '
+                r'\(element 0 of 1\): a read by thread \(0,0,0\) of block \(1,0,0\) \(at .*buggy\.cu:'
+                r'\d+\) and an earlier write by thread \(0,0,0\) of block \(0,0,0\) \(at .*buggy\.cu:'
+                r'\d+\), in different blocks')):
+            k((2,), (32,), (data, flag, out))
+
+
 def test_order_dependent_result_without_a_race(buggy):
     # atomics only, so the detector is silent; the schedules see that the result depends on order
     counter, out = numpy.zeros(1, numpy.uint32), numpy.zeros(64, numpy.int32)
@@ -489,6 +581,19 @@ def test_warp_level_and_block_level_selftest_kernels_are_race_free(selftest):
         pred = (r.rand(4, 100) > 0.5).astype(numpy.int32)
         votes = numpy.zeros((4, 100, 3), numpy.int32)
         selftest.get_function('block_votes')((4,), (100,), (pred, votes, numpy.int32(70)))
+
+
+@pytest.mark.parametrize('blocks', [2, 4])
+def test_grid_barrier_of_cooperative_groups_is_race_free(selftest, blocks):
+    # __syncthreads(), then one thread's fence and atomic: the fence orders the whole block's
+    # earlier writes (cumulativity), which the detector used to report as a race.
+    x = numpy.arange(blocks * 64, dtype=numpy.float32)
+    doubled, shifted = numpy.zeros_like(x), numpy.zeros_like(x)
+    arrived = numpy.zeros(1, numpy.uint32)
+    with emulator.checking(race=True, schedules=['random:1', 'random:2', 'random:3']):
+        selftest.get_function('grid_barrier_shift')((blocks,), (64,), (x, doubled, shifted, arrived))
+    assert (doubled == 2 * x).all()
+    assert (shifted == numpy.roll(2 * x, -64)).all() and arrived[0] == blocks
 
 
 def test_spin_wait_on_a_volatile_flag_is_race_free():

@@ -195,3 +195,97 @@ extern "C" __global__ void plain_counter(unsigned* count) {
 extern "C" __global__ void tickets(unsigned* counter, int* out) {
   out[atomicAdd(counter, 1u)] = blockIdx.x * blockDim.x + threadIdx.x;
 }
+
+// ---- racecheck: a race with one reader among many ----------------------------------------------
+
+// Thread 0 of each block but the last reads x[0]; every one of them except block `silent`
+// releases its read (a fence, then an atomic on `flag`). The last block acquires those releases
+// (the atomic, then a fence) and writes x[0]: the write races with block `silent`'s read only.
+// silent < 0: every read is released, no race.
+extern "C" __global__ void write_after_unreleased_read(float* x, unsigned* flag, float* out,
+                                                       int silent) {
+  unsigned readers = gridDim.x - 1;
+  if (threadIdx.x) return;
+  if (blockIdx.x < readers) {
+    out[blockIdx.x] = x[0];
+    if ((int)blockIdx.x != silent) {
+      __threadfence();
+      atomicAdd(flag, 1u);
+    }
+    return;
+  }
+  unsigned released = silent < 0 ? readers : readers - 1;
+  while (atomicAdd(flag, 0u) < released) __nanosleep(100);
+  __threadfence();
+  x[0] = 2.0f;
+}
+
+// Lanes 0 and 1 read s, and thread 32 (another warp) reads it between them: lane 1 waits for
+// thread 32 through a volatile flag, which orders nothing. After a __syncwarp of lanes 0 and 1,
+// lane 0 writes s: ordered after both lanes' reads, not after thread 32's (blockDim 64).
+extern "C" __global__ void write_after_other_warps_read(float* out) {
+  __shared__ float s;
+  __shared__ volatile int flag;
+  if (threadIdx.x == 0) {
+    s = 1.0f;
+    flag = 0;
+  }
+  __syncthreads();
+  if (threadIdx.x == 32) {
+    out[1] = s;
+    flag = 1;
+  }
+  if (threadIdx.x < 2) {
+    if (threadIdx.x == 1)
+      while (!flag) __nanosleep(100);
+    out[2 * threadIdx.x] = s;
+    __syncwarp(3u);
+    if (threadIdx.x == 0) s = 2.0f;
+  }
+}
+
+// A fence in the wrong place: block 0's thread 0 fences before it writes the data, then signals.
+// Block 1 waits for the signal, fences and reads the data: nothing orders the write before the
+// read (the fence covers what the thread did before it, in the same barrier interval too).
+extern "C" __global__ void fence_before_the_write(float* data, unsigned* flag, float* out) {
+  if (threadIdx.x) return;
+  if (blockIdx.x == 0) {
+    __threadfence();
+    data[0] = 1.0f;
+    atomicAdd(flag, 1u);
+  } else {
+    while (atomicAdd(flag, 0u) < 1u) __nanosleep(100);
+    __threadfence();
+    out[0] = data[0];
+  }
+}
+
+// Every thread reads s; after a barrier, the threads below `again` and every thread of warp 1 read
+// it again; warp 1 syncs and thread 63 writes s. The write is ordered after every read but the
+// second ones of the threads below `again` (blockDim 64; again = 0: no race).
+extern "C" __global__ void write_after_reads_in_two_intervals(float* out, int again) {
+  __shared__ float s;
+  if (threadIdx.x == 0) s = 1.0f;
+  __syncthreads();
+  float v = s;
+  __syncthreads();
+  if ((int)threadIdx.x < again || threadIdx.x >= 32) v += s;
+  if (threadIdx.x >= 32) {
+    __syncwarp();
+    if (threadIdx.x == 63) s = 2.0f;
+  }
+  out[threadIdx.x] = v;
+}
+
+// Thread 0 of every block but the last reads x[0] (a volatile read); the last block's thread 0
+// then writes it, with an atomic or a plain store. No fence orders anything.
+extern "C" __global__ void write_after_volatile_reads(unsigned* x, unsigned* out, int atomic) {
+  if (threadIdx.x) return;
+  if (blockIdx.x + 1 < gridDim.x) {
+    out[blockIdx.x] = *(volatile unsigned*)x;
+  } else if (atomic) {
+    atomicAdd(x, 1u);
+  } else {
+    x[0] = 5u;
+  }
+}

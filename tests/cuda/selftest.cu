@@ -368,3 +368,25 @@ extern "C" __global__ void subnormal_ops(const float* f, const __half* h, const 
   ho[0] = __hmul(h[0], h[1]);          // a subnormal half times one
   dout[0] = d[1] * d[2];               // a subnormal double product
 }
+
+// A grid-wide barrier as cooperative groups' grid sync builds it: a __syncthreads(), then thread 0
+// of each block fences and arrives on a counter, waits for every block, fences again, and a
+// second __syncthreads() lets its block go on. The first fence is cumulative: it orders what the
+// whole block did before the barrier, not only thread 0's own accesses. Each thread doubles its
+// element, then (after the grid barrier) reads the element one block further on.
+// Every block must be live at once: launch at most four blocks, under random schedules only.
+extern "C" __global__ void grid_barrier_shift(const float* x, float* doubled, float* shifted,
+                                              unsigned* arrived) {
+  unsigned n = gridDim.x * blockDim.x;
+  unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
+  doubled[i] = 2.0f * x[i];
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    atomicAdd(arrived, 1u);
+    while (atomicAdd(arrived, 0u) < gridDim.x) __nanosleep(100);
+    __threadfence();
+  }
+  __syncthreads();
+  shifted[i] = doubled[(i + blockDim.x) % n];
+}

@@ -22,7 +22,9 @@
 //   arena"). Every instrumented access is checked against its region exactly (memcheck); one
 //   outside any region is an error naming the region it belongs to, the offset and the thread.
 // - Race detector (on request): a shadow cell per byte of every region records the last write and
-//   up to two reads (block, thread, barrier generation, warp-sync count, atomic or not). Two
+//   two reads (block, thread, barrier generation, warp-sync count, atomic or not); a byte that more
+//   than two threads read with no order between them keeps each reading thread's latest read in a
+//   read set (per block, by barrier generation, lanes as bits), so no read is forgotten. Two
 //   accesses by different threads, at least one a write, not both atomic (volatile counts as
 //   atomic), conflict unless ordered: in one block by a __syncthreads (or __syncwarp within a
 //   warp) between them; across blocks by release/acquire through an atomic: a thread's
@@ -65,7 +67,7 @@ static_assert(kCounts == ctemu::kCountsPerRegion, "the ABI's count layout");
 
 // ---- race detector state ------------------------------------------------------------------------
 // What a release covers of one block's accesses: those of any thread at barrier generation
-// < all (stored +1, 0: none), and those of thread `tid` at generation < self.
+// < all, and those thread `tid` made before its fence number `self` (fence count < self).
 struct Cover { uint32_t all, self, tid; };
 
 struct VC {              // one Cover per block of the launch
@@ -76,12 +78,50 @@ struct Acc {             // one access, as the shadow records it
   uint32_t blk;          // block sequence number + 1 (0: no access)
   uint32_t gen;          // the block's barrier generation
   uint32_t wgen;         // the warp's __syncwarp count
+  uint32_t fences;       // the thread's __threadfence() count
+  uint32_t pc;           // code address, as an offset in the module + 1 (0: unknown)
   uint16_t tid;          // linear thread index in the block
   uint8_t flags;         // kWrite | kAtomic | kVolatile
   uint8_t pad;
-  uint64_t pc;
 };
-struct Cell { Acc w, r0, r1; };
+static_assert(sizeof(Acc) == 24, "three accesses a byte");
+struct Cell { Acc w, r0, r1; };   // r0.blk == kReadSet: the reads are in the ReadSet r1 points to
+enum : uint32_t { kReadSet = 0xffffffffu };
+
+// The exact reads of a byte that more than two threads read with no order between them (a cell
+// holds two): per block, each reading thread's latest read, in levels by the block's barrier
+// generation. A thread's latest read stands for its earlier ones (whatever is ordered after it is
+// ordered after them: program order), so a write is checked against every read since the last
+// write without keeping one entry per access. A level holds, per warp, the lanes whose latest read
+// is in it; the newest level also the lanes that read at the warp's latest __syncwarp count, and
+// the code address of the warp's latest read with the lanes that read there (for the report).
+struct LaneReads {
+  uint32_t lanes;          // lanes whose latest read is in this level
+  uint32_t wgen;           // newest level: the warp's __syncwarp count at its latest read here
+  uint32_t at_wgen;        //   and the lanes that read at that count
+  uint32_t pc_lanes;       // lanes whose latest read was at `pc`
+  uint32_t pc;
+  uint32_t fences;         // the most __threadfence() calls a lane had made at a read here
+};
+struct Level {
+  uint32_t gen;            // the block's barrier generation
+  uint32_t count;          // threads in this level
+  std::vector<LaneReads> warps;
+};
+// Entries past the counts in use keep their memory for the next use: a set in steady state
+// allocates nothing.
+struct BlockReads {
+  uint32_t blk;
+  uint32_t nlevels;        // levels[0, nlevels), ascending generations
+  std::vector<Level> levels;
+};
+struct ReadSet {
+  uint32_t nblocks[2];                 // plain, volatile: blocks[v][0, nblocks[v]) in use
+  std::vector<BlockReads> blocks[2];
+  uint32_t slot_blk[2][kMaxSlots];     // per live block slot: the block it held at its last read
+  uint32_t slot_entry[2][kMaxSlots];   //   and that block's entry
+};
+struct ReadSets { std::vector<ReadSet*> all, spare; };  // a region's sets; those free for reuse
 
 struct Warp {
   unsigned live;           // lanes that exist and have not returned
@@ -107,6 +147,7 @@ struct Fiber : Thread {
   // race detector
   int last_fence;          // barrier generation of its last __threadfence, or -1
   int sealed_fence;        // the same for fences before the block's last barrier
+  uint32_t fences;         // __threadfence() calls made
   VC* known;               // releases this thread acquired (atomic then fence)
   VC* pending;             // releases seen by its atomics, not yet fenced
 };
@@ -123,6 +164,7 @@ struct Region {
   bool output;             // compared between schedules and copied back
   Cell* shadow;            // race detector: one cell per byte of `span`
   size_t shadow_len;
+  ReadSets* read_sets;      // race detector: the read sets its cells point to
   u64 count[kCounts];      // accesses counted (emulator.recording): see count_access
 };
 
@@ -241,6 +283,13 @@ void pc_tag(char* buf, size_t n, uint64_t pc) {
   snprintf(buf, n, "{pc:0x%llx}", (unsigned long long)(pc - module_base()));
 }
 
+// A code address as the race detector's shadow keeps it: an offset in this module, + 1.
+uint32_t pc_offset(uint64_t pc) {
+  uintptr_t base = module_base();
+  return pc >= base && pc - base < 0xffffffffu ? (uint32_t)(pc - base + 1) : 0;
+}
+uint64_t pc_address(uint32_t off) { return off ? module_base() + off - 1 : 0; }
+
 void thread_of(char* buf, size_t n, uint32_t seq, unsigned tid) {
   unsigned bx = block_dim.x, by = block_dim.y;
   unsigned gx = grid_dim.x, gy = grid_dim.y;
@@ -330,8 +379,12 @@ void reserve_arena(size_t regions, size_t largest) {
 
 // After a launch: the regions' memory and the reservation are given back.
 void release_arena() {
-  for (Region& r : rt.regions)
+  for (Region& r : rt.regions) {
     if (r.shadow) munmap(r.shadow, r.shadow_len);
+    if (r.read_sets)
+      for (ReadSet* x : r.read_sets->all) delete x;
+    delete r.read_sets;
+  }
   rt.regions.clear();
   if (rt.arena) munmap(rt.arena, rt.arena_size);
   rt.arena = nullptr;
@@ -391,6 +444,7 @@ int new_region(size_t nbytes, size_t itemsize, int kind, int index, int slot, si
 
 void reset_shadow(Region& r) {
   if (r.shadow) madvise(r.shadow, r.shadow_len, MADV_DONTNEED);
+  if (r.read_sets) r.read_sets->spare = r.read_sets->all;     // kept for their memory
 }
 
 // Bytes after the data, in its last page, that no longer hold the canary (writes no check saw).
@@ -466,7 +520,7 @@ void join(VC*& dst, const VC* src) {
 bool covered(const VC* v, const Acc& a) {
   if (!v) return false;
   const Cover& c = v->c[a.blk - 1];
-  return a.gen + 1 <= c.all || (c.self && a.tid == c.tid && a.gen + 1 <= c.self);
+  return a.gen + 1 <= c.all || (c.self && a.tid == c.tid && a.fences < c.self);
 }
 
 bool ordered(const Acc& prev, const Acc& me, const Fiber* f) {
@@ -487,8 +541,8 @@ const char* access_name(uint8_t flags) {
   describe_region(what, sizeof what, r);
   thread_of(a, sizeof a, me.blk - 1, me.tid);
   thread_of(b, sizeof b, prev.blk - 1, prev.tid);
-  pc_tag(ta, sizeof ta, me.pc);
-  pc_tag(tb, sizeof tb, prev.pc);
+  pc_tag(ta, sizeof ta, pc_address(me.pc));
+  pc_tag(tb, sizeof tb, pc_address(prev.pc));
   const char* why = prev.blk == me.blk
       ? (prev.tid / 32 == me.tid / 32 ? "in one warp, with no __syncthreads() or __syncwarp() between them"
                                       : "in one block, with no __syncthreads() between them")
@@ -508,6 +562,145 @@ bool conflict(const Acc& prev, const Acc& me, const Fiber* f) {
   return !ordered(prev, me, f);
 }
 
+// The block slot a block runs in, or -1 once it finished (it reads nothing more).
+int slot_of(uint32_t blk) {
+  for (int i = 0; i < kMaxSlots; ++i)
+    if (rt.slots[i].active && rt.slots[i].seq + 1 == blk) return i;
+  return -1;
+}
+
+// A read joins a byte's read set: it replaces its thread's earlier read. A block's entry is found
+// through the slot it runs in: a block whose slot holds another block has not read yet.
+void set_add(ReadSet& s, const Acc& a, int slot) {
+  int v = a.flags & kVolatile ? 1 : 0;
+  BlockReads* brp;
+  if (slot >= 0 && s.slot_blk[v][slot] == a.blk) {
+    brp = &s.blocks[v][s.slot_entry[v][slot]];
+  } else {
+    uint32_t e = s.nblocks[v]++;
+    if (e == s.blocks[v].size()) s.blocks[v].emplace_back();
+    brp = &s.blocks[v][e];
+    brp->blk = a.blk;
+    brp->nlevels = 0;
+    if (slot >= 0) {
+      s.slot_blk[v][slot] = a.blk;
+      s.slot_entry[v][slot] = e;
+    }
+  }
+  BlockReads& br = *brp;
+  unsigned w = a.tid / 32;
+  uint32_t bit = 1u << (a.tid % 32);
+  for (uint32_t i = 0; i < br.nlevels;) {
+    Level& l = br.levels[i];
+    if (l.gen != a.gen && (l.warps[w].lanes & bit)) {
+      l.warps[w].lanes &= ~bit;
+      l.warps[w].pc_lanes &= ~bit;
+      if (!--l.count) {                    // an empty level goes to the end, with its memory
+        std::rotate(br.levels.begin() + i, br.levels.begin() + i + 1, br.levels.begin() + br.nlevels);
+        br.nlevels--;
+        continue;
+      }
+    }
+    ++i;
+  }
+  if (!br.nlevels || br.levels[br.nlevels - 1].gen != a.gen) {
+    if (br.nlevels == br.levels.size()) br.levels.emplace_back();
+    Level& l = br.levels[br.nlevels++];
+    l.gen = a.gen;
+    l.count = 0;
+    l.warps.assign((rt.nthreads + 31) / 32, LaneReads());
+  }
+  Level& top = br.levels[br.nlevels - 1];
+  LaneReads& lr = top.warps[w];
+  if (!(lr.lanes & bit)) {
+    lr.lanes |= bit;
+    top.count++;
+  }
+  if (lr.at_wgen && lr.wgen == a.wgen) lr.at_wgen |= bit;
+  else { lr.wgen = a.wgen; lr.at_wgen = bit; }
+  if (lr.pc_lanes && lr.pc == a.pc) lr.pc_lanes |= bit;
+  else { lr.pc = a.pc; lr.pc_lanes = bit; }
+  if (a.fences > lr.fences) lr.fences = a.fences;
+}
+
+// Whether a write `me` is unordered with a read of the set; if so, `prev` is one such read (its
+// code address 0 where the warp's lanes last read from another line).
+bool set_conflict(const ReadSet& s, const Acc& me, const Fiber* f, Acc& prev) {
+  unsigned mw = me.tid / 32;
+  uint32_t mbit = 1u << (me.tid % 32);
+  for (int v = 0; v < 2; ++v) {
+    if (v && (me.flags & (kAtomic | kVolatile))) continue;   // volatile reads: only plain writes race
+    for (uint32_t e = 0; e < s.nblocks[v]; ++e) {
+      const BlockReads& br = s.blocks[v][e];
+      uint32_t blk = br.blk;
+      const Cover* cover[2] = {f->known ? &f->known->c[blk - 1] : nullptr,
+                               f->blk->known ? &f->blk->known->c[blk - 1] : nullptr};
+      for (uint32_t li = 0; li < br.nlevels; ++li) {
+        const Level& l = br.levels[li];
+        uint32_t g = l.gen + 1;
+        bool same = blk == me.blk;
+        if (same && l.gen != me.gen) continue;                  // a __syncthreads() between
+        if (!same && ((cover[0] && g <= cover[0]->all) || (cover[1] && g <= cover[1]->all))) continue;
+        for (unsigned w = 0; w < l.warps.size(); ++w) {
+          const LaneReads& lr = l.warps[w];
+          uint32_t open = lr.lanes;
+          if (same && w == mw) open = (lr.wgen == me.wgen ? lr.at_wgen : 0) & ~mbit;
+          if (!same)
+            for (const Cover* c : cover)                        // a fencing thread's own reads
+              if (c && c->self && lr.fences < c->self && c->tid / 32 == w) open &= ~(1u << c->tid % 32);
+          if (!open) continue;
+          uint32_t known = open & lr.pc_lanes;
+          memset(&prev, 0, sizeof prev);
+          prev.blk = blk;
+          prev.gen = l.gen;
+          prev.wgen = lr.wgen;
+          prev.tid = (uint16_t)(w * 32 + __builtin_ctz(known ? known : open));
+          prev.flags = v ? kVolatile : kRead;
+          prev.pc = known ? lr.pc : 0;
+          return true;
+        }
+      }
+    }
+  }
+  return false;
+}
+
+ReadSet* set_of(const Cell& c) {
+  ReadSet* s;
+  memcpy(&s, &c.r1.gen, sizeof s);
+  return s;
+}
+
+// A third read that neither of a cell's reads is ordered before: the cell's reads move to a set.
+void to_read_set(Region& r, Cell& c, const Acc& me) {
+  if (!r.read_sets) r.read_sets = new ReadSets;
+  ReadSet* x;
+  if (r.read_sets->spare.empty()) {
+    x = new ReadSet;
+    r.read_sets->all.push_back(x);
+  } else {
+    x = r.read_sets->spare.back();
+    r.read_sets->spare.pop_back();
+  }
+  x->nblocks[0] = x->nblocks[1] = 0;
+  memset(x->slot_blk, 0, sizeof x->slot_blk);
+  ReadSet& s = *x;
+  Acc a[3] = {c.r0, c.r1, me};
+  std::sort(a, a + 3, [](const Acc& x, const Acc& y) {        // a block's reads in its own order
+    return x.blk != y.blk ? x.blk < y.blk : x.gen != y.gen ? x.gen < y.gen : x.wgen < y.wgen;
+  });
+  for (const Acc& e : a) set_add(s, e, slot_of(e.blk));
+  c.r0.blk = kReadSet;
+  c.r1.blk = 0;
+  memcpy(&c.r1.gen, &x, sizeof x);         // gen and wgen: 8 bytes
+}
+
+// The cell's reads are over (a write): its set is emptied for reuse.
+void drop_read_set(Region& r, Cell& c) {
+  r.read_sets->spare.push_back(set_of(c));
+  c.r0.blk = c.r1.blk = 0;
+}
+
 void race_access(Region& r, char* a, size_t n, int flags, uint64_t pc) {
   Fiber* f = rt.running;
   Block* b = f->blk;
@@ -515,18 +708,32 @@ void race_access(Region& r, char* a, size_t n, int flags, uint64_t pc) {
   me.blk = b->seq + 1;
   me.gen = b->bar_gen;
   me.wgen = b->warps[f->warp].sync_count;
+  me.fences = f->fences;
+  me.pc = pc_offset(pc);
   me.tid = (uint16_t)f->linear;
   me.flags = (uint8_t)flags;
   me.pad = 0;
-  me.pc = pc;
   size_t first = (size_t)(a - r.pages);
   bool write = flags & (kWrite | kAtomic);
   for (size_t i = 0; i < n; ++i) {
-    Cell& c = r.shadow[first + i];
-    if (conflict(c.w, me, f)) report_race(r, first + i, c.w, me);
+    size_t byte = first + i;
+    Cell& c = r.shadow[byte];
+    if (conflict(c.w, me, f)) report_race(r, byte, c.w, me);
+    if (c.r0.blk == kReadSet) {
+      if (!write) {
+        set_add(*set_of(c), me, (int)(b - rt.slots));
+        continue;
+      }
+      Acc prev;
+      if (set_conflict(*set_of(c), me, f, prev)) report_race(r, byte, prev, me);
+      drop_read_set(r, c);
+      c.w = me;
+      if (flags & kAtomic) c.r0 = me;
+      continue;
+    }
     if (write) {
-      if (conflict(c.r0, me, f)) report_race(r, first + i, c.r0, me);
-      if (conflict(c.r1, me, f)) report_race(r, first + i, c.r1, me);
+      if (conflict(c.r0, me, f)) report_race(r, byte, c.r0, me);
+      if (conflict(c.r1, me, f)) report_race(r, byte, c.r1, me);
       c.w = me;
       c.r0.blk = c.r1.blk = 0;
       if (flags & kAtomic) c.r0 = me;          // an atomic also reads
@@ -535,7 +742,7 @@ void race_access(Region& r, char* a, size_t n, int flags, uint64_t pc) {
     } else if (!c.r1.blk || ordered(c.r1, me, f)) {
       c.r1 = me;
     } else {
-      c.r1 = me;
+      to_read_set(r, c, me);
     }
   }
 }
@@ -551,8 +758,11 @@ void sync_atomic(uintptr_t x) {
   VC*& s = rt.sync[x];
   if (!s) s = new_vc();
   Cover c;
-  c.all = b->sealed_all >= 0 ? (uint32_t)b->sealed_all + 1 : 0;
-  c.self = (uint32_t)f->last_fence + 1;
+  // A __syncthreads() orders the block's earlier accesses before this thread's fence (CUDA's
+  // fences are cumulative: cooperative groups' grid sync relies on it), and every thread's fence
+  // before a barrier orders its own accesses before it.
+  c.all = std::max((uint32_t)f->last_fence, b->sealed_all >= 0 ? (uint32_t)b->sealed_all + 1 : 0);
+  c.self = f->fences;
   c.tid = f->linear;
   join_cover(s->c[b->seq], c);
   join(s, f->known);
@@ -783,6 +993,7 @@ void start_block(Block& b, u64 seq) {
     f.done = false;
     f.at_bar = false;
     f.last_fence = f.sealed_fence = -1;
+    f.fences = 0;
     f.known = f.pending = nullptr;
     b.warps[f.warp].live |= 1u << f.lane;
     f.ctx.uc_stack.ss_sp = b.stacks + (size_t)i * (rt.stack_bytes + rt.page) + rt.page;
@@ -1163,6 +1374,7 @@ void fence(int device_scope) {
   Fiber* f = rt.running;
   if (f && rt.race && device_scope) {
     f->last_fence = (int)f->blk->bar_gen;
+    f->fences++;
     join(f->known, f->pending);
     join(f->known, f->blk->pending);
     f->pending = nullptr;
