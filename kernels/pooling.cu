@@ -287,7 +287,7 @@ __device__ __forceinline__ void backward(const PoolShape& s, const T* __restrict
             load_offsets<V>(argmax, o, am);
             if constexpr (V == 1) {
               if (am[0] == offset) sum[0] += load(gy, o);
-            } else {
+            } else if (am[0] == offset || am[1] == offset) {   // gy only where it is used
               A v[V];
               load_v<V>(gy, o, v);
               for (int k = 0; k < V; ++k)

@@ -127,6 +127,28 @@ def test_two_channels_per_thread_give_the_bits_of_one(backend, build):
         numpy.testing.assert_array_equal(out[2][name], out[1][name], err_msg=name)
 
 
+@pytest.mark.parametrize('build', [b for i, b in _both_widths() if i.startswith('pool')],
+                         ids=[i for i, _ in _both_widths() if i.startswith('pool')])
+def test_max_pool_backward_reads_gy_only_where_it_is_used(backend, build):
+    """Every output's gradient goes to one input position (its argmax), so the one-channel path
+    reads each element of gy once; the two-channel path reads a pair where either channel's
+    argmax matches: at most twice gy's bytes (it read a pair for every covering window, matched
+    or not: 6.75 times gy's bytes on a 3x3/2 window)."""
+    read = {}
+    for w in (1, 2):
+        case = build(w)
+        with emulator.recording() as launches:
+            kernel_cases.run(case, backend)
+        (launch, counted), = [(k, c) for k, c in zip(case.launches, launches)
+                              if k.kernel.startswith('max_pool_backward')]
+        at = [i for i, a in enumerate(launch.args) if isinstance(a, str) and a == 'gy']
+        gy, = [a for a in counted.arrays if a.what == 'argument {}'.format(*at)]
+        read[w] = gy.bytes_read
+    nbytes = build(1).arrays['gy'].nbytes
+    assert read[1] == nbytes
+    assert nbytes <= read[2] <= 2 * nbytes
+
+
 @pytest.mark.parametrize('groups', [0, 1, 3, 17, 32, 33, 35, 64, 1024, 1025, 300000])
 @pytest.mark.parametrize('positions', [0, 1, 7, 255, 802816, 10 ** 9])
 def test_channel_tiles_cover_every_group_and_position(groups, positions):

@@ -28,8 +28,9 @@
 //   accesses by different threads, at least one a write, not both atomic (volatile counts as
 //   atomic), conflict unless ordered: in one block by a __syncthreads (or __syncwarp within a
 //   warp) between them; across blocks by release/acquire through an atomic: a thread's
-//   __threadfence then atomic on X releases what its block did before the fence; an atomic on X
-//   then a __threadfence acquires what was released on X.
+//   __threadfence then atomic on X releases what the thread did before the fence and what its
+//   block did before the barrier preceding it (fences are cumulative); an atomic on X then a
+//   __threadfence acquires what was released on X.
 #include "chainer_tc_emu_abi.h"
 
 #include <dlfcn.h>
