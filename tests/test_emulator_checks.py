@@ -511,6 +511,23 @@ def test_fence_before_the_write_is_a_race(buggy):
             k((2,), (32,), (data, flag, out))
 
 
+@pytest.mark.parametrize('schedule', ['forward', 'random:2'])
+def test_every_thread_fencing_before_its_write_is_a_race(buggy, schedule):
+    # Each thread's fence releases what it did before the fence, even when every thread fenced
+    # before the barrier; it used to release the whole barrier interval, and this passed.
+    data, flag = numpy.zeros(64, numpy.float32), numpy.zeros(1, numpy.uint32)
+    out = numpy.zeros(64, numpy.float32)
+    k = buggy.get_function('publish_with_every_thread_fencing')
+    with emulator.checking(race=True, schedules=[schedule]):
+        k((2,), (64,), (data, flag, out, numpy.int32(0)))
+        assert (out == numpy.arange(1, 65)).all()
+        flag[0] = 0
+        with pytest.raises(KernelLaunchError, match=(
+                r'data race on argument 0 .*: a read by thread \((\d+),0,0\) of block \(1,0,0\) \(at '
+                r'.*buggy\.cu:\d+\) and an earlier write by thread \(\1,0,0\) of block \(0,0,0\)')):
+            k((2,), (64,), (data, flag, out, numpy.int32(1)))
+
+
 def test_order_dependent_result_without_a_race(buggy):
     # atomics only, so the detector is silent; the schedules see that the result depends on order
     counter, out = numpy.zeros(1, numpy.uint32), numpy.zeros(64, numpy.int32)

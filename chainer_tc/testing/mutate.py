@@ -16,6 +16,8 @@ fails. The operators are the bugs that pass unnoticed when threads run in one fi
 - ``vote_to_shared_flag``: the vote replaced by a ``__shared__`` flag that thread 0 resets without
   a barrier before the other threads set it;
 - ``drop_fence``: a ``__threadfence();`` removed, and all of a file's at once;
+- ``early_fence``: a ``__threadfence();`` moved to the start of its function, before the accesses
+  it should order (a fence orders only what its thread did before it);
 - ``plain_atomic``: an ``atomicAdd``/``atomicInc``/... replaced by a plain read-modify-write;
 - ``off_by_one``: a loop bound ``i < n`` made ``i <= n``, a guard ``c >= C`` made ``c > C``;
 - ``move_reduction``: a reduction step moved from row 0 to the last row (the loop adjusted so
@@ -160,6 +162,35 @@ def drop_fence(code, plain):
     return out
 
 
+def _function_body(plain, at):
+    """The position just after the opening brace of the function whose body holds ``at``: the
+    outermost brace around it that follows a ``)`` (not a namespace's or a struct's)."""
+    stack = []
+    for m in re.finditer(r'[{}]', plain[:at]):
+        if m.group() == '{':
+            stack.append(m.start())
+        elif stack:
+            stack.pop()
+    for brace in stack:
+        if plain[:brace].rstrip().endswith(')'):
+            return brace + 1
+    return None
+
+
+def early_fence(code, plain):
+    out = []
+    for m in re.finditer(r'__threadfence\(\)\s*;', plain):
+        body = _function_body(plain, m.start())
+        if body is None:
+            continue
+        n = _line(code, m.start())
+        mutated = _replace(code, m.start(), m.end(), '')
+        mutated = _replace(mutated, body, body, ' __threadfence();')
+        out.append(('early_fence@{}'.format(n), 'line {}: __threadfence() moved to the start of its '
+                    'function (line {})'.format(n, _line(code, body)), mutated))
+    return out
+
+
 _PLAIN = {'atomicAdd': 'o + v', 'atomicSub': 'o - v', 'atomicExch': 'v',
           'atomicMax': 'o > v ? o : v', 'atomicMin': 'o < v ? o : v', 'atomicOr': 'o | v',
           'atomicAnd': 'o & v', 'atomicXor': 'o ^ v', 'atomicInc': 'o >= v ? 0 : o + 1'}
@@ -278,7 +309,7 @@ def no_vector_path(code, plain):
     return out
 
 
-OPERATORS = [drop_barrier, vote_to_local, vote_to_shared_flag, drop_fence, plain_atomic,
+OPERATORS = [drop_barrier, vote_to_local, vote_to_shared_flag, drop_fence, early_fence, plain_atomic,
              off_by_one, move_reduction, wrong_thread, no_vector_path]
 
 

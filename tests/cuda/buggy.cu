@@ -289,3 +289,25 @@ extern "C" __global__ void write_after_volatile_reads(unsigned* x, unsigned* out
     x[0] = 5u;
   }
 }
+
+// Every thread of block 0 publishes data[tid], then thread 0 signals after a barrier; block 1
+// waits, fences, and each of its threads reads data[tid]. Race-free with every thread's fence
+// between its write and the barrier (fence_first = 0); with the fences before the writes
+// (fence_first = 1) nothing orders the writes before the reads.
+extern "C" __global__ void publish_with_every_thread_fencing(float* data, unsigned* flag,
+                                                             float* out, int fence_first) {
+  if (blockIdx.x == 0) {
+    if (fence_first) __threadfence();
+    data[threadIdx.x] = 1.0f + threadIdx.x;
+    if (!fence_first) __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) atomicAdd(flag, 1u);
+  } else {
+    if (threadIdx.x == 0) {
+      while (atomicAdd(flag, 0u) < 1u) __nanosleep(100);
+      __threadfence();
+    }
+    __syncthreads();
+    out[threadIdx.x] = data[threadIdx.x];
+  }
+}

@@ -68,8 +68,9 @@ static_assert(kCounts == ctemu::kCountsPerRegion, "the ABI's count layout");
 
 // ---- race detector state ------------------------------------------------------------------------
 // What a release covers of one block's accesses: those of any thread at barrier generation
-// < all, and those thread `tid` made before its fence number `self` (fence count < self).
-struct Cover { uint32_t all, self, tid; };
+// < all; those of any thread made before its fence number `sealed` (its fence count then
+// < sealed); and those thread `tid` made before its fence number `self`.
+struct Cover { uint32_t all, sealed, self, tid; };
 
 struct VC {              // one Cover per block of the launch
   Cover* c;
@@ -148,6 +149,7 @@ struct Fiber : Thread {
   // race detector
   int last_fence;          // barrier generation of its last __threadfence, or -1
   int sealed_fence;        // the same for fences before the block's last barrier
+  uint32_t sealed_fences;  //   and its fence count then
   uint32_t fences;         // __threadfence() calls made
   VC* known;               // releases this thread acquired (atomic then fence)
   VC* pending;             // releases seen by its atomics, not yet fenced
@@ -187,7 +189,8 @@ struct Block {
   unsigned cursor;
   bool ran;
   // race detector
-  int sealed_all;
+  int sealed_gen;           // least barrier generation of the threads' sealed fences (-1: a thread has none)
+  uint32_t sealed_fences;   // least fence count of the threads at their sealed fences
   VC* known;
   VC* pending;
 };
@@ -501,6 +504,7 @@ VC* new_vc() {
 
 void join_cover(Cover& d, const Cover& s) {
   if (s.all > d.all) d.all = s.all;
+  if (s.sealed > d.sealed) d.sealed = s.sealed;
   if (!s.self) return;
   if (!d.self || d.tid == s.tid) {
     if (s.self > d.self) d.self = s.self;
@@ -515,13 +519,13 @@ void join(VC*& dst, const VC* src) {
   if (!src) return;
   if (!dst) dst = new_vc();
   for (u64 i = 0; i < rt.nblocks; ++i)
-    if (src->c[i].all || src->c[i].self) join_cover(dst->c[i], src->c[i]);
+    if (src->c[i].all || src->c[i].sealed || src->c[i].self) join_cover(dst->c[i], src->c[i]);
 }
 
 bool covered(const VC* v, const Acc& a) {
   if (!v) return false;
   const Cover& c = v->c[a.blk - 1];
-  return a.gen + 1 <= c.all || (c.self && a.tid == c.tid && a.fences < c.self);
+  return a.gen < c.all || a.fences < c.sealed || (c.self && a.tid == c.tid && a.fences < c.self);
 }
 
 bool ordered(const Acc& prev, const Acc& me, const Fiber* f) {
@@ -638,17 +642,19 @@ bool set_conflict(const ReadSet& s, const Acc& me, const Fiber* f, Acc& prev) {
                                f->blk->known ? &f->blk->known->c[blk - 1] : nullptr};
       for (uint32_t li = 0; li < br.nlevels; ++li) {
         const Level& l = br.levels[li];
-        uint32_t g = l.gen + 1;
         bool same = blk == me.blk;
         if (same && l.gen != me.gen) continue;                  // a __syncthreads() between
-        if (!same && ((cover[0] && g <= cover[0]->all) || (cover[1] && g <= cover[1]->all))) continue;
+        if (!same && ((cover[0] && l.gen < cover[0]->all) || (cover[1] && l.gen < cover[1]->all))) continue;
         for (unsigned w = 0; w < l.warps.size(); ++w) {
           const LaneReads& lr = l.warps[w];
           uint32_t open = lr.lanes;
           if (same && w == mw) open = (lr.wgen == me.wgen ? lr.at_wgen : 0) & ~mbit;
           if (!same)
-            for (const Cover* c : cover)                        // a fencing thread's own reads
-              if (c && c->self && lr.fences < c->self && c->tid / 32 == w) open &= ~(1u << c->tid % 32);
+            for (const Cover* c : cover) {
+              if (c && lr.fences < c->sealed) open = 0;         // before every lane's sealed fence
+              if (c && c->self && lr.fences < c->self && c->tid / 32 == w)
+                open &= ~(1u << c->tid % 32);                   // a fencing thread's own reads
+            }
           if (!open) continue;
           uint32_t known = open & lr.pc_lanes;
           memset(&prev, 0, sizeof prev);
@@ -760,9 +766,11 @@ void sync_atomic(uintptr_t x) {
   if (!s) s = new_vc();
   Cover c;
   // A __syncthreads() orders the block's earlier accesses before this thread's fence (CUDA's
-  // fences are cumulative: cooperative groups' grid sync relies on it), and every thread's fence
-  // before a barrier orders its own accesses before it.
-  c.all = std::max((uint32_t)f->last_fence, b->sealed_all >= 0 ? (uint32_t)b->sealed_all + 1 : 0);
+  // fences are cumulative: cooperative groups' grid sync relies on it); when every thread fenced
+  // before a barrier, each thread's fence orders its own earlier accesses, which are then before
+  // the barrier and so before this atomic.
+  c.all = std::max((uint32_t)f->last_fence, b->sealed_gen >= 0 ? (uint32_t)b->sealed_gen : 0u);
+  c.sealed = b->sealed_fences;
   c.self = f->fences;
   c.tid = f->linear;
   join_cover(s->c[b->seq], c);
@@ -848,15 +856,21 @@ void release_block_barrier(Block* b) {
   b->bar_arrived = 0;
   b->bar_acc = 0;
   if (rt.race) {                    // fences before this barrier are sealed; knowledge is shared
-    int all = 1 << 30;
+    int gen = 1 << 30;
+    uint32_t count = 0xffffffffu;
     for (unsigned i = 0; i < rt.nthreads; ++i) {
       Fiber& f = b->fibers[i];
-      if (f.last_fence >= 0) f.sealed_fence = f.last_fence;
-      if (f.sealed_fence < all) all = f.sealed_fence;
+      if (f.last_fence >= 0) {
+        f.sealed_fence = f.last_fence;
+        f.sealed_fences = f.fences;           // its count after its last fence
+      }
+      if (f.sealed_fence < gen) gen = f.sealed_fence;
+      if (f.sealed_fences < count) count = f.sealed_fences;
       if (f.known) { join(b->known, f.known); f.known = nullptr; }
       if (f.pending) { join(b->pending, f.pending); f.pending = nullptr; }
     }
-    b->sealed_all = all;
+    b->sealed_gen = gen;
+    b->sealed_fences = count;
   }
   b->bar_gen++;
 }
@@ -975,7 +989,8 @@ void start_block(Block& b, u64 seq) {
   b.cursor = 0;
   b.ran = false;
   b.order.clear();
-  b.sealed_all = -1;
+  b.sealed_gen = -1;
+  b.sealed_fences = 0;
   b.known = b.pending = nullptr;
   for (unsigned w = 0; w < kMaxWarps; ++w) {
     b.warps[w].live = b.warps[w].arrived = 0;
@@ -994,7 +1009,7 @@ void start_block(Block& b, u64 seq) {
     f.done = false;
     f.at_bar = false;
     f.last_fence = f.sealed_fence = -1;
-    f.fences = 0;
+    f.fences = f.sealed_fences = 0;
     f.known = f.pending = nullptr;
     b.warps[f.warp].live |= 1u << f.lane;
     f.ctx.uc_stack.ss_sp = b.stacks + (size_t)i * (rt.stack_bytes + rt.page) + rt.page;
