@@ -528,6 +528,45 @@ def test_every_thread_fencing_before_its_write_is_a_race(buggy, schedule):
             k((2,), (64,), (data, flag, out, numpy.int32(1)))
 
 
+def test_volatile_write_races_with_a_plain_read_the_thread_read_again_volatile(buggy):
+    # the thread's later volatile read replaced its plain one in the shadow, and this passed
+    x, out = numpy.full(1, 3, numpy.uint32), numpy.zeros(2, numpy.uint32)
+    with emulator.checking(race=True, schedules=['forward']):
+        with pytest.raises(KernelLaunchError, match=(
+                r'a volatile write by thread \(0,0,0\) of block \(1,0,0\) \(at .*\) and an earlier '
+                r'read by thread \(0,0,0\) of block \(0,0,0\)')):
+            buggy.get_function('volatile_write_after_plain_read')((2,), (32,), (x, out))
+
+
+def test_a_release_passes_on_only_what_was_known_at_its_fence(buggy):
+    # the release used the block's knowledge at the atomic, an acquire after the fence included
+    data, flags, out = numpy.zeros(1, numpy.float32), numpy.zeros(2, numpy.uint32), \
+        numpy.zeros(1, numpy.float32)
+    k = buggy.get_function('release_before_the_acquire_it_passes_on')
+    k((3,), (32,), (data, flags, out))
+    assert out[0] == 5
+    with emulator.checking(race=True, schedules=['forward']):
+        with pytest.raises(KernelLaunchError, match=(
+                r'data race on argument 0 .*: a read by thread \(0,0,0\) of block \(2,0,0\) \(at .*\) '
+                r'and an earlier write by thread \(0,0,0\) of block \(0,0,0\)')):
+            k((3,), (32,), (data, numpy.zeros(2, numpy.uint32), out))
+
+
+@pytest.mark.parametrize('schedule', ['forward', 'reverse', 'random:4'])
+@pytest.mark.parametrize('lane0_reads', [0, 1])
+def test_a_partial_syncwarp_orders_only_the_lanes_it_names(buggy, schedule, lane0_reads):
+    # __syncwarp(3) counted as ordering the whole warp: where lane 2 read first (reverse), the
+    # race was missed, with two readers (the cell) and with three (a read set)
+    out = numpy.zeros(3, numpy.float32)
+    with emulator.checking(race=True, schedules=[schedule]):
+        with pytest.raises(KernelLaunchError, match=(
+                r"data race on __shared__ variable 's' .*(a write by thread \(0,0,0\) .* and an "
+                r"earlier read by thread \(2,0,0\)|a read by thread \(2,0,0\) .* and an earlier "
+                r"write by thread \(0,0,0\)).*, in one warp, with no __syncthreads\(\) or "
+                r"__syncwarp\(\) of both between them")):
+            buggy.get_function('partial_syncwarp_write')((1,), (32,), (out, numpy.int32(lane0_reads)))
+
+
 def test_order_dependent_result_without_a_race(buggy):
     # atomics only, so the detector is silent; the schedules see that the result depends on order
     counter, out = numpy.zeros(1, numpy.uint32), numpy.zeros(64, numpy.int32)
@@ -611,6 +650,25 @@ def test_grid_barrier_of_cooperative_groups_is_race_free(selftest, blocks):
         selftest.get_function('grid_barrier_shift')((blocks,), (64,), (x, doubled, shifted, arrived))
     assert (doubled == 2 * x).all()
     assert (shifted == numpy.roll(2 * x, -64)).all() and arrived[0] == blocks
+
+
+def test_uneven_fence_counts_then_a_release_are_race_free(selftest):
+    # 32 readers put x[0]'s reads in a read set; thread 0's read came after one more fence than
+    # the others'. The set used one count for the warp (its largest) and reported the others.
+    x, flag, out = numpy.ones(1, numpy.float32), numpy.zeros(1, numpy.uint32), \
+        numpy.zeros(32, numpy.float32)
+    with emulator.checking(race=True, schedules=['forward', 'random:1']):
+        selftest.get_function('uneven_fences_then_release')((2,), (32,), (x, flag, out))
+    assert x[0] == 2 and (out == 1).all()
+
+
+def test_atomics_and_volatile_reads_of_a_counter_are_race_free(selftest):
+    # the first atomic, kept as a read, went to the plain reads when the third reader made a
+    # read set, and the last atomic was reported against it
+    c = numpy.zeros(1, numpy.uint32)
+    with emulator.checking(race=True, schedules=['forward']):
+        selftest.get_function('atomics_around_volatile_reads')((1,), (4,), (c,))
+    assert c[0] == 2
 
 
 def test_spin_wait_on_a_volatile_flag_is_race_free():

@@ -311,3 +311,57 @@ extern "C" __global__ void publish_with_every_thread_fencing(float* data, unsign
     out[threadIdx.x] = data[threadIdx.x];
   }
 }
+
+// Block 0's thread 0 reads x[0] plainly, then through a volatile pointer; block 1's thread 0 then
+// stores to it through a volatile pointer: a race with the plain read (not with the volatile one).
+extern "C" __global__ void volatile_write_after_plain_read(unsigned* x, unsigned* out) {
+  if (threadIdx.x) return;
+  if (blockIdx.x == 0) {
+    out[0] = x[0];
+    out[1] = *(volatile unsigned*)x;
+  } else {
+    *(volatile unsigned*)x = 7u;
+  }
+}
+
+// Block 0 writes data and releases it on flags[0]. In block 1, thread 0 fences first; thread 1
+// then acquires flags[0]; after a barrier, thread 0 signals on flags[1]. Block 2 acquires
+// flags[1] and reads data. Thread 0's release covers what it and its block knew at its fence,
+// which came before thread 1's acquire: nothing orders block 0's write before block 2's read.
+extern "C" __global__ void release_before_the_acquire_it_passes_on(float* data, unsigned* flags,
+                                                                   float* out) {
+  if (blockIdx.x == 0) {
+    if (threadIdx.x == 0) {
+      data[0] = 5.0f;
+      __threadfence();
+      atomicAdd(flags, 1u);
+    }
+  } else if (blockIdx.x == 1) {
+    if (threadIdx.x == 0) __threadfence();
+    if (threadIdx.x == 1) {
+      while (atomicAdd(flags, 0u) < 1u) __nanosleep(100);
+      __threadfence();
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) atomicAdd(flags + 1, 1u);
+  } else if (threadIdx.x == 0) {
+    while (atomicAdd(flags + 1, 0u) < 1u) __nanosleep(100);
+    __threadfence();
+    out[0] = data[0];
+  }
+}
+
+// Lane 2 reads s (and lane 0 too if lane0_reads); lanes 0 and 1 read it, meet at __syncwarp(3)
+// and lane 0 writes s: the partial __syncwarp orders lanes 0 and 1 only, so the write races
+// with lane 2's read (blockDim 32).
+extern "C" __global__ void partial_syncwarp_write(float* out, int lane0_reads) {
+  __shared__ float s;
+  if (threadIdx.x == 0) s = 1.0f;
+  __syncthreads();
+  if (threadIdx.x == 2) out[2] = s;
+  if (threadIdx.x < 2) {
+    if (threadIdx.x == 1 || lane0_reads) out[threadIdx.x] = s;
+    __syncwarp(3u);
+    if (threadIdx.x == 0) s = 2.0f;
+  }
+}

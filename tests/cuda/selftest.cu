@@ -390,3 +390,32 @@ extern "C" __global__ void grid_barrier_shift(const float* x, float* doubled, fl
   __syncthreads();
   shifted[i] = doubled[(i + blockDim.x) % n];
 }
+
+// Thread 0 fences once more than the other threads before every thread reads x[0]; then every
+// thread fences, a barrier, and thread 0 signals; block 1 waits, fences and writes x[0]. Every
+// read is released: the others' by their own fences before the barrier, thread 0's by its
+// second fence (blockDim 32, two blocks).
+extern "C" __global__ void uneven_fences_then_release(float* x, unsigned* flag, float* out) {
+  if (blockIdx.x == 0) {
+    if (threadIdx.x == 0) __threadfence();
+    out[threadIdx.x] = x[0];
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) atomicAdd(flag, 1u);
+  } else if (threadIdx.x == 0) {
+    while (atomicAdd(flag, 0u) < 1u) __nanosleep(100);
+    __threadfence();
+    x[0] = 2.0f;
+  }
+}
+
+// Atomics and volatile reads of one counter never race with each other: thread 0 adds, threads
+// 1 and 2 read it through a volatile pointer, thread 3 adds (blockDim 4).
+extern "C" __global__ void atomics_around_volatile_reads(unsigned* c) {
+  if (threadIdx.x == 0 || threadIdx.x == 3) {
+    atomicAdd(c, 1u);
+  } else {
+    const unsigned v = *(volatile unsigned*)c;
+    (void)v;
+  }
+}

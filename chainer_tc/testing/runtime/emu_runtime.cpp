@@ -26,11 +26,11 @@
 //   than two threads read with no order between them keeps each reading thread's latest read in a
 //   read set (per block, by barrier generation, lanes as bits), so no read is forgotten. Two
 //   accesses by different threads, at least one a write, not both atomic (volatile counts as
-//   atomic), conflict unless ordered: in one block by a __syncthreads (or __syncwarp within a
-//   warp) between them; across blocks by release/acquire through an atomic: a thread's
-//   __threadfence then atomic on X releases what the thread did before the fence and what its
-//   block did before the barrier preceding it (fences are cumulative); an atomic on X then a
-//   __threadfence acquires what was released on X.
+//   atomic), conflict unless ordered: in one block by a __syncthreads (or a __syncwarp whose
+//   mask names both) between them; across blocks by release/acquire through an atomic: a
+//   thread's __threadfence then atomic on X releases what the thread did before the fence, what
+//   its block did before the barrier preceding it (fences are cumulative) and what both had
+//   acquired by then; an atomic on X then a __threadfence acquires what was released on X.
 #include "chainer_tc_emu_abi.h"
 
 #include <dlfcn.h>
@@ -103,12 +103,14 @@ struct LaneReads {
   uint32_t at_wgen;        //   and the lanes that read at that count
   uint32_t pc_lanes;       // lanes whose latest read was at `pc`
   uint32_t pc;
-  uint32_t fences;         // the most __threadfence() calls a lane had made at a read here
+  uint32_t fences;         // the lanes' __threadfence() count at their reads, unless `mixed`
+  uint32_t mixed;          // the counts differ: each lane's is in Level::lane_fences
 };
 struct Level {
   uint32_t gen;            // the block's barrier generation
   uint32_t count;          // threads in this level
   std::vector<LaneReads> warps;
+  std::vector<uint32_t> lane_fences;   // per thread, for warps whose lanes' counts differ
 };
 // Entries past the counts in use keep their memory for the next use: a set in steady state
 // allocates nothing.
@@ -117,11 +119,12 @@ struct BlockReads {
   uint32_t nlevels;        // levels[0, nlevels), ascending generations
   std::vector<Level> levels;
 };
+enum { kPlainReads, kVolatileReads, kAtomicReads, kReadKinds };   // an atomic also reads
 struct ReadSet {
-  uint32_t nblocks[2];                 // plain, volatile: blocks[v][0, nblocks[v]) in use
-  std::vector<BlockReads> blocks[2];
-  uint32_t slot_blk[2][kMaxSlots];     // per live block slot: the block it held at its last read
-  uint32_t slot_entry[2][kMaxSlots];   //   and that block's entry
+  uint32_t nblocks[kReadKinds];                 // blocks[v][0, nblocks[v]) in use
+  std::vector<BlockReads> blocks[kReadKinds];
+  uint32_t slot_blk[kReadKinds][kMaxSlots];     // per live block slot: the block it held at its
+  uint32_t slot_entry[kReadKinds][kMaxSlots];   //   last read, and that block's entry
 };
 struct ReadSets { std::vector<ReadSet*> all, spare; };  // a region's sets; those free for reuse
 
@@ -130,6 +133,8 @@ struct Warp {
   unsigned arrived;        // lanes waiting in a warp collective (cleared when it completes)
   unsigned lanes;          // lanes that exist in this warp
   unsigned sync_count;     // __syncwarp collectives completed
+  uint32_t met[32][32];    // race detector: sync_count after the last __syncwarp lanes a and b
+                           // both took part in (a partial mask orders only the lanes it names)
   unsigned mask[32];
   unsigned char op[32];
   int src[32];
@@ -152,6 +157,8 @@ struct Fiber : Thread {
   uint32_t sealed_fences;  //   and its fence count then
   uint32_t fences;         // __threadfence() calls made
   VC* known;               // releases this thread acquired (atomic then fence)
+  bool known_grew;         //   since the block's last barrier
+  VC* fence_known;         // the block's `known` at this thread's last fence (never changed after)
   VC* pending;             // releases seen by its atomics, not yet fenced
 };
 
@@ -531,7 +538,8 @@ bool covered(const VC* v, const Acc& a) {
 bool ordered(const Acc& prev, const Acc& me, const Fiber* f) {
   if (prev.blk == me.blk)
     return prev.tid == me.tid || prev.gen < me.gen ||
-           (prev.tid / 32 == me.tid / 32 && prev.wgen < me.wgen);
+           (prev.tid / 32 == me.tid / 32 &&
+            f->blk->warps[me.tid / 32].met[prev.tid % 32][me.tid % 32] > prev.wgen);
   return covered(f->known, prev) || covered(f->blk->known, prev);
 }
 
@@ -549,7 +557,7 @@ const char* access_name(uint8_t flags) {
   pc_tag(ta, sizeof ta, pc_address(me.pc));
   pc_tag(tb, sizeof tb, pc_address(prev.pc));
   const char* why = prev.blk == me.blk
-      ? (prev.tid / 32 == me.tid / 32 ? "in one warp, with no __syncthreads() or __syncwarp() between them"
+      ? (prev.tid / 32 == me.tid / 32 ? "in one warp, with no __syncthreads() or __syncwarp() of both between them"
                                       : "in one block, with no __syncthreads() between them")
       : "in different blocks, not ordered by a __threadfence() and an atomic on both sides "
         "(release: fence, then the atomic; acquire: the atomic, then a fence)";
@@ -574,10 +582,18 @@ int slot_of(uint32_t blk) {
   return -1;
 }
 
+// Whether a read `me` may stand for an earlier read: ordered after it, and racing with whatever
+// it races with (a volatile or atomic read does not stand for a plain one: a volatile write races
+// with the plain read only).
+bool replaces(const Acc& old, const Acc& me, const Fiber* f) {
+  bool strong_old = old.flags & (kAtomic | kVolatile), strong_me = me.flags & (kAtomic | kVolatile);
+  return (strong_old || !strong_me) && ordered(old, me, f);
+}
+
 // A read joins a byte's read set: it replaces its thread's earlier read. A block's entry is found
 // through the slot it runs in: a block whose slot holds another block has not read yet.
 void set_add(ReadSet& s, const Acc& a, int slot) {
-  int v = a.flags & kVolatile ? 1 : 0;
+  int v = a.flags & kAtomic ? kAtomicReads : a.flags & kVolatile ? kVolatileReads : kPlainReads;
   BlockReads* brp;
   if (slot >= 0 && s.slot_blk[v][slot] == a.blk) {
     brp = &s.blocks[v][s.slot_entry[v][slot]];
@@ -617,6 +633,18 @@ void set_add(ReadSet& s, const Acc& a, int slot) {
   }
   Level& top = br.levels[br.nlevels - 1];
   LaneReads& lr = top.warps[w];
+  if (!(lr.lanes & ~bit)) {                 // the warp's only lane here: its count is the count
+    lr.fences = a.fences;
+    lr.mixed = 0;
+  } else if (lr.mixed) {
+    top.lane_fences[a.tid] = a.fences;
+  } else if (a.fences != lr.fences) {       // counts differ from now on: one per lane
+    if (top.lane_fences.size() < rt.nthreads) top.lane_fences.resize(rt.nthreads);
+    for (unsigned l = 0; l < 32; ++l)
+      if (lr.lanes >> l & 1u) top.lane_fences[w * 32 + l] = lr.fences;
+    top.lane_fences[a.tid] = a.fences;
+    lr.mixed = 1;
+  }
   if (!(lr.lanes & bit)) {
     lr.lanes |= bit;
     top.count++;
@@ -625,7 +653,13 @@ void set_add(ReadSet& s, const Acc& a, int slot) {
   else { lr.wgen = a.wgen; lr.at_wgen = bit; }
   if (lr.pc_lanes && lr.pc == a.pc) lr.pc_lanes |= bit;
   else { lr.pc = a.pc; lr.pc_lanes = bit; }
-  if (a.fences > lr.fences) lr.fences = a.fences;
+}
+
+// Whether a release covers the read of lane `l` of warp `w` in level `lv` (as covered() does).
+bool lane_covered(const Cover* c, const Level& lv, const LaneReads& lr, unsigned w, unsigned l) {
+  if (!c) return false;
+  uint32_t fences = lr.mixed ? lv.lane_fences[w * 32 + l] : lr.fences;
+  return fences < c->sealed || (c->self && c->tid == w * 32 + l && fences < c->self);
 }
 
 // Whether a write `me` is unordered with a read of the set; if so, `prev` is one such read (its
@@ -633,8 +667,8 @@ void set_add(ReadSet& s, const Acc& a, int slot) {
 bool set_conflict(const ReadSet& s, const Acc& me, const Fiber* f, Acc& prev) {
   unsigned mw = me.tid / 32;
   uint32_t mbit = 1u << (me.tid % 32);
-  for (int v = 0; v < 2; ++v) {
-    if (v && (me.flags & (kAtomic | kVolatile))) continue;   // volatile reads: only plain writes race
+  for (int v = 0; v < kReadKinds; ++v) {
+    if (v != kPlainReads && (me.flags & (kAtomic | kVolatile))) continue;   // only plain writes race
     for (uint32_t e = 0; e < s.nblocks[v]; ++e) {
       const BlockReads& br = s.blocks[v][e];
       uint32_t blk = br.blk;
@@ -648,13 +682,20 @@ bool set_conflict(const ReadSet& s, const Acc& me, const Fiber* f, Acc& prev) {
         for (unsigned w = 0; w < l.warps.size(); ++w) {
           const LaneReads& lr = l.warps[w];
           uint32_t open = lr.lanes;
-          if (same && w == mw) open = (lr.wgen == me.wgen ? lr.at_wgen : 0) & ~mbit;
-          if (!same)
-            for (const Cover* c : cover) {
-              if (c && lr.fences < c->sealed) open = 0;         // before every lane's sealed fence
-              if (c && c->self && lr.fences < c->self && c->tid / 32 == w)
-                open &= ~(1u << c->tid % 32);                   // a fencing thread's own reads
+          if (same && w == mw) {                    // a __syncwarp of both lanes after the read?
+            const uint32_t* met = f->blk->warps[mw].met[me.tid % 32];
+            open = 0;
+            for (unsigned k = 0; k < 32; ++k) {       // lanes not at the latest count read before it
+              if (!(lr.lanes >> k & 1u) || (1u << k) == mbit) continue;
+              uint64_t read_at = (lr.at_wgen >> k & 1u) ? lr.wgen : (uint64_t)lr.wgen - 1;
+              if (met[k] <= read_at) open |= 1u << k;
             }
+          }
+          if (!same)
+            for (unsigned k = 0; k < 32; ++k)         // before its sealed fence, or a releasing
+              if ((open >> k & 1u) && (lane_covered(cover[0], l, lr, w, k) ||
+                                       lane_covered(cover[1], l, lr, w, k)))
+                open &= ~(1u << k);                   // thread's own read before its fence
           if (!open) continue;
           uint32_t known = open & lr.pc_lanes;
           memset(&prev, 0, sizeof prev);
@@ -662,7 +703,7 @@ bool set_conflict(const ReadSet& s, const Acc& me, const Fiber* f, Acc& prev) {
           prev.gen = l.gen;
           prev.wgen = lr.wgen;
           prev.tid = (uint16_t)(w * 32 + __builtin_ctz(known ? known : open));
-          prev.flags = v ? kVolatile : kRead;
+          prev.flags = v == kAtomicReads ? kAtomic | kWrite : v == kVolatileReads ? kVolatile : kRead;
           prev.pc = known ? lr.pc : 0;
           return true;
         }
@@ -689,7 +730,7 @@ void to_read_set(Region& r, Cell& c, const Acc& me) {
     x = r.read_sets->spare.back();
     r.read_sets->spare.pop_back();
   }
-  x->nblocks[0] = x->nblocks[1] = 0;
+  for (int v = 0; v < kReadKinds; ++v) x->nblocks[v] = 0;
   memset(x->slot_blk, 0, sizeof x->slot_blk);
   ReadSet& s = *x;
   Acc a[3] = {c.r0, c.r1, me};
@@ -744,9 +785,9 @@ void race_access(Region& r, char* a, size_t n, int flags, uint64_t pc) {
       c.w = me;
       c.r0.blk = c.r1.blk = 0;
       if (flags & kAtomic) c.r0 = me;          // an atomic also reads
-    } else if (!c.r0.blk || ordered(c.r0, me, f)) {
+    } else if (!c.r0.blk || replaces(c.r0, me, f)) {
       c.r0 = me;
-    } else if (!c.r1.blk || ordered(c.r1, me, f)) {
+    } else if (!c.r1.blk || replaces(c.r1, me, f)) {
       c.r1 = me;
     } else {
       to_read_set(r, c, me);
@@ -755,7 +796,7 @@ void race_access(Region& r, char* a, size_t n, int flags, uint64_t pc) {
 }
 
 // An atomic on X in global memory: acquire what was released on X, then release (if this thread
-// fenced before) what its block did before its fences.
+// fenced before) what its block did before its fences, and what it knew then.
 void sync_atomic(uintptr_t x) {
   Fiber* f = rt.running;
   Block* b = f->blk;
@@ -774,8 +815,8 @@ void sync_atomic(uintptr_t x) {
   c.self = f->fences;
   c.tid = f->linear;
   join_cover(s->c[b->seq], c);
-  join(s, f->known);
-  join(s, b->known);
+  join(s, f->known);            // what the thread acquired, all of it at or before its last fence
+  join(s, f->fence_known);      // what its block had acquired by then (not what came later)
 }
 
 // ---- checked accesses ----------------------------------------------------------------------------
@@ -858,6 +899,7 @@ void release_block_barrier(Block* b) {
   if (rt.race) {                    // fences before this barrier are sealed; knowledge is shared
     int gen = 1 << 30;
     uint32_t count = 0xffffffffu;
+    VC* grown = nullptr;
     for (unsigned i = 0; i < rt.nthreads; ++i) {
       Fiber& f = b->fibers[i];
       if (f.last_fence >= 0) {
@@ -866,9 +908,14 @@ void release_block_barrier(Block* b) {
       }
       if (f.sealed_fence < gen) gen = f.sealed_fence;
       if (f.sealed_fences < count) count = f.sealed_fences;
-      if (f.known) { join(b->known, f.known); f.known = nullptr; }
+      if (f.known && f.known_grew) {       // a new VC: fence_known pointers keep the old one
+        if (!grown) join(grown, b->known);
+        join(grown, f.known);
+        f.known_grew = false;
+      }
       if (f.pending) { join(b->pending, f.pending); f.pending = nullptr; }
     }
+    if (grown) b->known = grown;
     b->sealed_gen = gen;
     b->sealed_fences = count;
   }
@@ -918,6 +965,11 @@ void try_complete(Block* b, Warp& w, unsigned l) {
       if (m >> k & 1u) w.result[k] = ballot | (u64)m << 32;
   } else {
     w.sync_count++;
+    if (rt.race)
+      for (unsigned a = 0; a < 32; ++a)
+        if (m >> a & 1u)
+          for (unsigned k = 0; k < 32; ++k)
+            if (m >> k & 1u) w.met[a][k] = w.sync_count;
   }
   w.arrived &= ~m;
 }
@@ -995,6 +1047,7 @@ void start_block(Block& b, u64 seq) {
   for (unsigned w = 0; w < kMaxWarps; ++w) {
     b.warps[w].live = b.warps[w].arrived = 0;
     b.warps[w].sync_count = 0;
+    if (rt.race && w * 32 < rt.nthreads) memset(b.warps[w].met, 0, sizeof b.warps[w].met);
   }
   for (unsigned i = 0; i < rt.nthreads; ++i) {
     Fiber& f = b.fibers[i];
@@ -1010,7 +1063,8 @@ void start_block(Block& b, u64 seq) {
     f.at_bar = false;
     f.last_fence = f.sealed_fence = -1;
     f.fences = f.sealed_fences = 0;
-    f.known = f.pending = nullptr;
+    f.known = f.pending = f.fence_known = nullptr;
+    f.known_grew = false;
     b.warps[f.warp].live |= 1u << f.lane;
     f.ctx.uc_stack.ss_sp = b.stacks + (size_t)i * (rt.stack_bytes + rt.page) + rt.page;
     f.ctx.uc_stack.ss_size = rt.stack_bytes;
@@ -1394,6 +1448,8 @@ void fence(int device_scope) {
     join(f->known, f->pending);
     join(f->known, f->blk->pending);
     f->pending = nullptr;
+    f->known_grew = f->known != nullptr;
+    f->fence_known = f->blk->known;
   }
   yield_now();
 }
