@@ -198,6 +198,12 @@ extern "C" __global__ void tickets(unsigned* counter, int* out) {
 
 // ---- racecheck: a race with one reader among many ----------------------------------------------
 
+// Waits until *flag reaches n, then fences: the acquiring side of a release through `flag`.
+__device__ void acquire_at_least(unsigned* flag, unsigned n) {
+  while (atomicAdd(flag, 0u) < n) __nanosleep(100);
+  __threadfence();
+}
+
 // Thread 0 of each block but the last reads x[0]; every one of them except block `silent`
 // releases its read (a fence, then an atomic on `flag`). The last block acquires those releases
 // (the atomic, then a fence) and writes x[0]: the write races with block `silent`'s read only.
@@ -215,8 +221,7 @@ extern "C" __global__ void write_after_unreleased_read(float* x, unsigned* flag,
     return;
   }
   unsigned released = silent < 0 ? readers : readers - 1;
-  while (atomicAdd(flag, 0u) < released) __nanosleep(100);
-  __threadfence();
+  acquire_at_least(flag, released);
   x[0] = 2.0f;
 }
 
@@ -254,8 +259,7 @@ extern "C" __global__ void fence_before_the_write(float* data, unsigned* flag, f
     data[0] = 1.0f;
     atomicAdd(flag, 1u);
   } else {
-    while (atomicAdd(flag, 0u) < 1u) __nanosleep(100);
-    __threadfence();
+    acquire_at_least(flag, 1u);
     out[0] = data[0];
   }
 }
@@ -304,8 +308,7 @@ extern "C" __global__ void publish_with_every_thread_fencing(float* data, unsign
     if (threadIdx.x == 0) atomicAdd(flag, 1u);
   } else {
     if (threadIdx.x == 0) {
-      while (atomicAdd(flag, 0u) < 1u) __nanosleep(100);
-      __threadfence();
+      acquire_at_least(flag, 1u);
     }
     __syncthreads();
     out[threadIdx.x] = data[threadIdx.x];
@@ -339,14 +342,12 @@ extern "C" __global__ void release_before_the_acquire_it_passes_on(float* data, 
   } else if (blockIdx.x == 1) {
     if (threadIdx.x == 0) __threadfence();
     if (threadIdx.x == 1) {
-      while (atomicAdd(flags, 0u) < 1u) __nanosleep(100);
-      __threadfence();
+      acquire_at_least(flags, 1u);
     }
     __syncthreads();
     if (threadIdx.x == 0) atomicAdd(flags + 1, 1u);
   } else if (threadIdx.x == 0) {
-    while (atomicAdd(flags + 1, 0u) < 1u) __nanosleep(100);
-    __threadfence();
+    acquire_at_least(flags + 1, 1u);
     out[0] = data[0];
   }
 }
