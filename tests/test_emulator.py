@@ -199,6 +199,34 @@ def test_ftz_flushes_float32_subnormals_as_cupy_compiles():
         assert emulator.current_ftz()
 
 
+def test_fmad_contracts_plain_products_and_never_the_rn_intrinsics(monkeypatch):
+    """NVRTC contracts a * b + c into an fma by default (-fmad=true, which CuPy keeps); the
+    emulator does under checking(fmad=True) or CHAINER_TC_EMULATOR_FMAD=1, with a second build of
+    the module made once. (1 + 2^-12)^2 - (1 + 2^-11) is 2^-24 fused and 0 rounded first (the
+    product's last bit is a tie to even); in double (1 + 2^-27)^2 - (1 + 2^-26) is 2^-54 or 0.
+    __fadd_rn/__fmul_rn are never contracted, nor a plain product added by __fadd_rn."""
+    mod = emulator.RawModule(path=cuda_source('selftest.cu'))
+    k = mod.get_function('contraction')
+    a, c = numpy.float32([1 + 2.0 ** -12]), -numpy.float32([1 + 2.0 ** -11])
+    da, dc = numpy.array([1 + 2.0 ** -27]), -numpy.array([1 + 2.0 ** -26])
+
+    def run():
+        out, dout = numpy.full(3, 7, numpy.float32), numpy.full(2, 7.0)
+        k((1,), (1,), (a, a, c, out, da, da, dc, dout))
+        return list(out), list(dout)
+
+    assert run() == ([0, 0, 0], [0, 0])
+    with emulator.checking(fmad=True):
+        assert emulator.current_fmad()
+        assert run() == ([2.0 ** -24, 0, 0], [2.0 ** -54, 0])
+        contracting = mod._contracting('contraction')
+        assert run() and mod._contracting('contraction') is contracting   # built once
+        with emulator.checking(fmad=False):
+            assert run() == ([0, 0, 0], [0, 0])
+    monkeypatch.setenv('CHAINER_TC_EMULATOR_FMAD', '1')
+    assert run() == ([2.0 ** -24, 0, 0], [2.0 ** -54, 0])
+
+
 @pytest.mark.parametrize('rows,cols', [(1, 1), (7, 33), (40, 17), (64, 64)])
 def test_2d_launch(mod, rows, cols):
     x = rng().randn(rows, cols).astype(numpy.float32)

@@ -10,13 +10,28 @@ def test_every_operator_finds_its_sites():
     ids = [m.id for m in found]
     assert len(ids) == len(set(ids)), [i for i, n in collections.Counter(ids).items() if n > 1]
     ops = collections.Counter(m.id.split(':')[1].split('@')[0] for m in found)
-    for op in ('drop_barrier', 'vote_to_local', 'vote_to_shared_flag', 'drop_fence', 'plain_atomic',
-               'off_by_one', 'move_reduction', 'wrong_thread', 'no_vector_path'):
+    for op in ('drop_barrier', 'vote_to_local', 'vote_to_shared_flag', 'drop_fence', 'early_fence',
+               'plain_arithmetic', 'plain_atomic', 'off_by_one', 'move_reduction', 'wrong_thread',
+               'no_vector_path'):
         assert ops[op] >= 1, op
     assert {m.family for m in found} == set(mutate.FAMILY_TESTS)
     for m in found:
         with open(mutate.kernels.source_path(m.family)) as f:
             assert m.source != f.read(), m.id
+
+
+def test_operators_rewrite_the_code_they_name():
+    code = ('__device__ float f(float a, float b) {\n  float x = __fadd_rn(g(a, b), __fmul_rn(a, b));\n'
+            '  // __fsub_rn(a, b) in a comment stays\n  return __dsub_rn(x, (a, b).y);\n}\n'
+            '__global__ void k(float* p) {\n  p[0] = 1.0f;\n  __threadfence();\n}\n')
+    plain = mutate._blank(code)
+    (ident, _, out), = mutate.plain_arithmetic(code, plain)
+    assert ident == 'plain_arithmetic@all'
+    assert 'float x = ((g(a, b)) + (((a) * (b))));' in out
+    assert 'return ((x) - ((a, b).y));' in out and '// __fsub_rn(a, b) in a comment' in out
+    (ident, _, out), = mutate.early_fence(code, plain)
+    assert ident == 'early_fence@8'
+    assert '__global__ void k(float* p) { __threadfence();\n  p[0] = 1.0f;\n  \n}' in out
 
 
 def test_equivalent_mutants_are_left_out():

@@ -172,6 +172,20 @@ def test_unscaled_update_is_the_quotient_bit_for_bit(module, dtype, scale):
     assert_bits(out, expected(dtype, grads, scale, start))
 
 
+@pytest.mark.parametrize('scale', [3.0, 2.0 ** 15], ids=lambda s: '{:g}'.format(s))
+@pytest.mark.parametrize('dtype', [f16, f32, f64], ids=lambda d: d.__name__)
+def test_update_keeps_numpys_bits_where_a_gpu_contracts(module, dtype, scale):
+    """NVRTC contracts a * b + c into an fma unless told not to (CuPy compiles with its default
+    -fmad=true): the update writes every operation with an _rn intrinsic, so that a GPU rounds
+    each one as NumPy does. Under emulator.checking(fmad=True) the emulator contracts as NVRTC
+    does; written with plain operators the update differs from NumPy there (the mutation tool's
+    plain_arithmetic mutant), and this is the only test that sees it."""
+    grads = [special_gradient(dtype, 2049, 1), special_gradient(dtype, 31, 2)]
+    with emulator.checking(fmad=True):
+        out, start, _ = launch(module, dtype, grads, scale, adopt=True)
+    assert_bits(out, expected(dtype, grads, scale, start))
+
+
 @pytest.mark.parametrize('scale', SCALES, ids=lambda s: '{:g}'.format(s))
 @pytest.mark.parametrize('dtype', [f16, f32], ids=lambda d: d.__name__)
 def test_unscaled_update_under_ftz_is_what_a_gpu_computes(module, dtype, scale):

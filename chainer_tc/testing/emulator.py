@@ -36,7 +36,8 @@ Differences from a GPU, by design: the emulator rejects what CuPy would let thro
 options other than ``-D``/``-U``/``-I`` (architecture, fast-math, ``-ftz``) are ignored: fp32
 results are IEEE-exact on the CPU, with subnormals, while CuPy always compiles with ``-ftz=true``;
 ``emulator.checking(ftz=True)`` (or ``CHAINER_TC_EMULATOR_FTZ=1``) flushes them as a GPU does
-(float64 subnormals too, which a GPU keeps).
+(float64 subnormals too, which a GPU keeps), and ``emulator.checking(fmad=True)`` (or
+``CHAINER_TC_EMULATOR_FMAD=1``) contracts ``a * b + c`` into fmas as NVRTC does by default.
 """
 import contextlib
 import ctypes
@@ -72,6 +73,7 @@ MAX_SHARED_OPT_IN = 227 * 1024
 
 ENV_RACECHECK = 'CHAINER_TC_EMULATOR_RACECHECK'
 ENV_FTZ = 'CHAINER_TC_EMULATOR_FTZ'
+ENV_FMAD = 'CHAINER_TC_EMULATOR_FMAD'
 ENV_SCHEDULES = 'CHAINER_TC_EMULATOR_SCHEDULES'
 DEFAULT_RACE_SCHEDULES = ('forward', 'reverse', 'random:1')
 
@@ -455,10 +457,33 @@ def _runtime_object(cxx, cxx_id, name):
     return obj
 
 
-def _build(unit, options, source_name):
+def _fmad_flags():
+    """g++ flags that contract a * b + c into an fma wherever it can, as NVRTC does by default
+    (-fmad=true): -ffp-contract=fast, and -fexpensive-optimizations, without which -O1 forms no
+    fma. On x86 the CPU must have FMA instructions (-mfma)."""
+    import platform
+    machine = platform.machine().lower()
+    flags = ['-ffp-contract=fast', '-fexpensive-optimizations']
+    if machine in ('x86_64', 'amd64', 'i386', 'i686'):
+        try:
+            with open('/proc/cpuinfo') as f:
+                has_fma = any(line.startswith('flags') and ' fma ' in line + ' ' for line in f)
+        except OSError:
+            has_fma = False
+        if not has_fma:
+            raise RuntimeError('emulator.checking(fmad=True): this CPU has no FMA instructions, so '
+                               'the emulator cannot contract a * b + c as a GPU does')
+        flags.append('-mfma')
+    elif machine not in ('aarch64', 'arm64'):
+        raise RuntimeError('emulator.checking(fmad=True): contraction is set up for x86-64 and '
+                           'aarch64; this machine is {}'.format(machine))
+    return tuple(flags)
+
+
+def _build(unit, options, source_name, extra_flags=()):
     cxx = _compiler()
     cxx_id = _compiler_id(cxx)
-    key = _cache.key_of(_EMULATOR_VERSION, cxx_id, '\0'.join(_KERNEL_FLAGS),
+    key = _cache.key_of(_EMULATOR_VERSION, cxx_id, '\0'.join(_KERNEL_FLAGS + tuple(extra_flags)),
                         '\0'.join(_RUNTIME_FLAGS), _header_text(),
                         '\0'.join(options), unit)
     binary = _cache.load('emulator', key)
@@ -475,7 +500,7 @@ def _build(unit, options, source_name):
             # and every static in a template or inline function one process-wide STB_GNU_UNIQUE
             # object, shared by all modules whatever their sizes.
             try:
-                _run_compiler([cxx, *_KERNEL_FLAGS, '-I' + INCLUDE_DIR, '-include',
+                _run_compiler([cxx, *_KERNEL_FLAGS, *extra_flags, '-I' + INCLUDE_DIR, '-include',
                                'chainer_tc_emu.h', *options, '-x', 'c++', '-c', src, '-o', obj],
                               'g++ failed to compile ' + source_name)
             except CompileError:
@@ -816,26 +841,39 @@ def current_checks():
     return race, schedules
 
 
+def _current_flag(env, index):
+    value = os.environ.get(env, '') == '1'
+    for override in getattr(_checks, 'stack', ()):
+        if override[index] is not None:
+            value = override[index]
+    return value
+
+
 def current_ftz():
     """Whether the next launch flushes float32 subnormals as CuPy's ``-ftz=true`` does: the
     innermost :func:`checking` that says, else CHAINER_TC_EMULATOR_FTZ=1."""
-    ftz = os.environ.get(ENV_FTZ, '') == '1'
-    for override in getattr(_checks, 'stack', ()):
-        if override[2] is not None:
-            ftz = override[2]
-    return ftz
+    return _current_flag(ENV_FTZ, 2)
+
+
+def current_fmad():
+    """Whether the next launch runs code compiled to contract ``a * b + c`` into fmas, as NVRTC's
+    default ``-fmad=true`` does: the innermost :func:`checking` that says, else
+    CHAINER_TC_EMULATOR_FMAD=1."""
+    return _current_flag(ENV_FMAD, 3)
 
 
 @contextlib.contextmanager
-def checking(race=None, schedules=None, ftz=None):
+def checking(race=None, schedules=None, ftz=None, fmad=None):
     """Within this block, launches run with the race detector on or off (``race``), under the
-    given ``schedules`` (a list such as ``['forward', 'reverse', 'random:7']``, or a count), and
+    given ``schedules`` (a list such as ``['forward', 'reverse', 'random:7']``, or a count),
     flushing float32 subnormals to zero or not (``ftz``: as a GPU does under CuPy's
-    ``-ftz=true``; float64 subnormals flush too here, which a GPU does not do)."""
+    ``-ftz=true``; float64 subnormals flush too here, which a GPU does not do), and with
+    ``a * b + c`` contracted into fmas or not (``fmad``: as NVRTC does by default; the ``_rn``
+    intrinsics are never contracted). A module is compiled a second time, once, for ``fmad``."""
     if not hasattr(_checks, 'stack'):
         _checks.stack = []
     _checks.stack.append((race, None if schedules is None else _schedule_names(schedules),
-                          None if ftz is None else bool(ftz)))
+                          None if ftz is None else bool(ftz), None if fmad is None else bool(fmad)))
     try:
         yield
     finally:
@@ -848,9 +886,10 @@ class Function:
     #: Like CuPy's attribute: dynamic shared memory beyond 48 KiB must be opted into.
     max_dynamic_shared_size_bytes = 48 * 1024
 
-    def __init__(self, lib, index, name, key=None):
+    def __init__(self, lib, index, name, key=None, module=None):
         self.name = name
         self._key = key
+        self._module = module          # the RawModule, whose contracting build fmad launches use
         self._launch = getattr(lib, 'ctemu_launch_{}'.format(index))
         self._launch.argtypes = [ctypes.POINTER(_LaunchArgs)]
         self._launch.restype = ctypes.c_int
@@ -900,6 +939,8 @@ class Function:
                 .format(shared_mem, self.name, max_dyn))
 
     def __call__(self, grid, block, args, shared_mem=0, stream=None):
+        if self._module is not None and current_fmad():
+            return self._module._contracting(self.name)(grid, block, args, shared_mem, stream)
         grid, block = _dim3(grid, 'grid'), _dim3(block, 'block')
         shared_mem = int(shared_mem)
         self._check_launch(grid, block, shared_mem)
@@ -1145,6 +1186,8 @@ class RawModule:
         self._key = key
         self._lib = _load(key, binary)
         self._functions = {}
+        self._build_args = (unit, _host_options(self.options), source_name)
+        self._contracting_functions = None
 
     def get_function(self, name):
         if name not in self._names:
@@ -1154,8 +1197,17 @@ class RawModule:
         f = self._functions.get(name)
         if f is None:
             f = self._functions[name] = Function(self._lib, self._names.index(name), name,
-                                                 self._key)
+                                                 self._key, self)
         return f
+
+    def _contracting(self, name):
+        """Kernel ``name`` of this module compiled to contract ``a * b + c`` (built once)."""
+        if self._contracting_functions is None:
+            key, binary = _build(*self._build_args, extra_flags=_fmad_flags())
+            lib = _load(key, binary)
+            self._contracting_functions = {
+                n: Function(lib, i, n, key) for i, n in enumerate(self._names)}
+        return self._contracting_functions[name]
 
 
 class RawKernel(Function):

@@ -18,6 +18,9 @@ fails. The operators are the bugs that pass unnoticed when threads run in one fi
 - ``drop_fence``: a ``__threadfence();`` removed, and all of a file's at once;
 - ``early_fence``: a ``__threadfence();`` moved to the start of its function, before the accesses
   it should order (a fence orders only what its thread did before it);
+- ``plain_arithmetic``: every ``__fadd_rn``/``__fsub_rn``/``__fmul_rn`` (and the double ones) of a
+  file written as a plain ``+``/``-``/``*``, which NVRTC contracts into fmas (``-fmad=true``):
+  killed only by tests that run under ``emulator.checking(fmad=True)``;
 - ``plain_atomic``: an ``atomicAdd``/``atomicInc``/... replaced by a plain read-modify-write;
 - ``off_by_one``: a loop bound ``i < n`` made ``i <= n``, a guard ``c >= C`` made ``c > C``;
 - ``move_reduction``: a reduction step moved from row 0 to the last row (the loop adjusted so
@@ -191,6 +194,44 @@ def early_fence(code, plain):
     return out
 
 
+_RN_OPERATORS = {'__fadd_rn': '+', '__fsub_rn': '-', '__fmul_rn': '*', '__dadd_rn': '+',
+                 '__dsub_rn': '-', '__dmul_rn': '*'}
+
+
+def _top_level_comma(text):
+    depth = 0
+    for i, ch in enumerate(text):
+        depth += ch in '([{'
+        depth -= ch in ')]}'
+        if ch == ',' and depth == 0:
+            return i
+    raise ValueError('no top-level comma in {!r}'.format(text))
+
+
+_RN_CALL = re.compile(r'\b(__[fd](?:add|sub|mul)_rn)\s*\(')
+
+
+def plain_arithmetic(code, plain):
+    count = len(_RN_CALL.findall(plain))
+    if not count:
+        return []
+    mutated = code
+    while True:                       # the last call first: it holds no other (nested ones go on)
+        now = _blank(mutated)
+        sites = list(_RN_CALL.finditer(now))
+        if not sites:
+            break
+        m = sites[-1]
+        close = _matching_paren(now, m.end() - 1)
+        args = mutated[m.end():close]
+        comma = _top_level_comma(args)
+        text = '(({}) {} ({}))'.format(args[:comma].strip(), _RN_OPERATORS[m.group(1)],
+                                       args[comma + 1:].strip())
+        mutated = _replace(mutated, m.start(), close + 1, text)
+    return [('plain_arithmetic@all', 'every _rn add, subtract and multiply ({}) written as a plain '
+             'operator, which a GPU contracts into fmas'.format(count), mutated)]
+
+
 _PLAIN = {'atomicAdd': 'o + v', 'atomicSub': 'o - v', 'atomicExch': 'v',
           'atomicMax': 'o > v ? o : v', 'atomicMin': 'o < v ? o : v', 'atomicOr': 'o | v',
           'atomicAnd': 'o & v', 'atomicXor': 'o ^ v', 'atomicInc': 'o >= v ? 0 : o + 1'}
@@ -309,7 +350,8 @@ def no_vector_path(code, plain):
     return out
 
 
-OPERATORS = [drop_barrier, vote_to_local, vote_to_shared_flag, drop_fence, early_fence, plain_atomic,
+OPERATORS = [drop_barrier, vote_to_local, vote_to_shared_flag, drop_fence, early_fence,
+             plain_arithmetic, plain_atomic,
              off_by_one, move_reduction, wrong_thread, no_vector_path]
 
 

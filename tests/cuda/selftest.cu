@@ -419,3 +419,17 @@ extern "C" __global__ void atomics_around_volatile_reads(unsigned* c) {
     (void)v;
   }
 }
+
+// a * b + c written three ways: plainly (NVRTC contracts it into an fma by default, -fmad=true),
+// through the _rn intrinsics (never contracted), and as __fadd_rn of a plain product (the add is
+// never contracted, so neither is the product); in float, and the first two in double.
+extern "C" __global__ void contraction(const float* a, const float* b, const float* c, float* out,
+                                       const double* da, const double* db, const double* dc,
+                                       double* dout) {
+  const int i = threadIdx.x;
+  out[3 * i] = a[i] * b[i] + c[i];
+  out[3 * i + 1] = __fadd_rn(__fmul_rn(a[i], b[i]), c[i]);
+  out[3 * i + 2] = __fadd_rn(a[i] * b[i], c[i]);
+  dout[2 * i] = da[i] * db[i] + dc[i];
+  dout[2 * i + 1] = __dadd_rn(__dmul_rn(da[i], db[i]), dc[i]);
+}

@@ -164,7 +164,23 @@ static inline bool signbit(float x) { return __builtin_signbit(x); }
 static inline bool signbit(double x) { return __builtin_signbit(x); }
 
 // Intrinsics: the fast ones are full precision here; the _rn ones are the CPU's IEEE operations
-// rounded to nearest even (never contracted into an fma).
+// rounded to nearest even, never contracted into an fma, as NVCC documents: where the emulator
+// contracts (emulator.checking(fmad=True) compiles with -ffp-contract=fast, as NVRTC's default
+// -fmad=true), an empty asm makes their operands and results opaque to g++, so that neither
+// __fmul_rn(a, b) + c nor __fadd_rn(a * b, c) becomes an fma.
+#if defined(__x86_64__) || defined(__i386__)
+#define CTEMU_OPAQUE(v) __asm__("" : "+x"(v))
+#elif defined(__aarch64__)
+#define CTEMU_OPAQUE(v) __asm__("" : "+w"(v))
+#else
+#define CTEMU_OPAQUE(v) __asm__("" : "+m"(v))
+#endif
+template <typename T>
+static inline T ctemu_rn_add(T x, T y) { CTEMU_OPAQUE(x); CTEMU_OPAQUE(y); T r = x + y; CTEMU_OPAQUE(r); return r; }
+template <typename T>
+static inline T ctemu_rn_sub(T x, T y) { CTEMU_OPAQUE(x); CTEMU_OPAQUE(y); T r = x - y; CTEMU_OPAQUE(r); return r; }
+template <typename T>
+static inline T ctemu_rn_mul(T x, T y) { CTEMU_OPAQUE(x); CTEMU_OPAQUE(y); T r = x * y; CTEMU_OPAQUE(r); return r; }
 static inline float __expf(float x) { return expf(x); }
 static inline float __exp10f(float x) { return exp10f(x); }
 static inline float __logf(float x) { return logf(x); }
@@ -176,17 +192,17 @@ static inline float __cosf(float x) { return cosf(x); }
 static inline float __tanf(float x) { return tanf(x); }
 static inline void __sincosf(float x, float* s, float* c) { sincosf(x, s, c); }
 static inline float __fdividef(float x, float y) { return x / y; }
-static inline float __fadd_rn(float x, float y) { return x + y; }
-static inline float __fsub_rn(float x, float y) { return x - y; }
-static inline float __fmul_rn(float x, float y) { return x * y; }
+static inline float __fadd_rn(float x, float y) { return ctemu_rn_add(x, y); }
+static inline float __fsub_rn(float x, float y) { return ctemu_rn_sub(x, y); }
+static inline float __fmul_rn(float x, float y) { return ctemu_rn_mul(x, y); }
 static inline float __fdiv_rn(float x, float y) { return x / y; }
 static inline float __frcp_rn(float x) { return 1.0f / x; }
 static inline float __fsqrt_rn(float x) { return sqrtf(x); }
 static inline float __frsqrt_rn(float x) { return (float)(1.0 / sqrt((double)x)); }
 static inline float __fmaf_rn(float x, float y, float z) { return fmaf(x, y, z); }
-static inline double __dadd_rn(double x, double y) { return x + y; }
-static inline double __dsub_rn(double x, double y) { return x - y; }
-static inline double __dmul_rn(double x, double y) { return x * y; }
+static inline double __dadd_rn(double x, double y) { return ctemu_rn_add(x, y); }
+static inline double __dsub_rn(double x, double y) { return ctemu_rn_sub(x, y); }
+static inline double __dmul_rn(double x, double y) { return ctemu_rn_mul(x, y); }
 static inline double __ddiv_rn(double x, double y) { return x / y; }
 static inline double __drcp_rn(double x) { return 1.0 / x; }
 static inline double __dsqrt_rn(double x) { return sqrt(x); }
