@@ -42,6 +42,7 @@ results are IEEE-exact on the CPU, with subnormals, while CuPy always compiles w
 import contextlib
 import ctypes
 import os
+import platform
 import re
 import shutil
 import signal
@@ -461,7 +462,6 @@ def _fmad_flags():
     """g++ flags that contract a * b + c into an fma wherever it can, as NVRTC does by default
     (-fmad=true): -ffp-contract=fast, and -fexpensive-optimizations, without which -O1 forms no
     fma. On x86 the CPU must have FMA instructions (-mfma)."""
-    import platform
     machine = platform.machine().lower()
     flags = ['-ffp-contract=fast', '-fexpensive-optimizations']
     if machine in ('x86_64', 'amd64', 'i386', 'i686'):
