@@ -557,6 +557,19 @@ def test_a_partial_syncwarp_orders_only_the_lanes_it_names(buggy, schedule, lane
             buggy.get_function('partial_syncwarp_write')((1,), (32,), (out, numpy.int32(lane0_reads)))
 
 
+def test_a_race_with_a_read_set_names_the_line_of_that_read(buggy):
+    # a read set kept one code address per warp, the latest, and reported no line for a lane
+    # that read on another; each lane's is kept once they differ
+    with open(cuda_source('buggy.cu')) as f:
+        line = next(i for i, text in enumerate(f, 1) if '// the first line' in text)
+    with emulator.checking(race=True, schedules=['forward']):
+        with pytest.raises(KernelLaunchError, match=(
+                r"a write by thread \(16,0,0\) of block \(0,0,0\) \(at .*\) and an earlier read by "
+                r"thread \(0,0,0\) of block \(0,0,0\) \(at .*buggy\.cu:%d\)" % line)):
+            buggy.get_function('write_after_reads_on_two_lines')((1,), (32,),
+                                                                  (numpy.zeros(32, numpy.float32),))
+
+
 def test_order_dependent_result_without_a_race(buggy):
     # atomics only, so the detector is silent; the schedules see that the result depends on order
     counter, out = numpy.zeros(1, numpy.uint32), numpy.zeros(64, numpy.int32)

@@ -366,3 +366,18 @@ extern "C" __global__ void partial_syncwarp_write(float* out, int lane0_reads) {
     if (threadIdx.x == 0) s = 2.0f;
   }
 }
+
+// Lanes 0-15 read s on one line, lanes 16-31 on another; lanes 16-31 then meet at a __syncwarp
+// and lane 16 writes s: the write races with the reads of lanes 0-15, made on the first line.
+extern "C" __global__ void write_after_reads_on_two_lines(float* out) {
+  __shared__ float s;
+  if (threadIdx.x == 0) s = 1.0f;
+  __syncthreads();
+  if (threadIdx.x < 16) {
+    out[threadIdx.x] = s;  // the first line
+  } else {
+    out[threadIdx.x] = 2.0f * s;
+    __syncwarp(0xffff0000u);
+    if (threadIdx.x == 16) s = 3.0f;
+  }
+}

@@ -95,23 +95,26 @@ enum : uint32_t { kReadSet = 0xffffffffu };
 // generation. A thread's latest read stands for its earlier ones (whatever is ordered after it is
 // ordered after them: program order), so a write is checked against every read since the last
 // write without keeping one entry per access. A level holds, per warp, the lanes whose latest read
-// is in it; the newest level also the lanes that read at the warp's latest __syncwarp count, and
-// the code address of the warp's latest read with the lanes that read there (for the report).
+// is in it; the newest level also the lanes that read at the warp's latest __syncwarp count; and
+// the lanes' fence counts and code addresses (for the report): one value while the warp's lanes
+// agree, one per lane once they differ.
 struct LaneReads {
   uint32_t lanes;          // lanes whose latest read is in this level
   uint32_t wgen;           // newest level: the warp's __syncwarp count at its latest read here
   uint32_t at_wgen;        //   and the lanes that read at that count
-  uint32_t pc_lanes;       // lanes whose latest read was at `pc`
-  uint32_t pc;
-  uint32_t fences;         // the lanes' __threadfence() count at their reads, unless `mixed`
-  uint32_t mixed;          // the counts differ: each lane's is in Level::lane_fences
+  uint32_t pc;             // the lanes' code address at their reads, unless pc_mixed
+  uint32_t fences;         // the lanes' __threadfence() count at their reads, unless mixed
+  uint8_t pc_mixed;        // the addresses differ: each lane's is in Level::lane_pcs
+  uint8_t mixed;           // the counts differ: each lane's is in Level::lane_fences
 };
 struct Level {
   uint32_t gen;            // the block's barrier generation
   uint32_t count;          // threads in this level
   std::vector<LaneReads> warps;
   std::vector<uint32_t> lane_fences;   // per thread, for warps whose lanes' counts differ
+  std::vector<uint32_t> lane_pcs;      // per thread, for warps whose lanes' addresses differ
 };
+
 // Entries past the counts in use keep their memory for the next use: a set in steady state
 // allocates nothing.
 struct BlockReads {
@@ -575,6 +578,24 @@ bool conflict(const Acc& prev, const Acc& me, const Fiber* f) {
   return !ordered(prev, me, f);
 }
 
+// A per-lane value of a warp in a level, one number while the lanes agree (`value`, `mixed`
+// clear), one per lane in `per_thread` once they differ. `others`: the warp's other lanes here.
+void set_lane_value(uint32_t& value, uint8_t& mixed, std::vector<uint32_t>& per_thread,
+                    uint32_t others, unsigned w, unsigned tid, uint32_t v) {
+  if (!others) {
+    value = v;
+    mixed = 0;
+  } else if (mixed) {
+    per_thread[tid] = v;
+  } else if (v != value) {
+    if (per_thread.size() < rt.nthreads) per_thread.resize(rt.nthreads);
+    for (unsigned l = 0; l < 32; ++l)
+      if (others >> l & 1u) per_thread[w * 32 + l] = value;
+    per_thread[tid] = v;
+    mixed = 1;
+  }
+}
+
 // The block slot a block runs in, or -1 once it finished (it reads nothing more).
 int slot_of(uint32_t blk) {
   for (int i = 0; i < kMaxSlots; ++i)
@@ -615,7 +636,6 @@ void set_add(ReadSet& s, const Acc& a, int slot) {
     Level& l = br.levels[i];
     if (l.gen != a.gen && (l.warps[w].lanes & bit)) {
       l.warps[w].lanes &= ~bit;
-      l.warps[w].pc_lanes &= ~bit;
       if (!--l.count) {                    // an empty level goes to the end, with its memory
         std::rotate(br.levels.begin() + i, br.levels.begin() + i + 1, br.levels.begin() + br.nlevels);
         br.nlevels--;
@@ -633,26 +653,14 @@ void set_add(ReadSet& s, const Acc& a, int slot) {
   }
   Level& top = br.levels[br.nlevels - 1];
   LaneReads& lr = top.warps[w];
-  if (!(lr.lanes & ~bit)) {                 // the warp's only lane here: its count is the count
-    lr.fences = a.fences;
-    lr.mixed = 0;
-  } else if (lr.mixed) {
-    top.lane_fences[a.tid] = a.fences;
-  } else if (a.fences != lr.fences) {       // counts differ from now on: one per lane
-    if (top.lane_fences.size() < rt.nthreads) top.lane_fences.resize(rt.nthreads);
-    for (unsigned l = 0; l < 32; ++l)
-      if (lr.lanes >> l & 1u) top.lane_fences[w * 32 + l] = lr.fences;
-    top.lane_fences[a.tid] = a.fences;
-    lr.mixed = 1;
-  }
+  set_lane_value(lr.fences, lr.mixed, top.lane_fences, lr.lanes & ~bit, w, a.tid, a.fences);
+  set_lane_value(lr.pc, lr.pc_mixed, top.lane_pcs, lr.lanes & ~bit, w, a.tid, a.pc);
   if (!(lr.lanes & bit)) {
     lr.lanes |= bit;
     top.count++;
   }
   if (lr.at_wgen && lr.wgen == a.wgen) lr.at_wgen |= bit;
   else { lr.wgen = a.wgen; lr.at_wgen = bit; }
-  if (lr.pc_lanes && lr.pc == a.pc) lr.pc_lanes |= bit;
-  else { lr.pc = a.pc; lr.pc_lanes = bit; }
 }
 
 // Whether a release covers the read of lane `l` of warp `w` in level `lv` (as covered() does).
@@ -662,8 +670,7 @@ bool lane_covered(const Cover* c, const Level& lv, const LaneReads& lr, unsigned
   return fences < c->sealed || (c->self && c->tid == w * 32 + l && fences < c->self);
 }
 
-// Whether a write `me` is unordered with a read of the set; if so, `prev` is one such read (its
-// code address 0 where the warp's lanes last read from another line).
+// Whether a write `me` is unordered with a read of the set; if so, `prev` is one such read.
 bool set_conflict(const ReadSet& s, const Acc& me, const Fiber* f, Acc& prev) {
   unsigned mw = me.tid / 32;
   uint32_t mbit = 1u << (me.tid % 32);
@@ -697,14 +704,13 @@ bool set_conflict(const ReadSet& s, const Acc& me, const Fiber* f, Acc& prev) {
                                        lane_covered(cover[1], l, lr, w, k)))
                 open &= ~(1u << k);                   // thread's own read before its fence
           if (!open) continue;
-          uint32_t known = open & lr.pc_lanes;
           memset(&prev, 0, sizeof prev);
           prev.blk = blk;
           prev.gen = l.gen;
           prev.wgen = lr.wgen;
-          prev.tid = (uint16_t)(w * 32 + __builtin_ctz(known ? known : open));
+          prev.tid = (uint16_t)(w * 32 + __builtin_ctz(open));
           prev.flags = v == kAtomicReads ? kAtomic | kWrite : v == kVolatileReads ? kVolatile : kRead;
-          prev.pc = known ? lr.pc : 0;
+          prev.pc = lr.pc_mixed ? l.lane_pcs[prev.tid] : lr.pc;
           return true;
         }
       }
