@@ -215,7 +215,8 @@ def test_fmad_contracts_plain_products_and_never_the_rn_intrinsics(monkeypatch):
         k((1,), (1,), (a, a, c, out, da, da, dc, dout))
         return list(out), list(dout)
 
-    assert run() == ([0, 0, 0], [0, 0])
+    with emulator.checking(fmad=False):
+        assert run() == ([0, 0, 0], [0, 0])
     with emulator.checking(fmad=True):
         assert emulator.current_fmad()
         assert run() == ([2.0 ** -24, 0, 0], [2.0 ** -54, 0])
@@ -225,6 +226,8 @@ def test_fmad_contracts_plain_products_and_never_the_rn_intrinsics(monkeypatch):
             assert run() == ([0, 0, 0], [0, 0])
     monkeypatch.setenv('CHAINER_TC_EMULATOR_FMAD', '1')
     assert run() == ([2.0 ** -24, 0, 0], [2.0 ** -54, 0])
+    monkeypatch.setenv('CHAINER_TC_EMULATOR_FMAD', '0')
+    assert run() == ([0, 0, 0], [0, 0])
 
 
 @pytest.mark.parametrize('rows,cols', [(1, 1), (7, 33), (40, 17), (64, 64)])
@@ -235,7 +238,11 @@ def test_2d_launch(mod, rows, cols):
     mod.get_function('grid2d')(grid, (16, 8), (x, y, numpy.int32(rows), numpy.int32(cols),
                                                numpy.float32(1.5)))
     r, c = numpy.indices(x.shape)
-    numpy.testing.assert_array_equal(y, x * numpy.float32(1.5) + (r - c).astype(numpy.float32))
+    if emulator.current_fmad():     # one rounding (float64 holds x * 1.5 + (r - c) exactly here)
+        want = (x.astype(numpy.float64) * 1.5 + (r - c)).astype(numpy.float32)
+    else:
+        want = x * numpy.float32(1.5) + (r - c).astype(numpy.float32)
+    numpy.testing.assert_array_equal(y, want)
 
 
 def test_3d_launch_index_mapping(mod):
