@@ -4,96 +4,22 @@ libcublas that computes cublasGemmEx from the raw addresses, column-major, as cu
 Found on an H100: CuPy refuses cuBLAS during stream capture, so every step with a Linear (the
 ResNet-50 classifier) fell back to eager. The GPU side is tests/test_static_graph.py (gpu).
 """
-import ctypes
-
 import numpy
 import pytest
 
 from chainer_tc.cuda import _counters
 from chainer_tc.cuda import cublas
+from chainer_tc.static_graph import _gemm
 from chainer_tc.static_graph import _linear
+from chainer_tc.static_graph import _products
 
 import chainer
 import chainer.functions as F
 from chainer import gradient_check
 from chainer.functions.connection import linear as chainer_linear
 
-_NP = {cublas.CUDA_R_16F: numpy.float16, cublas.CUDA_R_32F: numpy.float32,
-       cublas.CUDA_R_64F: numpy.float64}
-
-
-def _matrix(addr, dtype, rows, cols, ld):
-    """The column-major rows x cols matrix at ``addr`` with leading dimension ``ld``, as a
-    writable NumPy view (rows x cols)."""
-    itemsize = numpy.dtype(dtype).itemsize
-    count = ld * (cols - 1) + rows
-    buf = (ctypes.c_char * (count * itemsize)).from_address(addr)
-    flat = numpy.frombuffer(buf, dtype=dtype, count=count)
-    return numpy.lib.stride_tricks.as_strided(flat, (rows, cols), (itemsize, ld * itemsize))
-
-
-class FakeCuBLAS:
-    """Stands in for libcublas: records every call; cublasGemmEx computes in float64."""
-
-    def __init__(self, fail=None, version=120405):
-        self.calls, self.fail, self.version = [], fail, version
-        self.workspace = None               # the user workspace in effect, as cuBLAS keeps it
-        for name in cublas.PROTOTYPES:
-            setattr(self, name, self._recorder(name))
-        self.cublasGetStatusString = lambda status: b'CUBLAS_STATUS_FAKE_ERROR'
-
-    def _recorder(self, name):
-        def call(*args):
-            self.calls.append((name, args))
-            if name == self.fail:
-                return 13
-            return getattr(self, '_' + name, lambda *a: 0)(*args)
-        return call
-
-    def _cublasCreate_v2(self, out):
-        out._obj.value = 0x1000 + len(self.calls)
-        return 0
-
-    def _cublasGetVersion_v2(self, handle, out):
-        out._obj.value = self.version
-        return 0
-
-    def _cublasSetStream_v2(self, handle, stream):
-        self.workspace = None     # "unconditionally resets the workspace to the default pool"
-        return 0
-
-    def _cublasSetWorkspace_v2(self, handle, workspace, size):
-        self.workspace = (workspace, size)
-        return 0
-
-    def _cublasGemmEx(self, handle, ta, tb, m, n, k, alpha, a, at, lda, b, bt, ldb, beta, c,
-                      ct, ldc, compute, algo):
-        assert at == bt == ct
-        assert self.workspace is not None, "a capture's product must use the capture's workspace"
-        dtype = _NP[ct]
-        scalar = ctypes.c_double if compute == cublas.COMPUTE_64F else ctypes.c_float
-        alpha = scalar.from_address(alpha).value
-        beta = scalar.from_address(beta).value
-        A = _matrix(a, dtype, *((m, k) if ta == 0 else (k, m)), lda).astype(numpy.float64)
-        B = _matrix(b, dtype, *((k, n) if tb == 0 else (n, k)), ldb).astype(numpy.float64)
-        C = _matrix(c, dtype, m, n, ldc)
-        A, B = (A if ta == 0 else A.T), (B if tb == 0 else B.T)
-        C[...] = (alpha * A.dot(B) + beta * (C.astype(numpy.float64) if beta else 0)).astype(dtype)
-        return 0
-
-    def gemms(self):
-        return [args for name, args in self.calls if name == 'cublasGemmEx']
-
-
-@pytest.fixture
-def fake():
-    lib = FakeCuBLAS()
-    handle = cublas.Handle(cublas.Binding(lib), compute_capability=90, math_mode=3,
-                           version=120405)
-    handle.bind(0x77, 0x5000, 4 << 20)
-    with _linear.products_through(_linear.Products(handle, numpy)):
-        yield lib
-    handle.close()
+from cublas_fakes import FakeCuBLAS
+from cublas_fakes import fake_cublas as fake  # noqa: F401  (a fixture)
 
 
 TOL = {numpy.float16: dict(rtol=2e-3, atol=2e-3),    # one float16 rounding of each output
@@ -119,20 +45,24 @@ def test_forward_and_backward_equal_chainers_products(fake, dtype, bias, shape):
         y.backward()
         return y.array, xv.grad, Wv.grad
     ours = run()
-    assert len(fake.gemms()) == 3, 'forward, grad data, grad weight: one cublasGemmEx each'
-    with _linear.products_through(None):            # Chainer's own ndarray.dot
+    assert len(fake_gemms(fake)) == 3, 'forward, grad data, grad weight: one cublasGemmEx each'
+    with _products.products_through(None):          # Chainer's own ndarray.dot
         theirs = run()
-    assert len(fake.gemms()) == 3
+    assert len(fake_gemms(fake)) == 3
     for a, e in zip(ours, theirs):
         assert a.dtype == e.dtype and a.shape == e.shape
         numpy.testing.assert_allclose(a.astype('f8'), e.astype('f8'), **TOL[dtype])
+
+
+def fake_gemms(lib):
+    return [args for name, args in lib.products() if name == 'cublasGemmEx']
 
 
 def test_the_gemm_arguments_are_cupys_choice(fake):
     x = numpy.ones((4, 6), numpy.float16)
     W = numpy.ones((5, 6), numpy.float16)
     F.linear(x, W)
-    (args,) = fake.gemms()
+    (args,) = fake_gemms(fake)
     handle, ta, tb, m, n, k = args[:6]
     assert (ta, tb, m, n, k) == (cublas.OP_T, cublas.OP_N, 5, 4, 6)
     assert args[8] == args[11] == args[15] == cublas.CUDA_R_16F
@@ -154,7 +84,7 @@ def test_a_workspace_set_before_the_stream_would_be_lost():
     h.binding.set_workspace(h.handle, 0x5000, 4 << 20)
     h.binding.set_stream(h.handle, 0x77)
     x = numpy.ones((2, 3), numpy.float32)
-    with _linear.products_through(_linear.Products(h, numpy)):
+    with _products.products_through(_gemm.Products(h, numpy)):
         with pytest.raises(AssertionError, match="the capture's workspace"):
             F.linear(x, x)
 
@@ -162,24 +92,26 @@ def test_a_workspace_set_before_the_stream_would_be_lost():
 def test_mixed_dtypes_and_non_matrices_take_chainers_code(fake):
     x = numpy.ones((2, 3), numpy.float32)
     F.linear(x, numpy.ones((4, 3), numpy.float64).astype(numpy.float32))
-    assert len(fake.gemms()) == 1
+    assert len(fake_gemms(fake)) == 1
     y = F.linear(x, numpy.ones((4, 3), numpy.float16))        # Chainer's mixed-dtype product
-    assert len(fake.gemms()) == 1 and y.dtype == numpy.float32
+    assert len(fake_gemms(fake)) == 1 and y.dtype == numpy.float32
     numpy.testing.assert_array_equal(y.array, numpy.full((2, 4), 3, numpy.float32))
     F.linear(numpy.ones((0, 3), numpy.float32), numpy.ones((4, 3), numpy.float32))
-    assert len(fake.gemms()) == 1, 'an empty batch is not a cuBLAS product'
+    assert len(fake_gemms(fake)) == 1, 'an empty batch is not a cuBLAS product'
 
 
 def test_the_classes_are_restored_after_the_block_even_on_an_error():
-    before = {name: getattr(chainer_linear, name).forward for name in _linear._PATCHES}
+    def attributes():
+        return [vars(owner).get(name) for owner, name, _ in _products.PATCHES]
+    before = attributes()
     with pytest.raises(KeyError):
-        with _linear.products_through(None):
-            with _linear.products_through(None):
+        with _products.products_through(None):
+            with _products.products_through(None):
                 assert chainer_linear.LinearFunction.forward is _linear._linear_forward
             assert chainer_linear.LinearFunction.forward is _linear._linear_forward
             raise KeyError('inside')
-    after = {name: getattr(chainer_linear, name).forward for name in _linear._PATCHES}
-    assert after == before and _linear._installed[0] == 0
+    assert attributes() == before and _products.installed() == 0
+    assert all(value is not fn for value, (_, _, fn) in zip(before, _products.PATCHES))
 
 
 @pytest.mark.parametrize('dtype,tol', [
@@ -194,7 +126,7 @@ def test_gradient_check_through_the_products(fake, dtype, tol):
     gy = r.randn(3, 2).astype(dtype)
     gradient_check.check_backward(F.linear, (x, W, b), gy, dtype=numpy.float64
                                   if dtype == numpy.float16 else None, **tol)
-    assert len(fake.gemms()) > 3
+    assert len(fake_gemms(fake)) > 3
 
 
 def test_a_failing_call_names_itself_and_cublas_reason():
@@ -260,7 +192,7 @@ def test_cupys_type_choices():
 def test_a_method_fetched_while_patched_still_works_after_the_patch_is_gone():
     """Another thread may have read LinearFunction.forward (the patch) just before the last
     capture ended: calling it later must run Chainer's code, not fail."""
-    with _linear.products_through(None):
+    with _products.products_through(None):
         fetched = chainer_linear.LinearFunction.forward
     assert fetched is _linear._linear_forward
     x = numpy.ones((2, 3), numpy.float32)

@@ -326,9 +326,8 @@ def test_trainer_resumed_from_a_snapshot_continues_like_an_uninterrupted_run(tmp
 class CapturableNet(chainer.Chain):
     """What a CUDA graph can hold on any CuPy: Chainer's Linear (its products go through our own
     cuBLAS handle under capture) and our BatchNormalization (our kernels or our cuDNN binding).
-    Chainer's stock Convolution2D computes with cuBLAS through CuPy where Chainer has no cuDNN
-    (CuPy 14, use_cudnn='never'), which CuPy refuses under capture: those steps run eagerly (the
-    next test). Where Chainer uses cuDNN, TrainStep routes it (tests/test_chainer_cudnn.py)."""
+    Chainer's stock Convolution2D is the next test (without cuDNN) and
+    tests/test_chainer_cudnn.py (with cuDNN, which TrainStep routes)."""
 
     def __init__(self, dtype=numpy.float32):
         super().__init__()
@@ -372,21 +371,32 @@ def test_captured_step_equals_eager_on_the_gpu(dtype, scaling):
 
 
 @pytest.mark.gpu
-def test_stock_convolutions_without_cudnn_run_eagerly_on_the_gpu_and_say_why():
+@pytest.mark.parametrize('dtype,scaling', [(numpy.float32, None), (numpy.float16, 'dynamic')])
+def test_stock_convolutions_without_cudnn_are_captured_on_the_gpu(dtype, scaling):
+    """Chainer's im2col convolutions (every convolution on CuPy 14, which has no cuDNN): their
+    products go through our cuBLAS handle under capture (tests/test_capture_products.py)."""
     import cupy
-    data = [(cupy.asarray(x), cupy.asarray(t)) for x, t in batches(5)]
-    (m1, o1), (m2, o2) = twin()
-    for m in (m1, m2):
+    data = [(cupy.asarray(x.astype(dtype)), cupy.asarray(t)) for x, t in batches(6)]
+    (m1, m2), (o1, o2) = [StockNet(dtype) for _ in range(2)], [
+        optimizers.MomentumSGD(lr=0.05, weight_decay=1e-3) for _ in range(2)]
+    for m, o in ((m1, o1), (m2, o2)):
         m.to_device('@cupy:0')
-    o1.setup(m1)
-    o2.setup(m2)
-    with chainer.using_config('use_cudnn', 'never'):      # im2col and cuBLAS, through CuPy
+        o.setup(m)
+        if scaling:
+            o.loss_scaling(interval=3, initial_scale=2.0 ** 10)
+    with chainer.using_config('use_cudnn', 'never'):      # im2col, col2im and cuBLAS
         l1 = run_eager(m1, o1, data)
-        with pytest.warns(RuntimeWarning, match='runs eagerly.*cuBLAS.*stream capture'):
+        with warnings.catch_warnings():
+            warnings.simplefilter('error')      # no "runs eagerly" warning: it is captured
             l2, step = run_step(m2, o2, data)
-    assert step.traces == 0
+    assert step.traces == 1 and step.replays == 4
+    # as test_captured_step_equals_eager_on_the_gpu: cuBLAS may pick other algorithms on the
+    # capture's handle, and the batched products sum in another order than CuPy's tensordot
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == numpy.float32 else dict(rtol=2e-2, atol=2e-3)
     for a, b in zip(l1, l2):
-        cupy.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+        cupy.testing.assert_allclose(a, b, **tol)
+    for (n, p), (_, q) in zip(sorted(m1.namedparams()), sorted(m2.namedparams())):
+        cupy.testing.assert_allclose(p.array, q.array, err_msg=n, **tol)
 
 
 @pytest.mark.gpu

@@ -11,13 +11,14 @@ a workspace of its own so that no allocation happens during capture).
 So captures use a :class:`Handle` of chainer_tc's own, one per device (:func:`capture_handle`),
 bound before each capture begins to the capture's stream and then to a workspace from the
 capture's pool (in that order: ``cublasSetStream`` resets the workspace to cuBLAS's default
-pool), and call ``cublasGemmEx`` through this binding with CuPy's own choice for the product
-(``cupy/_core/_routines_linalg.pyx``, ``tensordot_core_v11``): CuPy's compute type for the dtype
+pool), and call ``cublasGemmEx`` (and ``cublasGemmStridedBatchedEx`` for a batch of products, the
+i-th operands at a fixed stride from the first) through this binding with CuPy's own choice for
+the product (``cupy/_core/_routines_linalg.pyx``, ``tensordot_core_v11``): CuPy's compute type for the dtype
 (``CUBLAS_COMPUTE_32F`` for float16/float32 by default, ``..._FAST_TF32`` or ``..._PEDANTIC`` as
 ``cupy._core.set_compute_type`` / ``CUPY_TF32`` say, ``CUBLAS_COMPUTE_64F`` for float64), alpha and
 beta as host floats (doubles for 64F), the Tensor Core algorithm where CuPy picks it, the math
 mode of CuPy's handle. Prototypes follow ``cublas_api.h`` (CUDA 12 / 13): handles and data are
-pointers, enums ``int``, the workspace size ``size_t``.
+pointers, enums ``int``, the workspace size ``size_t``, batch strides ``long long``.
 
 The library is the one ``chainer_tc._cuda_libs`` preloaded or finds in the ``nvidia-cublas``
 wheel, else ``libcublas.so.<CUDA major of CuPy's runtime>`` (the copy CuPy already loaded); a
@@ -32,7 +33,7 @@ from chainer_tc import _cuda_libs
 from chainer_tc.cuda import _counters
 from chainer_tc.cuda import _library
 
-_ptr, _int, _size = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
+_ptr, _int, _size, _int64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t, ctypes.c_longlong
 
 OP_N, OP_T = 0, 1
 CUDA_R_32F, CUDA_R_64F, CUDA_R_16F = 0, 1, 2
@@ -58,6 +59,12 @@ PROTOTYPES = {
         ('k', _int), ('alpha', _ptr), ('A', _ptr), ('Atype', _int), ('lda', _int), ('B', _ptr),
         ('Btype', _int), ('ldb', _int), ('beta', _ptr), ('C', _ptr), ('Ctype', _int),
         ('ldc', _int), ('computeType', _int), ('algo', _int)),
+    'cublasGemmStridedBatchedEx': (
+        ('handle', _ptr), ('transa', _int), ('transb', _int), ('m', _int), ('n', _int),
+        ('k', _int), ('alpha', _ptr), ('A', _ptr), ('Atype', _int), ('lda', _int),
+        ('strideA', _int64), ('B', _ptr), ('Btype', _int), ('ldb', _int), ('strideB', _int64),
+        ('beta', _ptr), ('C', _ptr), ('Ctype', _int), ('ldc', _int), ('strideC', _int64),
+        ('batchCount', _int), ('computeType', _int), ('algo', _int)),
 }
 STATUS_STRING = 'cublasGetStatusString'       # const char *cublasGetStatusString(cublasStatus_t)
 
@@ -108,6 +115,13 @@ class Binding(_library.Library):
                 beta, c, c_type, ldc, compute_type, algo):
         self._call('cublasGemmEx', handle, transa, transb, m, n, k, alpha, a, a_type, lda, b,
                    b_type, ldb, beta, c, c_type, ldc, compute_type, algo)
+
+    def gemm_strided_batched_ex(self, handle, transa, transb, m, n, k, alpha, a, a_type, lda,
+                                stride_a, b, b_type, ldb, stride_b, beta, c, c_type, ldc,
+                                stride_c, batch_count, compute_type, algo):
+        self._call('cublasGemmStridedBatchedEx', handle, transa, transb, m, n, k, alpha, a,
+                   a_type, lda, stride_a, b, b_type, ldb, stride_b, beta, c, c_type, ldc,
+                   stride_c, batch_count, compute_type, algo)
 
 
 def library_path(cuda_major=None):
@@ -226,15 +240,30 @@ class Handle:
 
     def gemm(self, transa, transb, m, n, k, a, lda, b, ldb, c, ldc, dtype):
         """C (m x n, column-major, ``ldc``) = op(A) op(B), all of ``dtype``; a, b, c addresses."""
+        t, ct, (one, zero), algo = self._types(dtype)
+        self.binding.gemm_ex(self.handle, transa, transb, m, n, k, one, a, t, lda, b, t, ldb,
+                             zero, c, t, ldc, ct, algo)
+
+    def gemm_batched(self, transa, transb, m, n, k, a, lda, stride_a, b, ldb, stride_b, c, ldc,
+                     stride_c, batch, dtype):
+        """``batch`` products as :meth:`gemm`, the i-th on a + i stride_a, b + i stride_b and
+        c + i stride_c (strides in elements; 0 repeats an operand) in one
+        ``cublasGemmStridedBatchedEx``, with the compute type and algorithm of :meth:`gemm`."""
+        t, ct, (one, zero), algo = self._types(dtype)
+        self.binding.gemm_strided_batched_ex(
+            self.handle, transa, transb, m, n, k, one, a, t, lda, stride_a, b, t, ldb, stride_b,
+            zero, c, t, ldc, stride_c, batch, ct, algo)
+
+    def _types(self, dtype):
+        """(data type, compute type, (alpha, beta) addresses, algorithm) of a ``dtype`` product,
+        as CuPy's ``tensordot_core_v11`` chooses them."""
         dtype = numpy.dtype(dtype)
         if dtype not in DATA_TYPE:
             raise TypeError('cuBLAS product of {} data: expected float16, float32 or float64'
                             .format(dtype))
-        t = DATA_TYPE[dtype]
         ct = compute_type(dtype)
-        one, zero = _ADDRESSES[ct]
-        self.binding.gemm_ex(self.handle, transa, transb, m, n, k, one, a, t, lda, b, t, ldb,
-                             zero, c, t, ldc, ct, algorithm(dtype, self.compute_capability))
+        return (DATA_TYPE[dtype], ct, _ADDRESSES[ct],
+                algorithm(dtype, self.compute_capability))
 
 
 _handles = {}

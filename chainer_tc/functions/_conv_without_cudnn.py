@@ -4,7 +4,9 @@ chainer_tc's GPU convolution is cuDNN's; a user who forbids cuDNN still gets the
 from ``L.Convolution2D``: computed by Chainer's own GPU code (im2col and cuBLAS) on NCHW copies of
 the operands, the results copied back to NHWC. Much slower than cuDNN (the transposes and
 im2col's buffers on top of Chainer's own cost): a :class:`~chainer_tc.cuda.PerformanceWarning`
-says so once per process. Not capturable into a CUDA graph (CuPy refuses cuBLAS there).
+says so once per process. Inside a captured training step its products go through
+chainer_tc's cuBLAS handle, as Chainer's own im2col convolutions do
+(:mod:`chainer_tc.static_graph._im2col`).
 """
 import warnings
 

@@ -15,9 +15,10 @@ signature, so inside the capture it only sets the stream and calls cuDNN. That h
 Chainer's own convolutions, batch normalization, pooling and softmax too: TrainStep routes the
 CuPy cuDNN wrappers they call through chainer_tc.cuda in all its GPU steps
 (chainer_tc.static_graph._chainer_cudnn). CuPy refuses cuBLAS
-under capture too: Chainer's Linear computes its products through chainer_tc's own cuBLAS
-handle for the device, bound to the capture's stream and a workspace of the capture's
-(chainer_tc.static_graph._linear, chainer_tc.cuda.cublas).
+under capture too: Chainer's Linear, its im2col convolutions (no cuDNN) and F.matmul compute
+their products through chainer_tc's own cuBLAS handle for the device, bound to the capture's
+stream and a workspace of the capture's (chainer_tc.static_graph._products,
+chainer_tc.cuda.cublas).
 
 A step that cannot be captured (a host synchronisation inside it, such as ``float(loss)`` or an
 optimizer hook that reads a norm; a cuDNN call that could not be routed, e.g. an N-d
@@ -30,7 +31,8 @@ import contextlib
 import chainer
 
 from chainer_tc.cuda import cublas
-from chainer_tc.static_graph import _linear
+from chainer_tc.static_graph import _gemm
+from chainer_tc.static_graph import _products
 from chainer_tc.static_graph import _program
 from chainer_tc.static_graph import _trace
 
@@ -64,8 +66,8 @@ class CapturedStep:
                         try:
                             handle.bind(self.stream.ptr, self.cublas_workspace.data.ptr,
                                         self.cublas_workspace.nbytes)
-                            products = _linear.Products(handle, cupy)
-                        except cublas.CuBLASError as e:     # said if a Linear needs it
+                            products = _gemm.Products(handle, cupy)
+                        except cublas.CuBLASError as e:     # said if a product needs it
                             self.cublas_problem = '{}: {}'.format(type(e).__name__, e)
                     self.stream.synchronize()
                     graph, rec, loss, recorded_grads, grads = self._record(
@@ -90,7 +92,7 @@ class CapturedStep:
         flat = opt._flat
         self.stream.begin_capture()
         try:
-            with _trace.Recorder() as rec, _linear.products_through(products):
+            with _trace.Recorder() as rec, _products.products_through(products):
                 loss = step._call_lossfun(entry.buffers)
                 opt.target.cleargrads()
                 opt.scaled_backward(loss)
@@ -112,14 +114,15 @@ class CapturedStep:
             raise _program.NotReplayable(
                 'capturing the step into a CUDA graph failed: {}: {}{}{}'.format(
                     type(e).__name__, e, '' if self.cublas_problem is None else
-                    " (no cuBLAS handle for the capture's Linear products: {})"
+                    " (no cuBLAS handle for the capture's matrix products: {})"
                     .format(self.cublas_problem), _cudnn_note(e))) from e
         return self.stream.end_capture(), rec, loss, recorded_grads, grads
 
     def _cublas_handle(self, cupy):
         """The device's capture cuBLAS handle, and this capture's workspace for it from the
         capture's pool (kept as long as the graph); None (and the reason kept) where it cannot
-        be had: a step without Linear still captures, one with it fails in CuPy, said then."""
+        be had: a step without matrix products still captures, one with them fails in CuPy,
+        said then."""
         device = cupy.cuda.Device()
         try:
             handle = cublas.capture_handle(device)
