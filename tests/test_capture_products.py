@@ -301,6 +301,33 @@ def test_a_vector_operand_runs_chainers_code(fake):
     y = F.matmul(a, numpy.ones((3, 4), numpy.float32))
     assert len(fake.products()) == 1
     numpy.testing.assert_array_equal(y.array, numpy.full((2, 4), 3, numpy.float32))
+    v = F.matmul(a, numpy.ones(3, numpy.float32))                # a 1-d operand: NumPy's code
+    assert len(fake.products()) == 1
+    numpy.testing.assert_array_equal(v.array, numpy.full(2, 3, numpy.float32))
+
+
+def test_a_product_too_large_for_cublas_runs_chainers_code(fake, gpu_cores, monkeypatch):
+    monkeypatch.setattr(_gemm, '_INT_MAX', 2)
+    x, W = numpy.ones((3, 4), numpy.float32), numpy.ones((5, 4), numpy.float32)
+    xv, Wv = chainer.Variable(x), chainer.Variable(W)
+    y = F.linear(xv, Wv, numpy.zeros(5, numpy.float32))
+    y.grad = numpy.ones_like(y.array)
+    y.backward()
+    numpy.testing.assert_array_equal(y.array, numpy.full((3, 5), 4, numpy.float32))
+    numpy.testing.assert_array_equal(xv.grad, numpy.full((3, 4), 5, numpy.float32))
+    numpy.testing.assert_array_equal(Wv.grad, numpy.full((5, 4), 3, numpy.float32))
+    z = F.matmul(x, W, transb=True)
+    numpy.testing.assert_array_equal(z.array, y.array)
+    assert fake.products() == []
+
+
+def test_a_users_own_patch_is_put_back_after_the_capture(monkeypatch):
+    mine = object()
+    monkeypatch.setattr(chainer_convolution_2d.Convolution2DFunction, '_forward_gpu_core', mine)
+    with _products.products_through(None):
+        assert (chainer_convolution_2d.Convolution2DFunction._forward_gpu_core is
+                _im2col._convolution_forward)
+    assert chainer_convolution_2d.Convolution2DFunction._forward_gpu_core is mine
 
 
 def test_the_patches_are_installed_only_inside_a_block():

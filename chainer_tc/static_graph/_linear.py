@@ -44,8 +44,10 @@ def _linear_forward(self, inputs):
     p = _products(x, W)
     if p is None or x.shape[1] != W.shape[1]:
         return _ORIGINAL['LinearFunction'](self, inputs)
-    _keep_inputs(self)
     y = _gemm.matmul(p, x, W.T)
+    if y is None:
+        return _ORIGINAL['LinearFunction'](self, inputs)
+    _keep_inputs(self)
     if len(inputs) == 3:
         y += inputs[2]
     return y,
@@ -56,8 +58,11 @@ def _grad_data_forward(self, inputs):
     p = _products(W, gy)
     if p is None or gy.shape[1] != W.shape[0]:
         return _ORIGINAL['LinearGradData'](self, inputs)
+    gx = _gemm.matmul(p, gy, W)
+    if gx is None:
+        return _ORIGINAL['LinearGradData'](self, inputs)
     _keep_inputs(self)
-    return _gemm.matmul(p, gy, W),
+    return gx,
 
 
 def _grad_weight_forward(self, inputs):
@@ -65,8 +70,11 @@ def _grad_weight_forward(self, inputs):
     p = _products(x, gy)
     if (p is None or x.shape[0] != gy.shape[0] or numpy.dtype(self._w_dtype) != x.dtype):
         return _ORIGINAL['LinearGradWeight'](self, inputs)
+    gW = _gemm.matmul(p, gy.T, x)
+    if gW is None:
+        return _ORIGINAL['LinearGradWeight'](self, inputs)
     _keep_inputs(self)
-    return _gemm.matmul(p, gy.T, x),
+    return gW,
 
 
 # (owner, attribute, replacement) for :mod:`._products`

@@ -10,7 +10,10 @@ Chainer's code), and otherwise run Chainer's code.
 
 CuPy's own ``matmul`` of a batch of float16 matrices converts them to float32 and back; here
 they are multiplied as float16 with float32 accumulation (CuPy's compute type for float16
-products): the same products within float16 rounding.
+products): the same products within float16 rounding. The compute type is the one CuPy's
+``tensordot`` (and so Chainer's eager ``Linear`` and convolutions) uses: where a user opted into
+TF32 (``CUPY_TF32=1``) or pedantic products (``cupy._core.set_compute_type``), a captured batched
+``F.matmul`` follows that choice, while CuPy's batched ``matmul`` ignores it.
 """
 from chainer.functions.connection import convolution_2d as _chainer_convolution_2d
 from chainer.functions.math import matmul as _chainer_matmul

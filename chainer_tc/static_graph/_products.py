@@ -12,7 +12,9 @@ cuBLAS handle) and otherwise call Chainer's own code:
 
 The replacement is on the classes and modules, for the duration of the captures only; which
 thread computes through what is per thread (:func:`._gemm.set_current`), so another thread
-calling these functions meanwhile runs Chainer's code.
+calling these functions meanwhile runs Chainer's code. What the attributes held when the first
+block opened (a user's own replacement included) is put back when the last one closes; in
+between, what is not computed here runs Chainer's own code.
 """
 import contextlib
 import threading
@@ -24,13 +26,10 @@ from chainer_tc.static_graph import _matmul
 
 PATCHES = _linear.PATCHES + _im2col.PATCHES + _matmul.PATCHES
 
-# what each patched attribute was, read once at import: (owner, name, value or _ABSENT where
-# the owner inherited it)
 _ABSENT = object()
-_ORIGINAL = tuple((owner, name, vars(owner).get(name, _ABSENT)) for owner, name, _ in PATCHES)
-
 _lock = threading.Lock()
 _installed = [0]
+_saved = []         # while installed: (owner, name, value before, or _ABSENT where inherited)
 
 
 def installed():
@@ -39,16 +38,19 @@ def installed():
 
 
 def _install():
+    """Keep what each attribute is now (a user's own patch included), then replace it."""
+    _saved[:] = [(owner, name, vars(owner).get(name, _ABSENT)) for owner, name, _ in PATCHES]
     for owner, name, fn in PATCHES:
         setattr(owner, name, fn)
 
 
 def _restore():
-    for owner, name, value in _ORIGINAL:
+    for owner, name, value in _saved:
         if value is _ABSENT:
             delattr(owner, name)
         else:
             setattr(owner, name, value)
+    del _saved[:]
 
 
 @contextlib.contextmanager
