@@ -3,6 +3,7 @@ fail here, and correct kernels must not be reported (issue 12's probes)."""
 import os
 import subprocess
 import sys
+import textwrap
 
 import numpy
 import pytest
@@ -446,6 +447,47 @@ def test_write_after_many_released_reads_is_race_free(buggy, readers):
         buggy.get_function('write_after_unreleased_read')(
             (readers + 1,), (32,), (x, flag, out, numpy.int32(-1)))
     assert x[0] == 2 and (out == 1).all() and flag[0] == readers
+
+
+@pytest.mark.parametrize('schedule', ['forward', 'random:3'])
+@pytest.mark.parametrize('how', [0, 1])
+def test_a_read_after_a_blocks_release_races_with_the_write(buggy, how, schedule):
+    # Finished blocks' reads that no release of theirs follows are folded into one (a read set
+    # then holds the live blocks, not every block that read): the fold must keep this block's
+    # read, which a release came before (how 0) or which a second read follows (how 1).
+    x, flag, out = numpy.ones(1, numpy.float32), numpy.zeros(1, numpy.uint32), \
+        numpy.zeros(9, numpy.float32)
+    with emulator.checking(race=True, schedules=[schedule]):
+        with pytest.raises(KernelLaunchError, match=(
+                r'data race on argument 0 .*: a write by thread \(0,0,0\) of block \(9,0,0\) '
+                r'\(at .*buggy\.cu:\d+\) and an earlier read by thread \(0,0,0\) of block '
+                r'\(4,0,0\) \(at .*buggy\.cu:\d+\), in different blocks')):
+            buggy.get_function('write_after_read_after_release')(
+                (10,), (32,), (x, flag, out, numpy.int32(4), numpy.int32(how)))
+
+
+def test_a_byte_every_block_reads_costs_no_memory_per_block():
+    """The race detector's memory for a broadcast input does not grow with the blocks that read
+    it: 96 blocks reading 64 KB took 1.6 GB before finished blocks' reads were folded."""
+    code = textwrap.dedent("""
+        import resource, numpy
+        from chainer_tc.testing import emulator
+        k = emulator.RawModule(path=%r).get_function('every_block_reads_all')
+        w, out = numpy.ones(16384, numpy.float32), numpy.zeros(1, numpy.float32)
+        k((1,), (128,), (w, out, numpy.int32(16384)))       # compiled, and a one-block baseline
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        with emulator.checking(race=True, schedules=['forward']):
+            k((96,), (128,), (w, out, numpy.int32(16384)))
+        grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+        assert out[0] == 97 * 16384, out
+        print('grew', grew // 1024, 'MB')
+    """ % cuda_source('buggy.cu'))
+    run = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    grew = int(run.stdout.split()[1])
+    # a set per byte (~1.2 KB with its entries' memory: 80 MB for 64 KB), whatever the blocks
+    assert grew < 300, run.stdout
 
 
 def test_write_races_with_another_warps_read_between_two_synced_lanes(buggy):

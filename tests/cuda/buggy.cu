@@ -225,6 +225,39 @@ extern "C" __global__ void write_after_unreleased_read(float* x, unsigned* flag,
   x[0] = 2.0f;
 }
 
+// As write_after_unreleased_read, but every reading block releases once, and block `silent` has a
+// read that no release follows: how == 0, it releases and then reads; how == 1, it reads,
+// releases and reads again. The last block acquires every release and writes x[0]: the write
+// races with that one read. (A block that released at some time is not thereby ordered.)
+extern "C" __global__ void write_after_read_after_release(float* x, unsigned* flag, float* out,
+                                                          int silent, int how) {
+  unsigned readers = gridDim.x - 1;
+  if (threadIdx.x) return;
+  if (blockIdx.x < readers) {
+    bool odd = (int)blockIdx.x == silent;
+    if (odd && how == 0) {
+      __threadfence();
+      atomicAdd(flag, 1u);
+    }
+    out[blockIdx.x] = x[0];
+    if (!odd || how == 1) {
+      __threadfence();
+      atomicAdd(flag, 1u);
+    }
+    if (odd && how == 1) out[blockIdx.x] += x[0];
+    return;
+  }
+  acquire_at_least(flag, readers);
+  x[0] = 2.0f;
+}
+
+// Every block reads all of w: a byte read by every block of the launch, as a weight is.
+extern "C" __global__ void every_block_reads_all(const float* w, float* out, int n) {
+  float s = 0.0f;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) s += w[i];
+  atomicAdd(out, s);
+}
+
 // Lanes 0 and 1 read s, and thread 32 (another warp) reads it between them: lane 1 waits for
 // thread 32 through a volatile flag, which orders nothing. After a __syncwarp of lanes 0 and 1,
 // lane 0 writes s: ordered after both lanes' reads, not after thread 32's (blockDim 64).

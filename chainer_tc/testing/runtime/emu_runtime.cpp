@@ -120,12 +120,21 @@ struct Level {
 struct BlockReads {
   uint32_t blk;
   uint32_t nlevels;        // levels[0, nlevels), ascending generations
+  uint32_t releases;       // the block's releases made before its first read here (kUnknown:
+                           //   the entry was made after its reads, from a cell's)
   std::vector<Level> levels;
 };
+enum : uint32_t { kUnknown = 0xffffffffu };
 enum { kPlainReads, kVolatileReads, kAtomicReads, kReadKinds };   // an atomic also reads
+// A block that finished without releasing anything after its first read of a byte can never have
+// those reads ordered before another block's write (an order between blocks needs a release after
+// the read): its entry folds into `unordered`, one such read kept for the report. So a byte that
+// every block reads (a weight, a broadcast input) holds the live blocks' entries and those of
+// blocks that released, not one entry per block of the launch.
 struct ReadSet {
   uint32_t nblocks[kReadKinds];                 // blocks[v][0, nblocks[v]) in use
   std::vector<BlockReads> blocks[kReadKinds];
+  Acc unordered[kReadKinds];                    // a folded read (blk 0: none)
   uint32_t slot_blk[kReadKinds][kMaxSlots];     // per live block slot: the block it held at its
   uint32_t slot_entry[kReadKinds][kMaxSlots];   //   last read, and that block's entry
 };
@@ -262,6 +271,7 @@ struct Runtime {
   bool yield_atomics;
   const Schedule* schedule;
   std::unordered_map<uintptr_t, VC*> sync;       // releases per atomic address
+  std::vector<uint32_t> releases;                // per block: releases made (fence, then atomic)
   std::vector<VC*> vcs;                          // every VC of this schedule, freed after it
   // fault handling
   struct sigaction old_segv, old_bus, old_fpe;
@@ -611,19 +621,62 @@ bool replaces(const Acc& old, const Acc& me, const Fiber* f) {
   return (strong_old || !strong_me) && ordered(old, me, f);
 }
 
+// One read of a set's entry, as an access: the first of `lanes` (in warp `w` of level `l`).
+Acc entry_read(const BlockReads& br, const Level& l, unsigned w, uint32_t lanes, int v) {
+  const LaneReads& lr = l.warps[w];
+  Acc a;
+  memset(&a, 0, sizeof a);
+  a.blk = br.blk;
+  a.gen = l.gen;
+  a.wgen = lr.wgen;
+  a.tid = (uint16_t)(w * 32 + __builtin_ctz(lanes));
+  a.flags = v == kAtomicReads ? kAtomic | kWrite : v == kVolatileReads ? kVolatile : kRead;
+  a.pc = lr.pc_mixed ? l.lane_pcs[a.tid] : lr.pc;
+  a.fences = lr.mixed ? l.lane_fences[a.tid] : lr.fences;
+  return a;
+}
+
+// Fold the entries of kind `v` whose blocks finished without a release since their first read
+// here (see ReadSet); the entries kept stay in order, and the live blocks' slots follow theirs.
+void fold_finished(ReadSet& s, int v) {
+  uint32_t keep = 0;
+  for (uint32_t e = 0; e < s.nblocks[v]; ++e) {
+    BlockReads& br = s.blocks[v][e];
+    int slot = slot_of(br.blk);
+    if (slot < 0 && br.releases != kUnknown && rt.releases[br.blk - 1] == br.releases) {
+      if (!s.unordered[v].blk) {
+        const Level& l = br.levels[0];
+        unsigned w = 0;
+        while (!l.warps[w].lanes) ++w;
+        s.unordered[v] = entry_read(br, l, w, l.warps[w].lanes, v);
+      }
+      continue;
+    }
+    if (keep != e) {
+      std::swap(s.blocks[v][keep], br);           // the folded entry's memory moves up, for reuse
+      if (slot >= 0 && s.slot_blk[v][slot] == s.blocks[v][keep].blk) s.slot_entry[v][slot] = keep;
+    }
+    ++keep;
+  }
+  s.nblocks[v] = keep;
+}
+
 // A read joins a byte's read set: it replaces its thread's earlier read. A block's entry is found
 // through the slot it runs in: a block whose slot holds another block has not read yet.
-void set_add(ReadSet& s, const Acc& a, int slot) {
+// `releases`: the block's release count, for a read made now (kUnknown: an earlier read).
+void set_add(ReadSet& s, const Acc& a, int slot, uint32_t releases) {
   int v = a.flags & kAtomic ? kAtomicReads : a.flags & kVolatile ? kVolatileReads : kPlainReads;
   BlockReads* brp;
   if (slot >= 0 && s.slot_blk[v][slot] == a.blk) {
     brp = &s.blocks[v][s.slot_entry[v][slot]];
   } else {
+    fold_finished(s, v);
     uint32_t e = s.nblocks[v]++;
     if (e == s.blocks[v].size()) s.blocks[v].emplace_back();
     brp = &s.blocks[v][e];
     brp->blk = a.blk;
     brp->nlevels = 0;
+    brp->releases = releases;
     if (slot >= 0) {
       s.slot_blk[v][slot] = a.blk;
       s.slot_entry[v][slot] = e;
@@ -676,6 +729,10 @@ bool set_conflict(const ReadSet& s, const Acc& me, const Fiber* f, Acc& prev) {
   uint32_t mbit = 1u << (me.tid % 32);
   for (int v = 0; v < kReadKinds; ++v) {
     if (v != kPlainReads && (me.flags & (kAtomic | kVolatile))) continue;   // only plain writes race
+    if (s.unordered[v].blk) {                   // a finished block's, which nothing orders
+      prev = s.unordered[v];
+      return true;
+    }
     for (uint32_t e = 0; e < s.nblocks[v]; ++e) {
       const BlockReads& br = s.blocks[v][e];
       uint32_t blk = br.blk;
@@ -704,13 +761,7 @@ bool set_conflict(const ReadSet& s, const Acc& me, const Fiber* f, Acc& prev) {
                                        lane_covered(cover[1], l, lr, w, k)))
                 open &= ~(1u << k);                   // thread's own read before its fence
           if (!open) continue;
-          memset(&prev, 0, sizeof prev);
-          prev.blk = blk;
-          prev.gen = l.gen;
-          prev.wgen = lr.wgen;
-          prev.tid = (uint16_t)(w * 32 + __builtin_ctz(open));
-          prev.flags = v == kAtomicReads ? kAtomic | kWrite : v == kVolatileReads ? kVolatile : kRead;
-          prev.pc = lr.pc_mixed ? l.lane_pcs[prev.tid] : lr.pc;
+          prev = entry_read(br, l, w, open, v);
           return true;
         }
       }
@@ -736,14 +787,17 @@ void to_read_set(Region& r, Cell& c, const Acc& me) {
     x = r.read_sets->spare.back();
     r.read_sets->spare.pop_back();
   }
-  for (int v = 0; v < kReadKinds; ++v) x->nblocks[v] = 0;
+  for (int v = 0; v < kReadKinds; ++v) {
+    x->nblocks[v] = 0;
+    x->unordered[v].blk = 0;
+  }
   memset(x->slot_blk, 0, sizeof x->slot_blk);
   ReadSet& s = *x;
   Acc a[3] = {c.r0, c.r1, me};
   std::sort(a, a + 3, [](const Acc& x, const Acc& y) {        // a block's reads in its own order
     return x.blk != y.blk ? x.blk < y.blk : x.gen != y.gen ? x.gen < y.gen : x.wgen < y.wgen;
   });
-  for (const Acc& e : a) set_add(s, e, slot_of(e.blk));
+  for (const Acc& e : a) set_add(s, e, slot_of(e.blk), kUnknown);
   c.r0.blk = kReadSet;
   c.r1.blk = 0;
   memcpy(&c.r1.gen, &x, sizeof x);         // gen and wgen: 8 bytes
@@ -775,7 +829,7 @@ void race_access(Region& r, char* a, size_t n, int flags, uint64_t pc) {
     if (conflict(c.w, me, f)) report_race(r, byte, c.w, me);
     if (c.r0.blk == kReadSet) {
       if (!write) {
-        set_add(*set_of(c), me, (int)(b - rt.slots));
+        set_add(*set_of(c), me, (int)(b - rt.slots), rt.releases[b->seq]);
         continue;
       }
       Acc prev;
@@ -809,6 +863,7 @@ void sync_atomic(uintptr_t x) {
   auto it = rt.sync.find(x);
   if (it != rt.sync.end()) join(f->pending, it->second);
   if (f->last_fence < 0) return;
+  rt.releases[b->seq]++;
   VC*& s = rt.sync[x];
   if (!s) s = new_vc();
   Cover c;
@@ -1133,6 +1188,7 @@ bool round_in_order(Block& b, bool reverse) {
 
 void run_grid(const Schedule& s) {
   rt.schedule = &s;
+  if (rt.race) rt.releases.assign(rt.nblocks, 0);
   rt.yield_atomics = s.kind == Schedule::kRandom;
   u64 n = rt.nblocks;
   if (s.kind != Schedule::kRandom) {
