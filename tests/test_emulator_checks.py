@@ -466,9 +466,10 @@ def test_a_read_after_a_blocks_release_races_with_the_write(buggy, how, schedule
                 (10,), (32,), (x, flag, out, numpy.int32(4), numpy.int32(how)))
 
 
-def test_a_byte_every_block_reads_costs_no_memory_per_block():
-    """The race detector's memory for a broadcast input does not grow with the blocks that read
-    it: 96 blocks reading 64 KB took 1.6 GB before finished blocks' reads were folded."""
+def test_a_byte_blocks_read_without_releasing_costs_no_memory_per_block():
+    """The race detector's memory for a broadcast input that blocks read and release nothing
+    after does not grow with the blocks: 96 blocks reading 64 KB took 1.5 GB before finished
+    blocks' reads were folded."""
     code = textwrap.dedent("""
         import resource, numpy
         from chainer_tc.testing import emulator
@@ -488,6 +489,25 @@ def test_a_byte_every_block_reads_costs_no_memory_per_block():
     grew = int(run.stdout.split()[1])
     # a set per byte (~1.2 KB with its entries' memory: 80 MB for 64 KB), whatever the blocks
     assert grew < 300, run.stdout
+
+
+@pytest.mark.parametrize('atomic', [0, 1])
+def test_folded_volatile_reads_race_with_a_plain_write_only(buggy, atomic):
+    # 9 readers: blocks 0-2's reads are released and acquired; blocks 3-7's (not released)
+    # fold into one, block 3's, which the report names; the kind rules still apply to it
+    x, flag, out = numpy.ones(1, numpy.float32), numpy.zeros(1, numpy.uint32), \
+        numpy.zeros(9, numpy.float32)
+    k = buggy.get_function('volatile_reads_then_write')
+    with emulator.checking(race=True, schedules=['forward']):
+        if atomic:
+            k((10,), (32,), (x, flag, out, numpy.int32(1)))
+            assert x[0] == 2 and (out == 1).all()
+            return
+        with pytest.raises(KernelLaunchError, match=(
+                r'data race on argument 0 .*: a write by thread \(0,0,0\) of block \(9,0,0\) '
+                r'\(at .*buggy\.cu:\d+\) and an earlier volatile read by thread \(0,0,0\) of '
+                r'block \(3,0,0\)')):
+            k((10,), (32,), (x, flag, out, numpy.int32(0)))
 
 
 def test_write_races_with_another_warps_read_between_two_synced_lanes(buggy):

@@ -251,6 +251,26 @@ extern "C" __global__ void write_after_read_after_release(float* x, unsigned* fl
   x[0] = 2.0f;
 }
 
+// Thread 0 of every block but the last reads x[0] through a volatile pointer; blocks 0-2 release
+// their reads through `flag`, the others release nothing. The last block acquires those three
+// releases and writes x[0], with an atomic (ordered: a volatile read and an atomic write are both
+// atomic accesses) or a plain store (a race with the reads of blocks 3 on).
+extern "C" __global__ void volatile_reads_then_write(float* x, unsigned* flag, float* out,
+                                                     int atomic) {
+  if (threadIdx.x) return;
+  if (blockIdx.x + 1 < gridDim.x) {
+    out[blockIdx.x] = *(volatile float*)x;
+    if (blockIdx.x < 3) {
+      __threadfence();
+      atomicAdd(flag, 1u);
+    }
+    return;
+  }
+  acquire_at_least(flag, 3);
+  if (atomic) atomicAdd(x, 1.0f);
+  else x[0] = 2.0f;
+}
+
 // Every block reads all of w: a byte read by every block of the launch, as a weight is.
 extern "C" __global__ void every_block_reads_all(const float* w, float* out, int n) {
   float s = 0.0f;

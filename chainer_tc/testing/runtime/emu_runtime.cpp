@@ -134,6 +134,7 @@ enum { kPlainReads, kVolatileReads, kAtomicReads, kReadKinds };   // an atomic a
 struct ReadSet {
   uint32_t nblocks[kReadKinds];                 // blocks[v][0, nblocks[v]) in use
   std::vector<BlockReads> blocks[kReadKinds];
+  uint32_t settled[kReadKinds];                 // blocks[v][0, settled[v]): finished, not folded
   Acc unordered[kReadKinds];                    // a folded read (blk 0: none)
   uint32_t slot_blk[kReadKinds][kMaxSlots];     // per live block slot: the block it held at its
   uint32_t slot_entry[kReadKinds][kMaxSlots];   //   last read, and that block's entry
@@ -637,28 +638,41 @@ Acc entry_read(const BlockReads& br, const Level& l, unsigned w, uint32_t lanes,
 }
 
 // Fold the entries of kind `v` whose blocks finished without a release since their first read
-// here (see ReadSet); the entries kept stay in order, and the live blocks' slots follow theirs.
+// here (see ReadSet). A finished block's entry that does not fold never will (its count no longer
+// changes): it joins the settled prefix, which is not looked at again, so a set whose blocks all
+// release costs no rescan per new block. Live blocks' slots follow their entries.
 void fold_finished(ReadSet& s, int v) {
-  uint32_t keep = 0;
-  for (uint32_t e = 0; e < s.nblocks[v]; ++e) {
-    BlockReads& br = s.blocks[v][e];
-    int slot = slot_of(br.blk);
-    if (slot < 0 && br.releases != kUnknown && rt.releases[br.blk - 1] == br.releases) {
+  std::vector<BlockReads>& b = s.blocks[v];
+  uint32_t settled = s.settled[v], keep = settled;
+  auto follow = [&](uint32_t at, int slot) {        // a live block's entry moved to `at`
+    if (slot >= 0 && s.slot_blk[v][slot] == b[at].blk) s.slot_entry[v][slot] = at;
+  };
+  // [0, settled): settled; [settled, keep): live; [keep, e): folded (memory kept for reuse)
+  for (uint32_t e = settled; e < s.nblocks[v]; ++e) {
+    int slot = slot_of(b[e].blk);
+    if (slot < 0 && b[e].releases != kUnknown && rt.releases[b[e].blk - 1] == b[e].releases) {
       if (!s.unordered[v].blk) {
-        const Level& l = br.levels[0];
+        const Level& l = b[e].levels[0];
         unsigned w = 0;
         while (!l.warps[w].lanes) ++w;
-        s.unordered[v] = entry_read(br, l, w, l.warps[w].lanes, v);
+        s.unordered[v] = entry_read(b[e], l, w, l.warps[w].lanes, v);
       }
       continue;
     }
-    if (keep != e) {
-      std::swap(s.blocks[v][keep], br);           // the folded entry's memory moves up, for reuse
-      if (slot >= 0 && s.slot_blk[v][slot] == s.blocks[v][keep].blk) s.slot_entry[v][slot] = keep;
+    if (keep != e) std::swap(b[keep], b[e]);
+    uint32_t at = keep++;
+    if (slot >= 0) {
+      follow(at, slot);
+    } else {
+      if (at != settled) {
+        std::swap(b[settled], b[at]);                // a live entry moves from settled to at
+        follow(at, slot_of(b[at].blk));
+      }
+      settled++;
     }
-    ++keep;
   }
   s.nblocks[v] = keep;
+  s.settled[v] = settled;
 }
 
 // A read joins a byte's read set: it replaces its thread's earlier read. A block's entry is found
@@ -788,7 +802,7 @@ void to_read_set(Region& r, Cell& c, const Acc& me) {
     r.read_sets->spare.pop_back();
   }
   for (int v = 0; v < kReadKinds; ++v) {
-    x->nblocks[v] = 0;
+    x->nblocks[v] = x->settled[v] = 0;
     x->unordered[v].blk = 0;
   }
   memset(x->slot_blk, 0, sizeof x->slot_blk);
