@@ -13,8 +13,8 @@ bound before each capture begins to the capture's stream and then to a workspace
 capture's pool (in that order: ``cublasSetStream`` resets the workspace to cuBLAS's default
 pool), and call ``cublasGemmEx`` (and ``cublasGemmStridedBatchedEx`` for a batch of products, the
 i-th operands at a fixed stride from the first) through this binding with CuPy's own choice for
-the product (``cupy/_core/_routines_linalg.pyx``, ``tensordot_core_v11``): CuPy's compute type for the dtype
-(``CUBLAS_COMPUTE_32F`` for float16/float32 by default, ``..._FAST_TF32`` or ``..._PEDANTIC`` as
+the product (``cupy/_core/_routines_linalg.pyx``, ``tensordot_core_v11``): CuPy's compute type
+for the dtype (``CUBLAS_COMPUTE_32F`` for float16/float32 by default, ``..._FAST_TF32`` or ``..._PEDANTIC`` as
 ``cupy._core.set_compute_type`` / ``CUPY_TF32`` say, ``CUBLAS_COMPUTE_64F`` for float64), alpha and
 beta as host floats (doubles for 64F), the Tensor Core algorithm where CuPy picks it, the math
 mode of CuPy's handle. Prototypes follow ``cublas_api.h`` (CUDA 12 / 13): handles and data are

@@ -50,6 +50,12 @@ def set_current(products):
     return previous
 
 
+def products_for(*arrays):
+    """This thread's products where the arrays suit them (:func:`usable`), else None."""
+    p = current()
+    return p if p is not None and usable(p.xp, *arrays) else None
+
+
 def address(a):
     """The device (CuPy) or host (NumPy) address of ``a``'s first element."""
     data = getattr(a, 'data', None)

@@ -35,12 +35,10 @@ _ORIGINAL = {name: cls._forward_gpu_core for name, cls in _CLASSES.items()}
 
 def _products(node, *arrays):
     """This thread's products where the node's inputs are in the standard layout and the
-    arrays are the products' kind, of one float dtype; else None."""
-    p = _gemm.current()
-    if (p is None or any(layout is not None for layout in node.input_layouts or ()) or
-            not _gemm.usable(p.xp, *arrays)):
+    arrays suit them; else None."""
+    if any(layout is not None for layout in node.input_layouts or ()):
         return None
-    return p
+    return _gemm.products_for(*arrays)
 
 
 def _im2col(node, x, kh, kw):

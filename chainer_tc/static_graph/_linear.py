@@ -25,29 +25,23 @@ _ORIGINAL = {name: getattr(_chainer_linear, name).forward
              for name in ('LinearFunction', 'LinearGradData', 'LinearGradWeight')}
 
 
-def _products(*arrays):
-    """This thread's products where the operands are theirs and matrices, else None."""
-    p = _gemm.current()
-    if p is None or not _gemm.usable(p.xp, *arrays) or any(a.ndim != 2 for a in arrays):
+def _product(node, fits, a, b):
+    """a @ b through this thread's products, for 2-d operands that ``fits`` (the node then keeps
+    its inputs as Chainer's forward does); None where Chainer's own code must compute it."""
+    p = _gemm.products_for(a, b)
+    y = _gemm.matmul(p, a, b) if p is not None and a.ndim == b.ndim == 2 and fits else None
+    if y is None:
         return None
-    return p
-
-
-def _keep_inputs(node):
-    """What Chainer's forward records: its inputs for backward, and the iDeep setting."""
     node._config_use_ideep = chainer.config.use_ideep
     node.retain_inputs((0, 1))
+    return y
 
 
 def _linear_forward(self, inputs):
     x, W = inputs[0], inputs[1]
-    p = _products(x, W)
-    if p is None or x.shape[1] != W.shape[1]:
-        return _ORIGINAL['LinearFunction'](self, inputs)
-    y = _gemm.matmul(p, x, W.T)
+    y = _product(self, x.shape[-1] == W.shape[-1], x, W.T)
     if y is None:
         return _ORIGINAL['LinearFunction'](self, inputs)
-    _keep_inputs(self)
     if len(inputs) == 3:
         y += inputs[2]
     return y,
@@ -55,26 +49,15 @@ def _linear_forward(self, inputs):
 
 def _grad_data_forward(self, inputs):
     W, gy = inputs
-    p = _products(W, gy)
-    if p is None or gy.shape[1] != W.shape[0]:
-        return _ORIGINAL['LinearGradData'](self, inputs)
-    gx = _gemm.matmul(p, gy, W)
-    if gx is None:
-        return _ORIGINAL['LinearGradData'](self, inputs)
-    _keep_inputs(self)
-    return gx,
+    gx = _product(self, gy.shape[-1] == W.shape[0], gy, W)
+    return _ORIGINAL['LinearGradData'](self, inputs) if gx is None else (gx,)
 
 
 def _grad_weight_forward(self, inputs):
     x, gy = inputs
-    p = _products(x, gy)
-    if (p is None or x.shape[0] != gy.shape[0] or numpy.dtype(self._w_dtype) != x.dtype):
-        return _ORIGINAL['LinearGradWeight'](self, inputs)
-    gW = _gemm.matmul(p, gy.T, x)
-    if gW is None:
-        return _ORIGINAL['LinearGradWeight'](self, inputs)
-    _keep_inputs(self)
-    return gW,
+    fits = x.shape[0] == gy.shape[0] and numpy.dtype(self._w_dtype) == x.dtype
+    gW = _product(self, fits, gy.T, x)
+    return _ORIGINAL['LinearGradWeight'](self, inputs) if gW is None else (gW,)
 
 
 # (owner, attribute, replacement) for :mod:`._products`
