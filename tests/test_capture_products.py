@@ -116,6 +116,31 @@ def test_transposed_operands_are_not_copied(fake):
     assert (args[9], args[12]) == (6, 4), "their own rows as leading dimensions"
 
 
+def test_the_fake_refuses_what_reaches_past_an_operand(fake):
+    """What the fake checks (a GPU would read a neighbour's memory, or fault): a leading
+    dimension, batch stride or count that reaches past the operand whose address was taken, an
+    address no operand was passed at, and an output that overlaps an input."""
+    h = _gemm.current().handle
+    f32 = numpy.float32
+    a, b, c = (numpy.zeros(shape, f32) for shape in [(2, 3, 4), (2, 4, 5), (2, 3, 5)])
+    A, B, C = (_gemm.address(x) for x in (a, b, c))
+
+    def batched(lda=5, sa=20, ldb=4, sb=12, ldc=5, sc=15, count=2, c=C):
+        h.gemm_batched(0, 0, 5, 3, 4, B, lda, sa, A, ldb, sb, c, ldc, sc, count, f32)
+
+    batched()       # C^T = B^T A^T, each batch at its own stride: inside every operand
+    numpy.testing.assert_array_equal(c, 0)
+    for bad, name in [(dict(lda=6), 'A'), (dict(sa=21), 'A'), (dict(ldb=5), 'B'),
+                      (dict(sb=13), 'B'), (dict(ldc=6, sc=18), 'C'), (dict(count=3), 'A')]:
+        with pytest.raises(AssertionError, match='^{} reaches bytes .* outside its operand'
+                           .format(name)):
+            batched(**bad)
+    with pytest.raises(AssertionError, match='C at 0x[0-9a-f]+: no array of that address'):
+        batched(c=C + 4)
+    with pytest.raises(AssertionError, match='the output C overlaps the input A'):
+        h.gemm(0, 0, 5, 1, 4, B, 5, A, 4, B, 5, f32)
+
+
 def test_what_cublas_cannot_take_is_left_to_chainer(fake, monkeypatch):
     p = _gemm.current()
     f = numpy.ones((2, 3), numpy.float32)
