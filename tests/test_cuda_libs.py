@@ -1,24 +1,13 @@
 """chainer_tc._cuda_libs: pip-installed CUDA libraries become visible to CuPy and Chainer."""
 import json
 import os
-import subprocess
-import sys
 
 from chainer_tc import _cuda_libs
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from fresh_python import run_python
+
 CUDNN_PARTS = ('cudnn_ops_infer', 'cudnn_ops_train', 'cudnn_cnn_infer', 'cudnn_cnn_train',
                'cudnn_adv_infer', 'cudnn_adv_train', 'cudnn')
-
-
-def run_python(code, **extra_env):
-    """Run ``code`` in a fresh interpreter without LD_LIBRARY_PATH; return the CompletedProcess."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ('LD_LIBRARY_PATH', 'CHAINER_TC_NO_PRELOAD', 'PYTHONWARNINGS')}
-    env['PYTHONPATH'] = REPO
-    env.update(extra_env)
-    return subprocess.run([sys.executable, '-c', code], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
 
 
 def loaded_files(name_part):

@@ -1,22 +1,11 @@
 """chainer_tc.gpu_stack: the GPU install check passes here and fails on a broken install."""
-import os
 import re
-import subprocess
-import sys
 
 from chainer_tc import gpu_stack
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from fresh_python import run_python
+
 MAIN = 'import sys, chainer_tc.gpu_stack as g; sys.exit(g.main([]))'
-
-
-def run_python(code, **extra_env):
-    env = {k: v for k, v in os.environ.items()
-           if k not in ('LD_LIBRARY_PATH', 'CHAINER_TC_NO_PRELOAD', 'PYTHONWARNINGS')}
-    env['PYTHONPATH'] = REPO
-    env.update(extra_env)
-    return subprocess.run([sys.executable, '-c', code], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
 
 
 def result_lines(stdout):

@@ -3,24 +3,16 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 
 import pytest
 
 from chainer_tc import info
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from fresh_python import REPO
+from fresh_python import run_python
+
 DOC = os.path.join(REPO, 'docs', 'info.md')
-
-
-def run_python(code, **extra_env):
-    env = {k: v for k, v in os.environ.items()
-           if k not in ('LD_LIBRARY_PATH', 'CHAINER_TC_NO_PRELOAD', 'PYTHONWARNINGS')}
-    env['PYTHONPATH'] = REPO
-    env.update(extra_env)
-    return subprocess.run([sys.executable, '-c', code], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
 
 
 def collect_in_subprocess(prelude='', **extra_env):
