@@ -156,9 +156,8 @@ class CapturedStep:
             self.stream.wait_event(caller.record())         # the batch was loaded there
             opt._table.refresh(opt.hyperparam, opt._versions, opt._set_globals)
             self.graph.launch(self.stream)
+            _program.give_grads(self.grads)
             if self.hooks:
-                for param, g in self.grads:
-                    param.grad = g
                 opt.update()
             else:
                 opt.t += 1

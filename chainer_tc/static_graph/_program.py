@@ -181,46 +181,53 @@ class Program:
     def _find_sites(self):
         """Every place that refers to a slot; a slot referred to where no place can be
         rewritten (inside a container, or through a view made outside the ops) is copied."""
-        slots = self._slots
-        owners = {id(x): sl for sl in slots.values() if sl.sub for _, x, _ in sl.sub}
-
-        def pin_memory(v, depth=0):
-            if isinstance(v, _trace.array_types()):
-                for b in _base_chain(v):
-                    sl = slots.get(id(b)) or owners.get(id(b))
-                    if sl is not None:
-                        sl.copy = True
-            elif id(v) in slots:
-                slots[id(v)].copy = True
-            elif depth < 2 and isinstance(v, (tuple, list)):
-                for x in v:
-                    pin_memory(x, depth + 1)
-            elif depth < 2 and isinstance(v, dict):
-                for x in v.values():
-                    pin_memory(x, depth + 1)
-            elif isinstance(v, chainer.Variable):
-                pin_memory(v.raw_array, depth + 1)
-            elif isinstance(v, chainer.variable.VariableNode):
-                pin_memory(v.data, depth + 1)
-            elif depth < 2 and _is_plain(v):
-                pin_memory(vars(v), depth + 1)
-
-        def refer(container, key, v):
-            sl = slots.get(id(v))
-            if sl is not None:
-                sl.sites.append((container, key))
-            else:
-                pin_memory(v)
-
+        self._owners = {id(x): sl for sl in self._slots.values() if sl.sub for _, x, _ in sl.sub}
         for d, pre, forward, inputs, outs, pins, config in self._ops:
             for j, x in enumerate(inputs):
-                refer(inputs, j, x)
+                self._refer(inputs, j, x)
             for key, v in pre.items():
-                refer(pre, key, v)
-        for values, observer in self.reports:
+                self._refer(pre, key, v)
+        for values, observer, _ in self.reports:
             for key, v in values.items():
-                refer(values, key, v)
-        refer(self.loss, 0, self.loss[0])
+                self._refer(values, key, v)
+        self._refer(self.loss, 0, self.loss[0])
+
+    def _refer(self, container, key, v):
+        """``container[key]`` holds ``v``: a site of its slot, or its memory is kept."""
+        sl = self._slots.get(id(v))
+        if sl is not None:
+            sl.sites.append((container, key))
+        else:
+            self._pin_memory(v)
+
+    def _pin_memory(self, v, depth=0):
+        if isinstance(v, _trace.array_types()):
+            for b in _base_chain(v):
+                sl = self._slots.get(id(b)) or self._owners.get(id(b))
+                if sl is not None:
+                    sl.copy = True
+        elif id(v) in self._slots:
+            self._slots[id(v)].copy = True
+        elif depth < 2 and isinstance(v, (tuple, list)):
+            for x in v:
+                self._pin_memory(x, depth + 1)
+        elif depth < 2 and isinstance(v, dict):
+            for x in v.values():
+                self._pin_memory(x, depth + 1)
+        elif isinstance(v, chainer.Variable):
+            self._pin_memory(v.raw_array, depth + 1)
+        elif isinstance(v, chainer.variable.VariableNode):
+            self._pin_memory(v.data, depth + 1)
+        elif depth < 2 and _is_plain(v):
+            self._pin_memory(vars(v), depth + 1)
+
+    def follow(self, variables):
+        """Keep each Variable's array this step's after every replay: the Variables a step
+        leaves where the user reads them (``L.Classifier``'s ``loss``, ``accuracy`` and ``y``,
+        any link attribute), which hold arrays of the recorded step."""
+        for v in variables:
+            self._refer(v._data, 0, v.raw_array)
+        self._propagated = False
 
     def _propagate(self):
         """A copied slot that views another op's result needs that result's memory fixed too."""
@@ -235,11 +242,14 @@ class Program:
         self._propagated = True
 
     def pin(self, a):
-        """Keep the recorded array ``a`` (and its memory) from step to step."""
-        sl = self._slots.get(id(a))
-        if sl is not None:
-            sl.copy = True
-            self._propagated = False
+        """Keep the recorded array ``a`` (and its memory) from step to step: ``a`` may also be
+        a view of an op's result that no op made itself (a gradient returned by ``reshape``
+        of another op's fresh array): then that result is the one kept."""
+        for b in _base_chain(a):
+            sl = self._slots.get(id(b))
+            if sl is not None:
+                sl.copy = True
+                self._propagated = False
 
     @staticmethod
     def _bases(a, arrays, slots):
@@ -282,7 +292,7 @@ class Program:
             raise NotReplayable('the step reported {} times, then {} times'.format(
                 len(first.reports), len(last.reports)))
         out = []
-        for (va, oa), (vb, ob) in zip(first.reports, last.reports):
+        for (va, oa, _), (vb, ob, where) in zip(first.reports, last.reports):
             values = {}
             for key, v in vb.items():
                 arr = v.array if isinstance(v, chainer.Variable) else v
@@ -295,7 +305,8 @@ class Program:
                     raise NotReplayable('the reported value {!r} is not computed by a recorded '
                                         'function and differs between steps'.format(key))
                 values[key] = arr
-            out.append((values, ob))
+            variables = frozenset(k for k, v in vb.items() if isinstance(v, chainer.Variable))
+            out.append((values, ob, (variables, where)))
         return out
 
     def relocate(self, old, new):
@@ -387,11 +398,38 @@ class Program:
             local.update(saved)
 
     def report(self):
-        """Issue the recorded reports again, with copies of this step's values."""
-        for values, observer in self.reports:
-            chainer.reporter.report(
-                {k: v.copy() if isinstance(v, _trace.array_types()) else v
-                 for k, v in values.items()}, observer)
+        """Issue the recorded reports again, with copies of this step's values (as Variables
+        where the step reported Variables), to where the step reported them: the reporter and
+        observation current now, or those the step made current itself."""
+        array_types = _trace.array_types()
+        for values, observer, (variables, where) in self.reports:
+            out = {}
+            for k, v in values.items():
+                if isinstance(v, array_types):
+                    v = v.copy()
+                    if k in variables:
+                        v = chainer.Variable(v, requires_grad=False)
+                out[k] = v
+            if where is None:
+                chainer.reporter.report(out, observer)
+                continue
+            reporter, observation = where
+            current, reporter.observation = reporter.observation, observation
+            try:
+                reporter.report(out, observer)
+            finally:
+                reporter.observation = current
+
+
+def give_grads(pairs):
+    """``param.grad = g`` for each (param, g) where it is not so already: after a replay every
+    parameter's ``grad`` is this step's gradient, as after an eager step, also when the user
+    cleared it (``cleargrads()``) or a step of another signature set another array. Costs an
+    identity test per parameter when nothing changed."""
+    for param, g in pairs:
+        gv = param._grad_var                  # what param.grad reads (Chainer 7.8.1)
+        if (param._grad if gv is None else gv.array) is not g or not param._grad_valid:
+            param.grad = g
 
 
 _MISSING = object()

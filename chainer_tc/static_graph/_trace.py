@@ -57,7 +57,7 @@ class Trace:
 
     def __init__(self):
         self.ops = []
-        self.reports = []          # (values dict, observer)
+        self.reports = []          # (values dict, observer, where: None or (reporter, dict))
         self.loss = None           # the loss Variable's array
         self.grads = None          # per optimizer entry: its gradient array or None
         self.inputs = None         # the step's input buffers
@@ -78,9 +78,15 @@ class Recorder(chainer.FunctionHook):
         super().__enter__()
         original = reporter_module.Reporter.report
         trace = self.trace
+        reporters = reporter_module._get_reporters()
+        outer = (reporters[-1], reporters[-1].observation) if reporters else (None, None)
 
         def report(reporter, values, observer=None):
-            trace.reports.append((dict(values), observer))
+            # to the reporter and observation current when the step began (a Trainer's, each
+            # iteration's): None, the ones current then; else those the step itself set
+            here = (reporter, reporter.observation)
+            where = None if here[0] is outer[0] and here[1] is outer[1] else here
+            trace.reports.append((dict(values), observer, where))
             return original(reporter, values, observer)
 
         self._report = original

@@ -98,7 +98,16 @@ class TrainStep:
         self.eager_steps = 0
         self._entries = collections.OrderedDict()
         self._flat = None
+        self._persistent_arrays = None   # _persistents() when the traces in use were built
         self._warned = set()
+
+    def __getstate__(self):
+        """Pickles and deep-copies without its traces (arrays of recorded steps, compiled
+        replays, CUDA graphs): the copy traces its steps again, after ``warmup`` eager ones."""
+        state = dict(self.__dict__)
+        state.update(_entries=collections.OrderedDict(), _flat=None, _eager_grads=None,
+                     _persistent_arrays=None)
+        return state
 
     @property
     def replayed_ops(self):
@@ -127,6 +136,14 @@ class TrainStep:
                                     'and the step is traced again')
             self._entries.clear()
             self._flat = flat
+        if self._persistent_arrays is not None and any(
+                d.get(name) is not a for d, name, a in self._persistent_arrays):
+            self._warn('persistent', 'a persistent array of the model (e.g. BatchNorm\'s '
+                                     'avg_mean) was replaced: every trace is dropped and the '
+                                     'step is traced again (update such arrays in place, '
+                                     'a[...] = value, to keep the traces)')
+            self._entries.clear()
+            self._persistent_arrays = None
         key = self._key(inputs)
         entry = self._entries.get(key)
         if entry is None:
@@ -144,8 +161,13 @@ class TrainStep:
             if entry.replay is not None:
                 return self._replay(entry, inputs)
             if entry.failed is not None or entry.calls <= self.warmup:
-                return self._eager(inputs)
-            return self._record(entry, inputs)
+                loss = self._eager(inputs)
+            else:
+                loss = self._record(entry, inputs)
+        # the buffers this step updated (a first update builds them): only a rebuild after
+        # this drops the traces, not the first build
+        self._flat = self.optimizer._flat
+        return loss
 
     def _chainer_cudnn_routed(self, inputs):
         """On a GPU with capture, Chainer's own cuDNN calls go through chainer_tc's binding in
@@ -216,12 +238,20 @@ class TrainStep:
         """An eager step on the signature's input buffers, recorded; the second one of a
         signature builds its replay."""
         opt = self.optimizer
-        entry.load(inputs)
-        if entry.first is not None and self.capture and _is_cupy(entry.buffers):
-            return self._capture(entry, inputs)
+        if entry.first is None:
+            # the first recorded step reads buffers of its own: a graph the model carries from
+            # it into the next step (which refuses the replay) keeps this step's inputs
+            buffers = tuple(_empty_like(a) for a in inputs)
+            for buf, a in zip(buffers, inputs):
+                _copy_into(buf, a)
+        else:
+            entry.load(inputs)
+            buffers = entry.buffers
+            if self.capture and _is_cupy(buffers):
+                return self._capture(entry, inputs)
         self.eager_steps += 1
         with _trace.Recorder() as rec:
-            loss = self._call_lossfun(entry.buffers)
+            loss = self._call_lossfun(buffers)
             opt.target.cleargrads()
             opt.scaled_backward(loss)
         trace = rec.trace
@@ -229,7 +259,7 @@ class TrainStep:
             flat = opt._try_build(required=True)
             trace.grads = flat.grads()
         trace.loss = loss.array
-        trace.inputs = entry.buffers
+        trace.inputs = buffers
         result = _detached(loss)
         del loss
         if entry.first is None:
@@ -239,6 +269,7 @@ class TrainStep:
         try:
             entry.replay = self._build(entry, trace)
             self.traces += 1
+            self._persistent_arrays = self._persistents()
         except _program.NotReplayable as e:
             entry.failed = str(e)
             self._warn('failed:' + str(e), 'TrainStep: this step cannot be replayed, it runs '
@@ -254,16 +285,33 @@ class TrainStep:
         out.append(opt._scaler.state)
         for e in opt._flat.entries:
             out.append(e.view)
-        for link in self.model.links():
-            for name in link._persistent:
-                out.append(link.__dict__[name])
-        for link in opt.target.links():
-            for name in link._persistent:
-                out.append(link.__dict__[name])
+        out.extend(a for _, _, a in self._persistents())
         return [a for a in out if isinstance(a, _trace.array_types())]
+
+    def _links(self):
+        """The model's links and the optimizer target's, each once."""
+        seen = {}
+        for link in list(self.model.links()) + list(self.optimizer.target.links()):
+            seen.setdefault(id(link), link)
+        return seen.values()
+
+    def _visible_variables(self):
+        """Variables the step leaves in link attributes, where a user reads them after a step
+        (``L.Classifier``'s ``loss``, ``accuracy``, ``y``): parameters excluded."""
+        return [v for link in self._links() for v in vars(link).values()
+                if isinstance(v, chainer.Variable) and not isinstance(v, chainer.Parameter)
+                and v.raw_array is not None]
+
+    def _persistents(self):
+        """(link's dict, name, array) of every persistent array: a replay updates these
+        arrays in place, so one replaced by the user invalidates the traces."""
+        return tuple((link.__dict__, name, link.__dict__[name]) for link in self._links()
+                     for name in link._persistent
+                     if isinstance(link.__dict__[name], _trace.array_types()))
 
     def _build(self, entry, trace):
         program = _program.Program(entry.first, trace, self._externals(trace))
+        program.follow(self._visible_variables())
         flat = self._flat = self.optimizer._flat      # built by the recorded steps at the latest
         # the gradients move into flat buffers laid out like the parameters: the update then
         # runs over whole runs of parameters (and one buffer is one allreduce)
@@ -303,6 +351,7 @@ class TrainStep:
             return captured.first_loss
         entry.replay = captured
         self.traces += 1
+        self._persistent_arrays = self._persistents()
         self.replays += 1
         return captured.first_loss
 
@@ -336,10 +385,8 @@ class _CpuReplay:
         if step.reduce_gradients is not None:
             step.reduce_gradients(self.buffers)
             grads = self.reduced_grads
+        _program.give_grads(grads)     # hooks may read and change them, as in an eager step
         if opt._has_hooks('pre') or opt._has_hooks('post'):
-            # hooks see and may change param.grad, as in an eager step: give them this step's
-            for param, g in grads:
-                param.grad = g
             opt.update()
         else:
             opt._step(self.plan)

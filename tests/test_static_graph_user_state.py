@@ -1,0 +1,248 @@
+"""TrainStep keeps what a Chainer user reads after a step as an eager step leaves it: each
+parameter's ``grad`` (also through a view of a parameter, after ``cleargrads()`` and after a step
+of another signature), ``L.Classifier``'s ``loss``/``accuracy``/``y``, reported Variables and
+the reporter they go to; a replaced persistent array re-traces; a graph the model carries from
+one step into the next keeps its inputs; a used step pickles and deep-copies.
+
+Found by an adversarial review on the CPU replay (each of these was a silent difference from
+eager steps). Every comparison is bit for bit against eager ``optimizer.update`` steps.
+"""
+import copy
+import pickle
+import warnings
+
+import numpy
+import pytest
+
+import chainer_tc  # noqa: F401  (before chainer)
+import chainer
+import chainer.functions as F
+import chainer.links as L
+from chainer import reporter as reporter_module
+
+from chainer_tc import optimizers
+from chainer_tc.static_graph import TrainStep
+
+
+class MLP(chainer.Chain):
+    def __init__(self, bn=False):
+        super().__init__()
+        r = numpy.random.RandomState(0)
+        with self.init_scope():
+            self.l1 = L.Linear(6, 8, initialW=r.randn(8, 6).astype(numpy.float32) * 0.3)
+            self.bn = L.BatchNormalization(8) if bn else None
+            self.l2 = L.Linear(8, 5, initialW=r.randn(5, 8).astype(numpy.float32) * 0.3)
+
+    def forward(self, x):
+        h = self.l1(x)
+        return self.l2(F.relu(self.bn(h) if self.bn is not None else h))
+
+
+class ThroughViews(chainer.Chain):
+    """A parameter used only through a view: the last backward op (the view's gradient) returns
+    a view of another op's fresh array."""
+
+    def __init__(self, how):
+        super().__init__()
+        r = numpy.random.RandomState(0)
+        self.how = how
+        with self.init_scope():
+            self.W = chainer.Parameter(r.randn(5, 6).astype(numpy.float32))
+            self.b = chainer.Parameter(r.randn(5).astype(numpy.float32))
+            self.scale = L.Scale(axis=1, W_shape=(5,), bias_term=True)
+
+    def forward(self, x):
+        if self.how == 'reshape':
+            return F.matmul(x, F.reshape(self.W, (6, 5)))
+        if self.how == 'expand_dims':
+            y = F.matmul(x, self.W, transb=True)
+            return y + F.broadcast_to(F.expand_dims(self.b, 0), y.shape)
+        return self.scale(F.matmul(x, self.W, transb=True))
+
+
+def data(n, size=4, seed=0):
+    r = numpy.random.RandomState(seed)
+    return [(r.randn(size, 6).astype(numpy.float32), r.randint(0, 5, size).astype(numpy.int32))
+            for _ in range(n)]
+
+
+def pair(make):
+    """Two identical (model, optimizer) pairs: one for eager steps, one for the TrainStep."""
+    out = []
+    for _ in range(2):
+        model = make()
+        out.append((model, optimizers.MomentumSGD(lr=0.1, weight_decay=1e-3).setup(model)))
+    return out
+
+
+def eager_update(opt, lossfun, *args):
+    held = []
+    opt.update(lambda: held.append(lossfun(*args)) or held[-1])
+    return held[-1]
+
+
+def grads(model):
+    return {n: None if p.grad is None else p.grad.copy() for n, p in model.namedparams()}
+
+
+def assert_same(a, b, what):
+    assert a.keys() == b.keys(), what
+    for k in a:
+        if a[k] is None or b[k] is None:
+            assert a[k] is None and b[k] is None, (what, k)
+        else:
+            numpy.testing.assert_array_equal(a[k].view(numpy.uint8), b[k].view(numpy.uint8),
+                                             err_msg='{} {}'.format(what, k))
+
+
+def params(model):
+    out = {n: p.array.copy() for n, p in model.namedparams()}
+    for name, link in model.namedlinks():
+        out.update({name + '/' + k: link.__dict__[k].copy() for k in link._persistent
+                    if isinstance(link.__dict__[k], numpy.ndarray)})
+    return out
+
+
+@pytest.mark.parametrize('how', ['reshape', 'expand_dims', 'scale_link'])
+def test_a_parameter_used_through_a_view_gets_this_steps_gradient(how):
+    (me, oe), (ms, os_) = pair(lambda: ThroughViews(how))
+    step = TrainStep(ms, os_, lambda x, t: F.softmax_cross_entropy(ms(x), t))
+    for i, (x, t) in enumerate(data(8)):
+        eager_update(oe, lambda x, t: F.softmax_cross_entropy(me(x), t), x, t)
+        step(x, t)
+        assert_same(grads(me), grads(ms), 'step {} grads'.format(i))
+        assert_same(params(me), params(ms), 'step {} params'.format(i))
+    assert step.replays == 5
+
+
+def test_param_grad_is_this_steps_after_cleargrads_and_after_another_signature():
+    (me, oe), (ms, os_) = pair(MLP)
+    step = TrainStep(ms, os_, lambda x, t: F.softmax_cross_entropy(ms(x), t))
+    batches = data(10) + data(1, size=3, seed=1) + data(4, seed=2)   # a partial batch at 10
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')              # the partial batch's re-trace notice
+        for i, (x, t) in enumerate(batches):
+            me.cleargrads()                          # the classic loop clears first
+            ms.cleargrads()
+            eager_update(oe, lambda x, t: F.softmax_cross_entropy(me(x), t), x, t)
+            step(x, t)
+            assert_same(grads(me), grads(ms), 'step {} grads'.format(i))
+    assert_same(params(me), params(ms), 'params')
+    assert step.replays >= 10
+
+
+def test_classifier_attributes_are_this_steps():
+    (me, oe), (ms, os_) = pair(lambda: L.Classifier(MLP()))
+    step = TrainStep(ms, os_)
+    for i, (x, t) in enumerate(data(7)):
+        eager_update(oe, me, x, t)
+        step(x, t)
+        for name in ('loss', 'accuracy', 'y'):
+            numpy.testing.assert_array_equal(getattr(me, name).array, getattr(ms, name).array,
+                                             err_msg='step {} model.{}'.format(i, name))
+    assert step.replays == 4
+
+
+def test_reported_variables_stay_variables_with_this_steps_values():
+    (me, oe), (ms, os_) = pair(lambda: L.Classifier(MLP()))
+    step = TrainStep(ms, os_)
+    for i, (x, t) in enumerate(data(6)):
+        seen = []
+        for model, run in ((me, lambda: eager_update(oe, me, x, t)), (ms, lambda: step(x, t))):
+            reporter = reporter_module.Reporter()
+            reporter.add_observer('main', model)
+            observation = {}
+            with reporter.scope(observation):
+                run()
+            seen.append(observation)
+        assert seen[0].keys() == seen[1].keys() == {'main/loss', 'main/accuracy'}
+        for key in seen[0]:
+            assert isinstance(seen[1][key], chainer.Variable), (i, key)
+            numpy.testing.assert_array_equal(seen[0][key].array, seen[1][key].array)
+
+
+def test_a_reporter_the_step_makes_current_gets_the_replayed_reports():
+    """A model with a reporter of its own (its statistics dict kept across steps): replayed
+    reports go there, not to the caller's reporter."""
+    class Reporting(MLP):
+        def __init__(self):
+            super().__init__()
+            self.stats, self.reporter = {}, reporter_module.Reporter()
+
+        def forward(self, x):
+            y = super().forward(x)
+            with self.reporter.scope(self.stats):
+                chainer.report({'mean': F.mean(y)})
+            return y
+
+    (me, oe), (ms, os_) = pair(Reporting)
+    step = TrainStep(ms, os_, lambda x, t: F.softmax_cross_entropy(ms(x), t))
+    outer = reporter_module.Reporter()
+    for i, (x, t) in enumerate(data(6)):
+        observation = {}
+        with outer.scope(observation):
+            eager_update(oe, lambda x, t: F.softmax_cross_entropy(me(x), t), x, t)
+            step(x, t)
+        assert observation == {}, 'nothing reaches the caller'
+        numpy.testing.assert_array_equal(me.stats['mean'].array, ms.stats['mean'].array,
+                                         err_msg='step {}'.format(i))
+    assert step.replays == 3
+
+
+def test_a_replaced_persistent_array_retraces_and_is_updated():
+    (me, oe), (ms, os_) = pair(lambda: MLP(bn=True))
+    step = TrainStep(ms, os_, lambda x, t: F.softmax_cross_entropy(ms(x), t))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        for i, (x, t) in enumerate(data(12)):
+            if i in (5, 8):                          # a user resets the running statistics
+                me.bn.avg_mean = numpy.zeros(8, numpy.float32)
+                ms.bn.avg_mean = numpy.zeros(8, numpy.float32)
+            eager_update(oe, lambda x, t: F.softmax_cross_entropy(me(x), t), x, t)
+            step(x, t)
+            assert_same(params(me), params(ms), 'step {}'.format(i))
+    notes = [str(w.message) for w in caught if 'persistent array' in str(w.message)]
+    assert len(notes) == 1 and 'traced again' in notes[0], 'said once'
+    assert step.traces == 3 and step.replays == 3, 'traced at 2, 7, 10; replays at 3, 4, 11'
+
+
+def test_a_graph_carried_into_the_next_step_keeps_its_inputs():
+    """A model that adds the previous step's hidden state, graph and all (a stateful RNN
+    without reset): the step refuses the replay, and every step, recorded ones included,
+    equals the eager step."""
+    class Carry(MLP):
+        prev = None
+
+        def forward(self, x):
+            h = self.l1(x)
+            if self.prev is not None:
+                h = h + 0.5 * self.prev
+            self.prev = h
+            return self.l2(F.relu(h))
+
+    (me, oe), (ms, os_) = pair(Carry)
+    step = TrainStep(ms, os_, lambda x, t: F.softmax_cross_entropy(ms(x), t))
+    with pytest.warns(RuntimeWarning, match='cannot be replayed, it runs eagerly'):
+        for i, (x, t) in enumerate(data(5)):
+            eager_update(oe, lambda x, t: F.softmax_cross_entropy(me(x), t), x, t)
+            step(x, t)
+            assert_same(params(me), params(ms), 'step {}'.format(i))
+    assert step.replays == 0
+
+
+@pytest.mark.parametrize('how', ['pickle', 'deepcopy'])
+def test_a_used_step_pickles_and_deep_copies_and_goes_on_like_eager_steps(how):
+    (me, oe), (ms, os_) = pair(lambda: L.Classifier(MLP(bn=True)))
+    step = TrainStep(ms, os_)
+    batches = data(12)
+    for x, t in batches[:6]:
+        eager_update(oe, me, x, t)
+        step(x, t)
+    assert step.replays == 3
+    clone = pickle.loads(pickle.dumps(step)) if how == 'pickle' else copy.deepcopy(step)
+    assert clone.model is clone.optimizer.target and clone.model is not ms
+    for x, t in batches[6:]:
+        eager_update(oe, me, x, t)
+        clone(x, t)
+    assert_same(params(me), params(clone.model), 'after the copy')
+    assert clone.replays == 3 + 3, 'traced again: two recorded steps, then replays'
