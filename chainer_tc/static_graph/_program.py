@@ -414,11 +414,8 @@ class Program:
                 chainer.reporter.report(out, observer)
                 continue
             reporter, observation = where
-            current, reporter.observation = reporter.observation, observation
-            try:
+            with reporter.scope(observation):
                 reporter.report(out, observer)
-            finally:
-                reporter.observation = current
 
 
 def give_grads(pairs):
