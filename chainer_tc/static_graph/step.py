@@ -235,8 +235,9 @@ class TrainStep:
         _apply_update(opt, flat, buffers, views)
 
     def _record(self, entry, inputs):
-        """An eager step on the signature's input buffers, recorded; the second one of a
-        signature builds its replay."""
+        """An eager step, recorded: the first of a signature on a copy of the batch of its
+        own, the second on the signature's input buffers (which the replay reads); the second
+        builds the replay."""
         opt = self.optimizer
         if entry.first is None:
             # the first recorded step reads buffers of its own: a graph the model carries from
