@@ -246,3 +246,22 @@ def test_a_used_step_pickles_and_deep_copies_and_goes_on_like_eager_steps(how):
         clone(x, t)
     assert_same(params(me), params(clone.model), 'after the copy')
     assert clone.replays == 3 + 3, 'traced again: two recorded steps, then replays'
+
+
+def test_a_parameter_replaced_during_warm_up_starts_it_again_without_a_warning():
+    """Only traces are dropped with a warning: before the first trace, a replaced parameter
+    (the optimizer rebuilds its buffers) just restarts the warm-up."""
+    (me, oe), (ms, os_) = pair(MLP)
+    step = TrainStep(ms, os_, lambda x, t: F.softmax_cross_entropy(ms(x), t), warmup=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        for i, (x, t) in enumerate(data(8)):
+            if i == 1:
+                for model in (me, ms):
+                    model.l1.W.array = model.l1.W.array.copy()
+            eager_update(oe, lambda x, t: F.softmax_cross_entropy(me(x), t), x, t)
+            step(x, t)
+            assert_same(params(me), params(ms), 'step {}'.format(i))
+    assert step.traces == 1 and step.replays == 3, 'warm-up 1, 2 (again), recorded 3, 4'
+    assert any('rebuilds its buffers' in str(w.message) for w in caught), "the optimizer's"
+    assert not [w for w in caught if 'traced again' in str(w.message)], 'none of the step\'s'

@@ -130,7 +130,7 @@ class TrainStep:
         if flat is not None and flat.stale() is not None:
             flat = None                   # a parameter was replaced: the next update rebuilds
         if flat is not self._flat:
-            if self._entries and self._flat is not None:
+            if any(e.first is not None or e.replay is not None for e in self._entries.values()):
                 self._warn('model', 'the optimizer rebuilt its parameter buffers (a parameter '
                                     'was replaced, moved or retyped): every trace is dropped '
                                     'and the step is traced again')
