@@ -34,6 +34,7 @@ class _Entry:
         self.first = None          # the first recorded trace
         self.replay = None         # a Program (CPU) or a captured graph (GPU)
         self.failed = None         # why this signature runs eagerly
+        self.visible = ()          # (link dict, name, Variable) the replay leaves there
 
     def load(self, inputs):
         for buf, a in zip(self.buffers, inputs):
@@ -297,11 +298,13 @@ class TrainStep:
         return seen.values()
 
     def _visible_variables(self):
-        """Variables the step leaves in link attributes, where a user reads them after a step
-        (``L.Classifier``'s ``loss``, ``accuracy``, ``y``): parameters excluded."""
-        return [v for link in self._links() for v in vars(link).values()
-                if isinstance(v, chainer.Variable) and not isinstance(v, chainer.Parameter)
-                and v.raw_array is not None]
+        """(link dict, name, Variable) for each Variable the step leaves in a link attribute,
+        where a user reads it after a step (``L.Classifier``'s ``loss``, ``accuracy``, ``y``):
+        parameters excluded."""
+        return tuple((d, name, v) for d in (vars(link) for link in self._links())
+                     for name, v in d.items()
+                     if isinstance(v, chainer.Variable) and not isinstance(v, chainer.Parameter)
+                     and v.raw_array is not None)
 
     def _persistents(self):
         """(link's dict, name, array) of every persistent array: a replay updates these
@@ -312,7 +315,8 @@ class TrainStep:
 
     def _build(self, entry, trace):
         program = _program.Program(entry.first, trace, self._externals(trace))
-        program.follow(self._visible_variables())
+        entry.visible = self._visible_variables()
+        program.follow(v for _, _, v in entry.visible)
         flat = self._flat = self.optimizer._flat      # built by the recorded steps at the latest
         # the gradients move into flat buffers laid out like the parameters: the update then
         # runs over whole runs of parameters (and one buffer is one allreduce)
@@ -351,6 +355,7 @@ class TrainStep:
             self.eager_steps += 1
             return captured.first_loss
         entry.replay = captured
+        entry.visible = self._visible_variables()     # their arrays are the graph's
         self.traces += 1
         self._persistent_arrays = self._persistents()
         self.replays += 1
@@ -359,7 +364,12 @@ class TrainStep:
     def _replay(self, entry, inputs):
         self.replays += 1
         entry.load(inputs)
-        return entry.replay.run(self)
+        loss = entry.replay.run(self)
+        # a step of another signature, or the user, may have put other Variables there
+        for d, name, v in entry.visible:
+            if d.get(name) is not v:
+                d[name] = v
+        return loss
 
     def _warn(self, key, message):
         if key not in self._warned:
