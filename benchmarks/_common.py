@@ -159,7 +159,33 @@ class TinyStep:
         self.times.append(time.perf_counter() - s)
 
     def ms_per_iter(self):
+        """Median host ms per timed iteration; for a TrainStep, with its periodic check
+        (``check_every``: one recorded eager step in that many) averaged in."""
+        ms = 1e3 * float(numpy.median(self.times))
+        every = 0 if self.step is None else self.step.check_every
+        if not every:
+            return ms
+        return ms + (self.ms_per_check() - ms) / every
+
+    def ms_per_replay(self):
+        """Median host ms of the timed iterations: for a TrainStep, replays only."""
         return 1e3 * float(numpy.median(self.times))
+
+    def ms_per_check(self, n=3):
+        """Host ms of one of TrainStep's checks (median of ``n``, measured once): a recorded
+        eager step compared with the trace, which every ``check_every``-th call runs."""
+        if getattr(self, '_check_ms', None) is None:
+            step, every, times = self.step, self.step.check_every, []
+            step.check_every = 1                      # every call checks
+            try:
+                for _ in range(n):
+                    s = time.perf_counter()
+                    self.run()
+                    times.append(time.perf_counter() - s)
+            finally:
+                step.check_every = every
+            self._check_ms = 1e3 * float(numpy.median(times))
+        return self._check_ms
 
     def census(self):
         """FunctionNodes applied by one more iteration, by class (a replay applies none)."""

@@ -111,29 +111,67 @@ class _Slot:
         self.bases = bases        # the slots whose memory this one may share
 
 
+def _op_count(first, last):
+    if len(first.ops) != len(last.ops):
+        raise NotReplayable('the recorded steps applied {} and {} functions: the step does not '
+                            'apply the same functions every time'
+                            .format(len(first.ops), len(last.ops)))
+
+
+def _check_op(i, a, b, known):
+    """Op ``i`` of the later recorded step (``b``) against the earlier one's (``a``): the same
+    function, and the same value of each input and attribute a replay would freeze."""
+    where = 'function #{} ({})'.format(i, b.label)
+    if type(a.node) is not type(b.node):
+        raise NotReplayable('{}: the earlier recorded step applied {} there'
+                            .format(where, a.label))
+    if b.outputs is None:
+        raise NotReplayable('{}: its forward did not return'.format(where))
+    Program._check_inputs(a, b, known, where)
+    Program._check_attributes(a, b, known, where)
+
+
+def _known(externals):
+    known = _Known()
+    for a in externals:
+        known.add(a)
+    return known
+
+
+def check_same_step(first, last, externals):
+    """Raise :class:`NotReplayable` where the recorded step ``last`` differs from ``first`` in
+    what a replay freezes (which functions, in which order, their constant inputs and
+    attributes, the reported values): the checks :class:`Program` makes, without building one.
+    ``externals`` as for :class:`Program`, those of ``last``."""
+    _op_count(first, last)
+    known = _known(externals)
+    array_types = _trace.array_types()
+    for i, (a, b) in enumerate(zip(first.ops, last.ops)):
+        _check_op(i, a, b, known)
+        for y in b.outputs:
+            known.add(y)
+        for key, v in b.post.items():
+            if b.pre.get(key) is v:
+                continue
+            known.add(v)
+            if not isinstance(v, array_types):
+                for x in vars(v).values():
+                    if isinstance(x, array_types):
+                        known.add(x)
+    Program._reports(first, last, known)
+
+
 class Program:
     """A replayable step, from two recorded steps ``first`` and ``last`` (the one replayed)."""
 
     def __init__(self, first, last, externals):
         self.trace = last
-        if len(first.ops) != len(last.ops):
-            raise NotReplayable('the two recorded steps applied {} and {} functions: the step '
-                                'does not apply the same functions every time'
-                                .format(len(first.ops), len(last.ops)))
-        known = _Known()
-        for a in externals:
-            known.add(a)
+        _op_count(first, last)
+        known = _known(externals)
         slots = {}
         ops = []
         for i, (a, b) in enumerate(zip(first.ops, last.ops)):
-            where = 'function #{} ({})'.format(i, b.label)
-            if type(a.node) is not type(b.node):
-                raise NotReplayable('{}: the first recorded step applied {} there'
-                                    .format(where, a.label))
-            if b.outputs is None:
-                raise NotReplayable('{}: its forward did not return'.format(where))
-            self._check_inputs(a, b, known, where)
-            self._check_attributes(a, b, known, where)
+            _check_op(i, a, b, known)
             inputs = list(b.inputs)
             outs = []
             for y in b.outputs:
@@ -303,7 +341,8 @@ class Program:
                 u = u.array if isinstance(u, chainer.Variable) else u
                 if u is _MISSING or not _same_value(u, arr):
                     raise NotReplayable('the reported value {!r} is not computed by a recorded '
-                                        'function and differs between steps'.format(key))
+                                        'function and differs between steps ({} then {})'
+                                        .format(key, _short(u), _short(arr)))
                 values[key] = arr
             variables = frozenset(k for k, v in vb.items() if isinstance(v, chainer.Variable))
             out.append((values, ob, (variables, where)))
@@ -433,6 +472,8 @@ _MISSING = object()
 
 
 def _short(v):
+    if v is _MISSING:
+        return 'absent'
     if isinstance(v, _trace.array_types()):
         return '<array {} {}>'.format(v.shape, v.dtype)
     r = repr(v)

@@ -35,6 +35,7 @@ class _Entry:
         self.replay = None         # a Program (CPU) or a captured graph (GPU)
         self.failed = None         # why this signature runs eagerly
         self.visible = ()          # (link dict, name, Variable) the replay leaves there
+        self.since_check = 0       # calls served since the replay was built or last checked
 
     def load(self, inputs):
         for buf, a in zip(self.buffers, inputs):
@@ -59,15 +60,23 @@ class TrainStep:
             update on the gradients laid out in flat buffers (one per parameter dtype, laid out
             like the optimizer's parameters), in place: e.g. their mean over the ranks of a
             multi-node run (:mod:`chainer_tc.multinode`). Under replay and capture too.
+        check_every (int or None): every ``check_every``-th step of a replayed signature runs
+            eagerly instead, recorded, and is compared with the trace: a value or a branch that
+            changed since the trace (a link attribute set by a schedule, a reported Python
+            value, a branch first taken) is seen there; the step then warns, naming the
+            function and the value, and traces again. Replays between two checks use the
+            traced values. ``None`` or 0: never check (a value first changing after the trace
+            then stays frozen, silently).
 
     Attributes:
         traces (int): replays built so far (a new input signature builds one).
         replays (int): steps run by replay.
-        eager_steps (int): steps run eagerly (warm-up and recording included).
+        eager_steps (int): steps run eagerly (warm-up, recording and checks included).
+        checks (int): steps run as checks of a replay (``check_every``).
     """
 
     def __init__(self, model, optimizer, lossfun=None, warmup=1, max_signatures=4,
-                 capture=True, reduce_gradients=None):
+                 capture=True, reduce_gradients=None, check_every=100):
         if not isinstance(optimizer, momentum_sgd.MomentumSGD):
             raise TypeError('TrainStep replays chainer_tc.optimizers.MomentumSGD (whose '
                             'hyperparameters and loss scale live in device memory); got {}. '
@@ -86,6 +95,9 @@ class TrainStep:
         if int(warmup) < 0 or int(max_signatures) < 1:
             raise ValueError('warmup must be >= 0 and max_signatures >= 1; got {} and {}'
                              .format(warmup, max_signatures))
+        if check_every is not None and int(check_every) < 0:
+            raise ValueError('check_every must be None (never check) or an int >= 0; got {!r}'
+                             .format(check_every))
         self.model = model
         self.optimizer = optimizer
         self.lossfun = lossfun if lossfun is not None else model
@@ -93,10 +105,12 @@ class TrainStep:
         self.max_signatures = int(max_signatures)
         self.capture = bool(capture)
         self.reduce_gradients = reduce_gradients
+        self.check_every = int(check_every or 0)
         self._eager_grads = None      # (flat, buffers, views) for eager steps with a reduction
         self.traces = 0
         self.replays = 0
         self.eager_steps = 0
+        self.checks = 0
         self._entries = collections.OrderedDict()
         self._flat = None
         self._persistent_arrays = None   # _persistents() when the traces in use were built
@@ -160,8 +174,11 @@ class TrainStep:
         entry.calls += 1
         with self._chainer_cudnn_routed(inputs):
             if entry.replay is not None:
-                return self._replay(entry, inputs)
-            if entry.failed is not None or entry.calls <= self.warmup:
+                entry.since_check += 1
+                if not self.check_every or entry.since_check < self.check_every:
+                    return self._replay(entry, inputs)
+                loss = self._check(entry, inputs)
+            elif entry.failed is not None or entry.calls <= self.warmup:
                 loss = self._eager(inputs)
             else:
                 loss = self._record(entry, inputs)
@@ -239,18 +256,35 @@ class TrainStep:
         """An eager step, recorded: the first of a signature on a copy of the batch of its
         own, the second on the signature's input buffers (which the replay reads); the second
         builds the replay."""
-        opt = self.optimizer
         if entry.first is None:
-            # the first recorded step reads buffers of its own: a graph the model carries from
-            # it into the next step (which refuses the replay) keeps this step's inputs
+            entry.first, result = self._recorded(inputs)
+            self._update(entry.first.grads)
+            return result
+        entry.load(inputs)
+        if self.capture and _is_cupy(entry.buffers):
+            return self._capture(entry, inputs)
+        trace, result = self._recorded(inputs, entry.buffers)
+        try:
+            entry.replay = self._build(entry, trace)
+            self.traces += 1
+            self._persistent_arrays = self._persistents()
+        except _program.NotReplayable as e:
+            entry.failed = str(e)
+            self._warn('failed:' + str(e), 'TrainStep: this step cannot be replayed, it runs '
+                                            'eagerly: {}'.format(e))
+        entry.first = None
+        self._update(trace.grads)
+        return result
+
+    def _recorded(self, inputs, buffers=None):
+        """A recorded eager step without its update: (trace, loss). It reads ``buffers``, or
+        when None copies of the batch of its own: a graph the model carries from it into the
+        next step (which refuses the replay) then keeps this step's inputs."""
+        opt = self.optimizer
+        if buffers is None:
             buffers = tuple(_empty_like(a) for a in inputs)
             for buf, a in zip(buffers, inputs):
                 _copy_into(buf, a)
-        else:
-            entry.load(inputs)
-            buffers = entry.buffers
-            if self.capture and _is_cupy(buffers):
-                return self._capture(entry, inputs)
         self.eager_steps += 1
         with _trace.Recorder() as rec:
             loss = self._call_lossfun(buffers)
@@ -262,21 +296,27 @@ class TrainStep:
             trace.grads = flat.grads()
         trace.loss = loss.array
         trace.inputs = buffers
-        result = _detached(loss)
-        del loss
-        if entry.first is None:
-            entry.first = trace
-            self._update(trace.grads)
-            return result
+        return trace, _detached(loss)
+
+    def _check(self, entry, inputs):
+        """A recorded eager step in place of a replay, compared with the replayed trace as the
+        two recorded steps were: what changed since (a link attribute, a reported Python value,
+        a branch) shows here. On a difference the replay is dropped, with a warning, and this
+        step is the first recorded step of a new trace."""
+        replayed = entry.since_check - 1
+        entry.since_check = 0
+        self.checks += 1
+        trace, result = self._recorded(inputs)
         try:
-            entry.replay = self._build(entry, trace)
-            self.traces += 1
-            self._persistent_arrays = self._persistents()
+            _program.check_same_step(entry.replay.program.trace, trace, self._externals(trace))
         except _program.NotReplayable as e:
-            entry.failed = str(e)
-            self._warn('failed:' + str(e), 'TrainStep: this step cannot be replayed, it runs '
-                                            'eagerly: {}'.format(e))
-        entry.first = None
+            self._warn('changed', 'TrainStep: the step changed after it was traced ({}); the '
+                                  '{} replays since the trace was last checked used the traced '
+                                  'value. It is traced again (check_every={} bounds how long a '
+                                  'change goes unseen)'.format(e, replayed, self.check_every))
+            entry.replay = None
+            entry.visible = ()
+            entry.first = trace
         self._update(trace.grads)
         return result
 

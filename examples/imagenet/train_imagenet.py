@@ -780,8 +780,9 @@ def main(argv=None):
             it.finalize()
     step = getattr(trainer.updater, 'step', None)
     if step is not None and is_reporter(args):
-        print('Static graph: {} of {} steps replayed ({} eager: warm-up and tracing)'.format(
-            step.replays, step.replays + step.eager_steps, step.eager_steps))
+        print('Static graph: {} of {} steps replayed ({} eager: warm-up and tracing, and {} '
+              'checks of the trace)'.format(step.replays, step.replays + step.eager_steps,
+                                            step.eager_steps - step.checks, step.checks))
     return 0
 
 

@@ -1,0 +1,215 @@
+"""TrainStep's periodic check (``check_every``): every n-th step of a replayed signature runs
+eagerly, recorded, and is compared with the trace, so that what first changes after the trace
+is seen, said once, and traced again.
+
+Each case changes something the two recorded steps could not see: a link attribute set by a
+schedule, a branch first taken at some iteration, a Python value reported from the loss
+function, a batch whose ignored labels change the loss's normaliser. Where the change lands on
+a check, every step equals an eager step bit for bit; where it lands between two checks, the
+replays in between used the traced value, as the warning says, and the steps after the check
+are right again.
+"""
+import warnings
+
+import numpy
+import pytest
+
+import chainer_tc  # noqa: F401  (before chainer)
+import chainer
+import chainer.functions as F
+import chainer.links as L
+
+from chainer_tc import links as TL
+from chainer_tc import optimizers
+from chainer_tc.static_graph import TrainStep
+
+# With warmup=1 the calls are: 1 eager, 2 and 3 recorded (3 builds the replay), then replays;
+# with check_every=4 the calls 7, 11, 15, ... are checks.
+CHECK_EVERY = 4
+FIRST_CHECK = 3 + CHECK_EVERY
+
+
+class Net(chainer.Chain):
+    def __init__(self, bn=L.BatchNormalization):
+        super().__init__()
+        r = numpy.random.RandomState(0)
+        with self.init_scope():
+            self.l1 = L.Linear(6, 8, initialW=r.randn(8, 6).astype(numpy.float32) * 0.3)
+            self.bn = bn(8)
+            self.l2 = L.Linear(8, 5, initialW=r.randn(5, 8).astype(numpy.float32) * 0.3)
+        self.iteration = 0
+        self.double_after = None      # from this iteration on, the hidden layer is doubled
+        self.weight = 1.0             # a Python value reported from the loss
+
+    def forward(self, x, t):
+        self.iteration += 1
+        h = F.relu(self.bn(self.l1(x)))
+        if self.double_after is not None and self.iteration >= self.double_after:
+            h = h * 2
+        loss = F.softmax_cross_entropy(self.l2(h), t)
+        chainer.report({'loss': loss, 'weight': self.weight}, self)
+        return loss
+
+
+def data(n, seed=0):
+    r = numpy.random.RandomState(seed)
+    return [(r.randn(4, 6).astype(numpy.float32), r.randint(0, 5, 4).astype(numpy.int32))
+            for _ in range(n)]
+
+
+def twins():
+    out = []
+    for _ in range(2):
+        model = Net()
+        out.append((model, optimizers.MomentumSGD(lr=0.1, weight_decay=1e-3).setup(model)))
+    return out
+
+
+def snapshot(model):
+    out = {n: p.array.copy() for n, p in model.namedparams()}
+    out.update(mean=model.bn.avg_mean.copy(), var=model.bn.avg_var.copy())
+    return out
+
+
+def assert_same(a, b, what):
+    for k in a:
+        numpy.testing.assert_array_equal(a[k], b[k], err_msg='{} {}'.format(what, k))
+
+
+def run(batches, change, at, check_every=CHECK_EVERY):
+    """Eager steps and TrainStep steps side by side, ``change(model)`` applied to both before
+    call ``at`` (1-based). Returns (step, [(eager state, step state, eager report, step
+    report)] per call, the warnings)."""
+    (me, oe), (ms, os_) = twins()
+    step = TrainStep(ms, os_, check_every=check_every)
+    out = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        for call, (x, t) in enumerate(batches, 1):
+            if call == at:
+                change(me)
+                change(ms)
+            seen = []
+            for model, go in ((me, lambda: oe.update(me, x, t)), (ms, lambda: step(x, t))):
+                reporter = chainer.Reporter()
+                reporter.add_observer('main', model)
+                obs = {}
+                with reporter.scope(obs):
+                    go()
+                seen.append((snapshot(model), {k: float(getattr(v, 'array', v))
+                                               for k, v in obs.items()}))
+            out.append((seen[0][0], seen[1][0], seen[0][1], seen[1][1]))
+    return step, out, [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+
+
+def changed_warnings(messages):
+    return [m for m in messages if 'changed after it was traced' in m]
+
+
+@pytest.mark.parametrize('what', ['eps', 'branch', 'report'])
+def test_a_change_on_a_check_is_seen_and_every_step_equals_eager(what):
+    def change(model):
+        if what == 'eps':
+            model.bn.eps = 1e-2
+        elif what == 'branch':
+            model.double_after = model.iteration + 1
+        else:
+            model.weight = 0.5
+    at = FIRST_CHECK + CHECK_EVERY                       # the second check
+    step, out, messages = run(data(20), change, at)
+    for call, (se, ss, re, rs) in enumerate(out, 1):
+        assert_same(se, ss, 'call {}'.format(call))
+        assert re == rs, 'call {}'.format(call)
+    warned = changed_warnings(messages)
+    assert len(warned) == 1, messages
+    assert {'eps': "'eps'", 'branch': 'functions', 'report': "'weight'"}[what] in warned[0]
+    assert '3 replays' in warned[0]
+    assert step.traces == 2
+    # call 1 eager, 2-3 recorded, 7 and 11 checks; 11 is the first recorded step of the new
+    # trace and 12 the second; 16 and 20 check it
+    assert step.checks == 4
+    assert step.replays == 20 - 1 - 2 - 1 - step.checks
+
+
+def test_a_change_between_checks_is_frozen_until_the_next_check():
+    at = FIRST_CHECK + 2                                  # two calls after the first check
+    step, out, messages = run(data(16), lambda model: setattr(model, 'weight', 0.5), at)
+    next_check = FIRST_CHECK + CHECK_EVERY
+    for call, (_, _, re, rs) in enumerate(out, 1):
+        expected = 0.5 if call >= at else 1.0
+        assert re['main/weight'] == expected
+        # the replays between the change and the next check report the traced value
+        stale = at <= call < next_check
+        assert rs['main/weight'] == (1.0 if stale else expected), 'call {}'.format(call)
+    warned = changed_warnings(messages)
+    assert len(warned) == 1 and "'weight'" in warned[0] and '(1.0 then 0.5)' in warned[0]
+
+
+def test_ignored_labels_arriving_after_the_trace_stop_the_replay():
+    """softmax_cross_entropy divides by the count of labels not ignored: a count that changes
+    from batch to batch cannot be replayed; the check sees it and the step goes eager."""
+    batches = data(24)
+    for i in range(FIRST_CHECK, 24, 2):
+        batches[i - 1][1][:i % 3 + 1] = -1                # some labels ignored, a varying count
+    (me, oe), (ms, os_) = twins()
+    step = TrainStep(ms, os_, check_every=CHECK_EVERY)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        for call, (x, t) in enumerate(batches, 1):
+            oe.update(me, x, t)
+            step(x, t)
+            if call >= FIRST_CHECK + 3:                  # detected, re-recorded, refused
+                assert_same(snapshot(me), snapshot(ms), 'call {}'.format(call))
+    messages = [str(w.message) for w in caught]
+    assert len(changed_warnings(messages)) == 1
+    assert any('cannot be replayed' in m for m in messages), messages
+    assert step.replays == CHECK_EVERY - 1
+
+
+def test_without_checks_a_late_change_stays_frozen():
+    step, out, messages = run(data(12), lambda model: setattr(model, 'weight', 0.5), 6,
+                              check_every=None)
+    assert step.checks == 0 and not changed_warnings(messages)
+    assert [rs['main/weight'] for _, _, _, rs in out[5:]] == [1.0] * 7     # documented
+
+
+def test_check_every_is_validated():
+    model = Net()
+    opt = optimizers.MomentumSGD().setup(model)
+    with pytest.raises(ValueError, match='check_every'):
+        TrainStep(model, opt, check_every=-1)
+    assert TrainStep(model, opt, check_every=0).check_every == 0
+    assert TrainStep(model, opt).check_every == 100
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('what', ['eps', 'branch'])
+def test_a_change_on_a_check_is_seen_and_captured_again_on_the_gpu(what):
+    """The check step runs eagerly between graph launches; on a change the step is captured
+    again (chainer_tc's BatchNormalization: its cuDNN calls capture)."""
+    import cupy
+    batches = [(cupy.asarray(x), cupy.asarray(t)) for x, t in data(16)]
+    runs = []
+    for use_step in (False, True):
+        model = Net(TL.BatchNormalization)
+        model.to_device('@cupy:0')
+        opt = optimizers.MomentumSGD(lr=0.1, weight_decay=1e-3).setup(model)
+        step = TrainStep(model, opt, check_every=CHECK_EVERY) if use_step else None
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter('always')
+            for call, (x, t) in enumerate(batches, 1):
+                if call == FIRST_CHECK:
+                    if what == 'eps':
+                        model.bn.eps = 1e-2
+                    else:
+                        model.double_after = model.iteration + 1
+                if step is None:
+                    opt.update(model, x, t)
+                else:
+                    step(x, t)
+        runs.append(snapshot(model))
+    assert len(changed_warnings([str(w.message) for w in caught])) == 1
+    assert step.traces == 2 and step.replays >= 8
+    # cuBLAS may pick other algorithms on the capture's handle (test_static_graph.py)
+    for k in runs[0]:
+        cupy.testing.assert_allclose(runs[0][k], runs[1][k], rtol=1e-5, atol=1e-6, err_msg=k)
