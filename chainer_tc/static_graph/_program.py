@@ -122,7 +122,7 @@ def _check_op(i, a, b, known):
     """Op ``i`` of the later recorded step (``b``) against the earlier one's (``a``): the same
     function, and the same value of each input and attribute a replay would freeze."""
     where = 'function #{} ({})'.format(i, b.label)
-    if type(a.node) is not type(b.node):
+    if type(a.node) is not type(b.node) or type(a.state) is not type(b.state):
         raise NotReplayable('{}: the earlier recorded step applied {} there'
                             .format(where, a.label))
     if b.outputs is None:
@@ -149,7 +149,8 @@ def check_same_step(first, last, externals):
     for i, (a, b) in enumerate(zip(first.ops, last.ops)):
         _check_op(i, a, b, known)
         for y in b.outputs:
-            known.add(y)
+            if y is not None:
+                known.add(y)
         for key, v in b.post.items():
             if b.pre.get(key) is v:
                 continue
@@ -173,9 +174,13 @@ class Program:
         for i, (a, b) in enumerate(zip(first.ops, last.ops)):
             _check_op(i, a, b, known)
             inputs = list(b.inputs)
+            restore = tuple((k, saved) for k, saved in b.overwritten if b.inputs[k] not in known)
             outs = []
             for y in b.outputs:
                 slot = None
+                if y is None:                  # no gradient for that input (old-style backward)
+                    outs.append(None)
+                    continue
                 if id(y) not in slots and y not in known:     # else: returned an input as is
                     slot = slots[id(y)] = _Slot(y, _shares(y, b.inputs),
                                                 bases=self._bases(y, b.inputs, slots))
@@ -201,7 +206,10 @@ class Program:
                 slots[id(v)] = slot
                 pins.append((key, slot, False))
                 known.add(v)
-            ops.append([b.state.__dict__, b.pre, b.node.forward, inputs, outs, pins, b.config])
+            forward = b.node.forward
+            if restore:        # a constant input the op writes into: its value back first
+                forward = _restoring(forward, restore)
+            ops.append([b.state.__dict__, b.pre, forward, inputs, outs, pins, b.config])
         self._ops = ops
         self._slots = slots
         self._known = known
@@ -300,6 +308,10 @@ class Program:
             raise NotReplayable('{}: {} inputs, then {}'.format(where, len(a.inputs),
                                                                len(b.inputs)))
         for k, (x, y) in enumerate(zip(a.inputs, b.inputs)):
+            if x is None or y is None:         # an old-style backward's missing array
+                if x is not y:
+                    raise NotReplayable('{}: input {} is None in one step only'.format(where, k))
+                continue
             if x.shape != y.shape or x.dtype != y.dtype:
                 raise NotReplayable('{}: input {} changed from {} {} to {} {}'.format(
                     where, k, x.shape, x.dtype, y.shape, y.dtype))
@@ -455,6 +467,14 @@ class Program:
             reporter, observation = where
             with reporter.scope(observation):
                 reporter.report(out, observer)
+
+
+def _restoring(forward, restore):
+    def run(inputs):
+        for k, saved in restore:
+            inputs[k][...] = saved
+        return forward(inputs)
+    return run
 
 
 def give_grads(pairs):

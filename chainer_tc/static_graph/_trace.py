@@ -13,13 +13,26 @@ the recorder keeps:
   ``BatchNormalizationGrad(mean, inv_std)``) sees this step's values;
 - Chainer's thread-local configuration at that moment (``train``, ``enable_backprop``, ...).
 
+Two array computations Chainer makes outside ``FunctionNode.forward`` are recorded as ops too, so
+that a replay redoes them instead of reading a stale array:
+
+- the ``backward`` of an old-style ``chainer.Function`` (``F.hinge``, ``L.BatchRenormalization``,
+  a user's own Function): it computes the input gradients on arrays, in Python;
+- the cast of an array operand to the other operand's dtype in Chainer's arithmetic operators
+  (``gy * mask`` with a boolean mask: ``F.zoneout``'s backward, a user's integer mask).
+
 Reports (``chainer.report`` and reporters' ``report``) made during the step are recorded too.
 Nothing here changes what the step computes: a recorded step is an eager step.
 """
+import threading
+
 import chainer
 from chainer import configuration
 from chainer import function as chainer_function
 from chainer import reporter as reporter_module
+from chainer.functions.math import basic_math
+
+from chainer_tc.cuda import runtime
 
 _ARRAY_TYPES = None
 
@@ -34,22 +47,56 @@ def array_types():
 class Op:
     """One recorded outermost ``FunctionNode.forward``."""
 
-    __slots__ = ('node', 'state', 'pre', 'inputs', 'outputs', 'post', 'config')
+    __slots__ = ('node', 'state', 'pre', 'inputs', 'outputs', 'post', 'config', 'overwritten')
 
     def __init__(self, node, inputs, config):
         self.node = node
         # the object whose attributes forward() uses: an old-style Function keeps them itself
-        self.state = node._function if isinstance(node, chainer_function.FunctionAdapter) \
-            else node
+        self.state = node._function if isinstance(
+            node, (chainer_function.FunctionAdapter, OldStyleBackward)) else node
         self.pre = dict(self.state.__dict__)
         self.inputs = tuple(inputs)
         self.outputs = None
         self.post = None
         self.config = config
+        self.overwritten = ()     # (input index, its value before the op wrote into it)
 
     @property
     def label(self):
         return self.node.label
+
+
+class OldStyleBackward:
+    """The ``backward`` of an old-style ``chainer.Function`` as an op: ``forward(inputs)`` is
+    ``function.backward(inputs[:n], inputs[n:])``, the input arrays (None where not retained)
+    then the output gradients (None where there is none)."""
+
+    def __init__(self, function, n_inputs):
+        self._function = function
+        self.n_inputs = n_inputs
+
+    @property
+    def label(self):
+        return '{} (backward)'.format(self._function.label)
+
+    def forward(self, inputs):
+        n = self.n_inputs
+        return tuple(self._function.backward(tuple(inputs[:n]), tuple(inputs[n:])))
+
+
+class Cast:
+    """``array.astype(dtype)`` as an op: the cast of an array operand in Chainer's arithmetic
+    operators (``basic_math._preprocess_rhs``)."""
+
+    def __init__(self, dtype):
+        self.dtype = dtype
+
+    @property
+    def label(self):
+        return 'astype({})'.format(self.dtype)
+
+    def forward(self, inputs):
+        return inputs[0].astype(self.dtype),
 
 
 class Trace:
@@ -80,8 +127,11 @@ class Recorder(chainer.FunctionHook):
         trace = self.trace
         reporters = reporter_module._get_reporters()
         outer = (reporters[-1], reporters[-1].observation) if reporters else (None, None)
+        thread = threading.get_ident()      # the patches below serve other threads unrecorded
 
         def report(reporter, values, observer=None):
+            if threading.get_ident() != thread:
+                return original(reporter, values, observer)
             # to the reporter and observation current when the step began (a Trainer's, each
             # iteration's): None, the ones current then; else those the step itself set
             here = (reporter, reporter.observation)
@@ -91,10 +141,23 @@ class Recorder(chainer.FunctionHook):
 
         self._report = original
         reporter_module.Reporter.report = report
+        self._preprocess_rhs = preprocess_rhs = basic_math._preprocess_rhs
+        recorder = self
+
+        def recorded_rhs(x, value):
+            out = preprocess_rhs(x, value)
+            if out is not value and not recorder._depth and isinstance(
+                    value, array_types()) and threading.get_ident() == thread:
+                op = Op(Cast(out.dtype), (value,), recorder._config())
+                op.outputs, op.post = (out,), {}
+                recorder.trace.ops.append(op)
+            return out
+        basic_math._preprocess_rhs = recorded_rhs
         return self
 
     def __exit__(self, *exc):
         reporter_module.Reporter.report = self._report
+        basic_math._preprocess_rhs = self._preprocess_rhs
         return super().__exit__(*exc)
 
     def _config(self):
@@ -120,11 +183,64 @@ class Recorder(chainer.FunctionHook):
                 recorder._depth -= 1
                 function.__dict__.pop('forward', None)
             op.outputs = tuple(outputs)
-            op.post = {k: v for k, v in op.state.__dict__.items()
-                       if isinstance(v, array_types()) or _holds_arrays(v)}
+            op.post = _kept_arrays(op.state)
             return outputs
 
         function.__dict__['forward'] = recording_forward
+
+    def backward_preprocess(self, function, in_data, out_grad):
+        if self._depth or not isinstance(function, chainer_function.FunctionAdapter):
+            return
+        old_style = function._function
+        backward = old_style.backward
+        recorder = self
+
+        def recording_backward(inputs, grad_outputs):
+            old_style.__dict__.pop('backward', None)      # before the attributes are copied
+            op = Op(OldStyleBackward(old_style, len(inputs)), tuple(inputs) + tuple(grad_outputs),
+                    recorder._config())
+            recorder.trace.ops.append(op)
+            # an old-style backward may write into its arrays (F.hinge: gloss /= len(t)); the
+            # CPU replay puts such a constant back first. Not checked under a CUDA graph
+            # capture (comparing would synchronise): an array made inside the graph (the
+            # initial gradient) is made again by each launch, but one made before the capture
+            # would be written into again at every launch (not detected)
+            capturing = _capturing(op.inputs)
+            before = [None if a is None or capturing else a.copy() for a in op.inputs]
+            recorder._depth += 1
+            try:
+                gxs = backward(inputs, grad_outputs)
+            finally:
+                recorder._depth -= 1
+            op.overwritten = tuple((k, b) for k, (a, b) in enumerate(zip(op.inputs, before))
+                                   if b is not None and not _same_bits(a, b))
+            op.outputs = tuple(gxs)
+            op.post = _kept_arrays(op.state)
+            return gxs
+
+        old_style.__dict__['backward'] = recording_backward
+
+    def backward_postprocess(self, function, in_data, out_grad):
+        if isinstance(function, chainer_function.FunctionAdapter):
+            function._function.__dict__.pop('backward', None)   # if it never ran
+
+
+def _capturing(arrays):
+    return any(a is not None and type(a).__module__.startswith('cupy') for a in arrays) \
+        and runtime.is_capturing()
+
+
+def _same_bits(a, b):
+    xp = chainer.backend.get_array_module(a)
+    if a.dtype.kind in 'fc':
+        return bool(xp.array_equal(a, b, equal_nan=True)) and bool(
+            (xp.signbit(a.real) == xp.signbit(b.real)).all())
+    return bool(xp.array_equal(a, b))
+
+
+def _kept_arrays(state):
+    return {k: v for k, v in state.__dict__.items()
+            if isinstance(v, array_types()) or _holds_arrays(v)}
 
 
 def _holds_arrays(v):

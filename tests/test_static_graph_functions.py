@@ -1,0 +1,155 @@
+"""Gradients Chainer computes outside ``FunctionNode.forward`` replay exactly: the ``backward``
+of an old-style ``chainer.Function`` (``F.hinge``, ``L.BatchRenormalization``, a user's own
+Function) and the cast of an array operand in Chainer's arithmetic (``gy * mask`` with a boolean
+mask in ``F.zoneout``'s backward, a user's integer mask). Before, the replay would have read the
+recorded step's arrays there, so TrainStep refused these steps and ran them eagerly.
+
+Each case trains a TrainStep and eager steps side by side and compares every step bit for bit.
+"""
+import warnings
+
+import numpy
+import pytest
+
+import chainer_tc  # noqa: F401  (before chainer)
+import chainer
+import chainer.functions as F
+import chainer.links as L
+
+from chainer_tc import optimizers
+from chainer_tc.static_graph import TrainStep
+
+
+class Affine(chainer.Function):
+    """A user's old-style Function: keeps an array of its own from forward for backward, retains
+    only its first input, and gives no gradient to its integer input."""
+
+    def forward(self, inputs):
+        self.retain_inputs((0,))
+        x, w, t = inputs
+        self.scale = (t[:, None] % 3 + 1).astype(x.dtype)
+        return x * w * self.scale,
+
+    def backward(self, inputs, grad_outputs):
+        x, w, t = inputs
+        assert w is None and t is None, 'only x is retained'
+        gy, = grad_outputs
+        return gy * self.w_now * self.scale, (gy * x * self.scale).sum(axis=0), None
+
+
+def affine(x, w, t):
+    f = Affine()
+    f.w_now = w.array            # read in backward; the parameter's array, updated in place
+    return f(x, w, t)
+
+
+class Net(chainer.Chain):
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        r = numpy.random.RandomState(0)
+        with self.init_scope():
+            self.l1 = L.Linear(6, 8, initialW=r.randn(8, 6).astype(numpy.float32) * 0.3)
+            self.l2 = L.Linear(8, 5, initialW=r.randn(5, 8).astype(numpy.float32) * 0.3)
+            if kind == 'batch_renormalization':
+                self.brn = L.BatchRenormalization(8, rmax=1.5, dmax=0.5)
+            if kind == 'user_function':
+                self.w = chainer.Parameter(r.randn(8).astype(numpy.float32))
+
+    def forward(self, x, t, mask):
+        h = self.l1(x)
+        if self.kind == 'batch_renormalization':
+            h = self.brn(h)
+        elif self.kind == 'zoneout':
+            h = F.zoneout(h, F.tanh(h), 0.3)
+        elif self.kind == 'user_function':
+            h = affine(h, self.w, t)
+        elif self.kind == 'integer_mask':
+            h = h * mask                       # int32 operand: cast to float32 by Chainer
+        y = self.l2(F.relu(h))
+        if self.kind.startswith('hinge'):
+            return F.hinge(y, t, norm=self.kind[-2:])
+        return F.softmax_cross_entropy(y, t)
+
+
+def batches(n):
+    r = numpy.random.RandomState(1)
+    return [(r.randn(4, 6).astype(numpy.float32), r.randint(0, 5, 4).astype(numpy.int32),
+             r.randint(0, 2, (4, 8)).astype(numpy.int32)) for _ in range(n)]
+
+
+def state(model):
+    out = {n: p.array.copy() for n, p in model.namedparams()}
+    out.update({'grad' + n: p.grad.copy() for n, p in model.namedparams()})
+    out.update({'v' + n: p.update_rule.state['v'].copy() for n, p in model.namedparams()})
+    for name, link in model.namedlinks():
+        out.update({name + '/' + k: link.__dict__[k].copy() for k in link._persistent
+                    if isinstance(link.__dict__[k], numpy.ndarray)})
+    return out
+
+
+@pytest.mark.parametrize('kind', ['hinge_L1', 'hinge_L2', 'batch_renormalization', 'zoneout',
+                                  'user_function', 'integer_mask'])
+def test_steps_with_gradients_computed_outside_forward_replay_exactly(kind):
+    runs = []
+    for use_step in (False, True):
+        model = Net(kind)
+        opt = optimizers.MomentumSGD(lr=0.05, weight_decay=1e-3).setup(model)
+        step = TrainStep(model, opt, check_every=3) if use_step else None
+        numpy.random.seed(5)                             # zoneout's draws: the same in both runs
+        per_step = []
+        with warnings.catch_warnings():
+            warnings.simplefilter('error', RuntimeWarning)   # no "runs eagerly"/"changed"
+            for x, t, mask in batches(10):
+                if step is None:
+                    held = []
+                    opt.update(lambda: held.append(model(x, t, mask)) or held[-1])
+                    loss = held[-1]
+                else:
+                    loss = step(x, t, mask)
+                per_step.append((loss.array.copy(), state(model)))
+        runs.append(per_step)
+    for i, ((le, se), (ls, ss)) in enumerate(zip(*runs)):
+        assert le.tobytes() == ls.tobytes(), 'step {} loss'.format(i)
+        for k in se:
+            numpy.testing.assert_array_equal(se[k], ss[k], err_msg='step {} {}'.format(i, k))
+    assert step.replays >= 4 and step.checks >= 2 and step.traces == 1
+
+
+def test_max_is_still_refused_with_the_reason():
+    """F.max's backward compares arrays in Python (``x == y``): not recorded, so refused."""
+    class MaxNet(Net):
+        def forward(self, x, t, mask):
+            h = self.l1(x)
+            return F.softmax_cross_entropy(self.l2(h - F.max(h, axis=1, keepdims=True)), t)
+    model = MaxNet('max')
+    step = TrainStep(model, optimizers.MomentumSGD().setup(model))
+    with pytest.warns(RuntimeWarning, match=r'cannot be replayed.*astype\(float32\)'):
+        for x, t, mask in batches(5):
+            step(x, t, mask)
+    assert step.replays == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('kind', ['hinge_L1', 'user_function', 'integer_mask'])
+def test_steps_with_gradients_computed_outside_forward_are_captured_on_the_gpu(kind):
+    import cupy
+    runs = []
+    for use_step in (False, True):
+        model = Net(kind)
+        model.to_device('@cupy:0')
+        opt = optimizers.MomentumSGD(lr=0.05, weight_decay=1e-3).setup(model)
+        step = TrainStep(model, opt, check_every=3) if use_step else None
+        with warnings.catch_warnings():
+            warnings.simplefilter('error', RuntimeWarning)   # captured, no change found
+            for x, t, mask in batches(10):
+                x, t, mask = cupy.asarray(x), cupy.asarray(t), cupy.asarray(mask)
+                if step is None:
+                    opt.update(model, x, t, mask)
+                else:
+                    step(x, t, mask)
+        runs.append({n: p.array.copy() for n, p in model.namedparams()})
+    assert step.replays >= 4 and step.traces == 1
+    # cuBLAS may pick other algorithms on the capture's handle (test_static_graph.py)
+    for k in runs[0]:
+        cupy.testing.assert_allclose(runs[0][k], runs[1][k], rtol=1e-5, atol=1e-6, err_msg=k)
