@@ -165,6 +165,20 @@ def test_float16_overflow_step_is_skipped_as_in_eager(path):
     assert step.replays == 9
 
 
+def test_float64_dynamic_loss_scaling_replays_the_current_scale():
+    """The float64 seed of backward is a cast of the float32 scale: a recorded function, so a
+    replay after the scale grew starts backward from the new scale (it once froze it)."""
+    data = batches(16, dtype=numpy.float64)
+    (m1, o1), (m2, o2) = twin(dtype=numpy.float64, scaling='dynamic')   # scale doubles every 3
+    step = TrainStep(m2, o2, lambda x, t: F.softmax_cross_entropy(m2(x), t), check_every=None)
+    for x, t in data:
+        o1.update(lambda: F.softmax_cross_entropy(m1(x), t))
+        assert step(x, t).dtype == numpy.float64
+    assert o1.loss_scale == o2.loss_scale == 2.0 ** 15
+    assert_same(state(m1, o1), state(m2, o2))
+    assert step.replays == 13
+
+
 def test_lr_and_frozen_links_changed_between_replays_are_followed(path):
     data = batches(12)
     (m1, o1), (m2, o2) = twin()
@@ -474,8 +488,9 @@ def test_dropout_draws_a_new_mask_every_replayed_step():
     assert_same(results[0][1], results[1][1])
 
 
+@pytest.mark.parametrize('scaling', [None, 'dynamic'])
 @pytest.mark.parametrize('warmup', [0, 1, 2])
-def test_lazy_links_and_any_warmup_replay_exactly(warmup):
+def test_lazy_links_and_any_warmup_replay_exactly(warmup, scaling):
     class Lazy(chainer.Chain):
         def __init__(self, dtype=numpy.float32):
             super().__init__()
@@ -491,6 +506,8 @@ def test_lazy_links_and_any_warmup_replay_exactly(warmup):
         numpy.random.seed(3)
         model = Lazy()
         opt = optimizers.MomentumSGD(lr=0.05).setup(model)
+        if scaling:
+            opt.loss_scaling(interval=3)
         assert opt._flat is None                       # lazy: built at the first update
         if use_step:
             losses, step = run_step(model, opt, data, warmup=warmup)

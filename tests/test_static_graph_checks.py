@@ -37,18 +37,35 @@ class Net(chainer.Chain):
             self.l1 = L.Linear(6, 8, initialW=r.randn(8, 6).astype(numpy.float32) * 0.3)
             self.bn = bn(8)
             self.l2 = L.Linear(8, 5, initialW=r.randn(5, 8).astype(numpy.float32) * 0.3)
+            self.l1b = L.Linear(6, 8, initialW=r.randn(8, 6).astype(numpy.float32) * 0.3)
         self.iteration = 0
         self.double_after = None      # from this iteration on, the hidden layer is doubled
         self.weight = 1.0             # a Python value reported from the loss
+        self.swap = False             # which of two results is doubled: only the wiring changes
 
     def forward(self, x, t):
         self.iteration += 1
         h = F.relu(self.bn(self.l1(x)))
         if self.double_after is not None and self.iteration >= self.double_after:
             h = h * 2
+        g = F.tanh(Temperature().apply((self.l1b(x),))[0])
+        h, g = (g, h) if self.swap else (h, g)
+        h = h * 2 + g
         loss = F.softmax_cross_entropy(self.l2(h), t)
         chainer.report({'loss': loss, 'weight': self.weight}, self)
         return loss
+
+
+class Temperature(chainer.FunctionNode):
+    """Divides by ``chainer.config.temperature`` (1 when unset): a configuration value read
+    inside a function, which a caller may set per step with ``chainer.using_config``."""
+
+    def forward(self, inputs):
+        self.t = getattr(chainer.config, 'temperature', 1.0)
+        return inputs[0] / inputs[0].dtype.type(self.t),
+
+    def backward(self, indexes, grad_outputs):
+        return grad_outputs[0] / self.t,
 
 
 def data(n, seed=0):
@@ -94,36 +111,42 @@ def run(batches, change, at, check_every=CHECK_EVERY):
                 reporter = chainer.Reporter()
                 reporter.add_observer('main', model)
                 obs = {}
-                with reporter.scope(obs):
+                with reporter.scope(obs), chainer.using_config(
+                        'temperature', getattr(model, 'temperature', 1.0)):
                     go()
                 seen.append((snapshot(model), {k: float(getattr(v, 'array', v))
                                                for k, v in obs.items()}))
             out.append((seen[0][0], seen[1][0], seen[0][1], seen[1][1]))
-    return step, out, [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    return step, out, [w for w in caught if issubclass(w.category, RuntimeWarning)]
 
 
-def changed_warnings(messages):
-    return [m for m in messages if 'changed after it was traced' in m]
+def changed_warnings(caught):
+    return [str(w.message) for w in caught if 'changed after it was traced' in str(w.message)]
 
 
-@pytest.mark.parametrize('what', ['eps', 'branch', 'report'])
+CHANGES = {      # what changes, and what the warning says about it
+    'eps': (lambda model: setattr(model.bn, 'eps', 1e-2), "'eps' differs"),
+    'branch': (lambda model: setattr(model, 'double_after', model.iteration + 1), 'functions'),
+    'report': (lambda model: setattr(model, 'weight', 0.5), "'weight'"),
+    'wiring': (lambda model: setattr(model, 'swap', True), 'wired differently'),
+    'config': (lambda model: setattr(model, 'temperature', 4.0), 'temperature is 1.0 then 4.0'),
+}
+
+
+@pytest.mark.parametrize('what', sorted(CHANGES))
 def test_a_change_on_a_check_is_seen_and_every_step_equals_eager(what):
-    def change(model):
-        if what == 'eps':
-            model.bn.eps = 1e-2
-        elif what == 'branch':
-            model.double_after = model.iteration + 1
-        else:
-            model.weight = 0.5
+    change, said = CHANGES[what]
     at = FIRST_CHECK + CHECK_EVERY                       # the second check
-    step, out, messages = run(data(20), change, at)
+    step, out, caught = run(data(20), change, at)
     for call, (se, ss, re, rs) in enumerate(out, 1):
         assert_same(se, ss, 'call {}'.format(call))
         assert re == rs, 'call {}'.format(call)
-    warned = changed_warnings(messages)
-    assert len(warned) == 1, messages
-    assert {'eps': "'eps'", 'branch': 'functions', 'report': "'weight'"}[what] in warned[0]
+    warned = changed_warnings(caught)
+    assert len(warned) == 1, [str(w.message) for w in caught]
+    assert said in warned[0]
     assert '3 replays' in warned[0]
+    # the warning points at the line that called the step
+    assert [w.filename for w in caught if 'changed after' in str(w.message)] == [__file__]
     assert step.traces == 2
     # call 1 eager, 2-3 recorded, 7 and 11 checks; 11 is the first recorded step of the new
     # trace and 12 the second; 16 and 20 check it
@@ -133,7 +156,7 @@ def test_a_change_on_a_check_is_seen_and_every_step_equals_eager(what):
 
 def test_a_change_between_checks_is_frozen_until_the_next_check():
     at = FIRST_CHECK + 2                                  # two calls after the first check
-    step, out, messages = run(data(16), lambda model: setattr(model, 'weight', 0.5), at)
+    step, out, caught = run(data(16), lambda model: setattr(model, 'weight', 0.5), at)
     next_check = FIRST_CHECK + CHECK_EVERY
     for call, (_, _, re, rs) in enumerate(out, 1):
         expected = 0.5 if call >= at else 1.0
@@ -141,7 +164,7 @@ def test_a_change_between_checks_is_frozen_until_the_next_check():
         # the replays between the change and the next check report the traced value
         stale = at <= call < next_check
         assert rs['main/weight'] == (1.0 if stale else expected), 'call {}'.format(call)
-    warned = changed_warnings(messages)
+    warned = changed_warnings(caught)
     assert len(warned) == 1 and "'weight'" in warned[0] and '(1.0 then 0.5)' in warned[0]
 
 
@@ -160,17 +183,45 @@ def test_ignored_labels_arriving_after_the_trace_stop_the_replay():
             step(x, t)
             if call >= FIRST_CHECK + 3:                  # detected, re-recorded, refused
                 assert_same(snapshot(me), snapshot(ms), 'call {}'.format(call))
-    messages = [str(w.message) for w in caught]
-    assert len(changed_warnings(messages)) == 1
-    assert any('cannot be replayed' in m for m in messages), messages
+    assert len(changed_warnings(caught)) == 1
+    assert any('cannot be replayed' in str(w.message) for w in caught)
     assert step.replays == CHECK_EVERY - 1
 
 
 def test_without_checks_a_late_change_stays_frozen():
-    step, out, messages = run(data(12), lambda model: setattr(model, 'weight', 0.5), 6,
-                              check_every=None)
-    assert step.checks == 0 and not changed_warnings(messages)
+    step, out, caught = run(data(12), lambda model: setattr(model, 'weight', 0.5), 6,
+                            check_every=None)
+    assert step.checks == 0 and not changed_warnings(caught)
     assert [rs['main/weight'] for _, _, _, rs in out[5:]] == [1.0] * 7     # documented
+
+
+def test_a_change_found_by_one_signature_has_the_others_checked_at_their_next_call():
+    """Full batches (signature A) and every third call a partial one (B), both replayed: a
+    change found by A's check makes B check at its next call instead of check_every later."""
+    (me, oe), (ms, os_) = twins()
+    step = TrainStep(ms, os_, check_every=CHECK_EVERY)
+    r = numpy.random.RandomState(3)
+    reported = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        for call in range(1, 61):
+            size = 3 if call % 3 == 0 else 4
+            x, t = r.randn(size, 6).astype(numpy.float32), r.randint(0, 5, size).astype(
+                numpy.int32)
+            if call == 38:
+                me.weight = ms.weight = 0.5
+            for model, go in ((me, lambda: oe.update(me, x, t)), (ms, lambda: step(x, t))):
+                reporter = chainer.Reporter()
+                reporter.add_observer('main', model)
+                obs = {}
+                with reporter.scope(obs):
+                    go()
+                reported.append(float(obs['main/weight']))
+    pairs = list(zip(reported[0::2], reported[1::2]))        # (eager, step) per call
+    stale = [call for call, (e, s) in enumerate(pairs, 1) if e != s]
+    # A replays 38 stale and checks at 40; B replays 39 stale and is checked at 42
+    assert stale == [38, 39], stale
+    assert len(changed_warnings(caught)) == 1
 
 
 def test_check_every_is_validated():

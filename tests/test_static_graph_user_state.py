@@ -274,3 +274,53 @@ def test_a_parameter_replaced_during_warm_up_starts_it_again_without_a_warning()
     assert step.traces == 1 and step.replays == 3, 'warm-up 1, 2 (again), recorded 3, 4'
     assert any('rebuilds its buffers' in str(w.message) for w in caught), "the optimizer's"
     assert not [w for w in caught if 'traced again' in str(w.message)], 'none of the step\'s'
+
+
+def test_a_variable_the_user_keeps_in_a_link_and_replaces_stays_replaced():
+    """Only Variables holding results of the step's functions are put back after a replay; a
+    user's own Variable attribute (a temperature) replaced mid-run stays replaced, and the
+    next check sees the new value."""
+    class Tempered(MLP):
+        def __init__(self):
+            super().__init__()
+            self.temperature = chainer.Variable(numpy.array(1.0, numpy.float32),
+                                                requires_grad=False)
+
+        def forward(self, x):
+            y = super().forward(x)
+            return y / F.broadcast_to(self.temperature, y.shape)
+    model = Tempered()
+    opt = optimizers.MomentumSGD(lr=0.1).setup(model)
+    step = TrainStep(model, opt, lambda x, t: F.softmax_cross_entropy(model(x), t),
+                     check_every=3)
+    new = chainer.Variable(numpy.array(4.0, numpy.float32), requires_grad=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        for call, (x, t) in enumerate(data(12), 1):
+            if call == 6:                   # a check: 1 eager, 2-3 recorded, 4-5 replays
+                model.temperature = new
+            step(x, t)
+            assert model.temperature is (new if call >= 6 else model.temperature)
+    assert any('changed after it was traced' in str(w.message) and 'shape (): 1.0 then 4.0'
+               in str(w.message) for w in caught), [str(w.message) for w in caught]
+    assert step.traces == 2
+
+
+def test_with_a_gradient_reduction_param_grad_is_the_reduced_gradient_after_every_step():
+    """As a replay (and ChainerMN's allreduce) leaves it: also after the step's eager, recorded
+    and check steps."""
+    model = MLP()
+    opt = optimizers.MomentumSGD(lr=0.1).setup(model)
+    reduced = []
+
+    def halve(buffers):
+        for b in buffers:
+            b *= 0.5
+        reduced[:] = buffers
+    step = TrainStep(model, opt, lambda x, t: F.softmax_cross_entropy(model(x), t),
+                     reduce_gradients=halve, check_every=3)
+    for call, (x, t) in enumerate(data(9), 1):
+        step(x, t)
+        for name, p in model.namedparams():
+            assert any(numpy.shares_memory(p.grad, b) for b in reduced), (call, name)
+    assert step.replays >= 4 and step.checks >= 1

@@ -12,6 +12,8 @@ PyTorch's GradScaler; Chainer's own grows by 2^(1/interval) every clean step ins
 """
 import numpy
 
+import chainer.functions
+
 NONE, STATIC, DYNAMIC = 0, 1, 2
 SCALE, CLEAN, FOUND_INF, SKIPPED, DONE, SCALE_F16 = range(6)
 
@@ -125,7 +127,10 @@ class LossScaler:
         elif dtype == numpy.float16:
             s = self.state.view(numpy.float16)[2 * SCALE_F16:2 * SCALE_F16 + 1]
         else:
-            s = self.state[SCALE:SCALE + 1].view(numpy.float32).astype(dtype)
+            # a cast by a Chainer function, not ndarray.astype: a recorded step
+            # (chainer_tc.static_graph) then recomputes it from the scale at every replay
+            s = self.state[SCALE:SCALE + 1].view(numpy.float32)
+            s = chainer.functions.cast(chainer.Variable(s, requires_grad=False), dtype).array
         return s.reshape(loss.shape)
 
     def finish_step_host(self, found_inf):

@@ -133,11 +133,13 @@ class CapturedStep:
                                            cupy.uint8)
         return handle
 
-    def validate(self, first, externals):
+    def validate(self, first, externals_first, externals):
         """The same checks as the CPU replay, on the values this step computed (so after its
-        launch): a value frozen into the graph must be a constant. Raises NotReplayable."""
+        launch): a value frozen into the graph must be a constant. Raises NotReplayable.
+        ``externals_first``, ``externals``: the step's inputs, parameters and state arrays, as
+        the first recorded step and the captured one saw them."""
         self.stream.synchronize()
-        self.program = _program.Program(first, self.trace, externals)
+        self.program = _program.Program(first, self.trace, externals_first, externals)
 
     def _launch(self, step, report=True):
         """Replay: host-side writes, then the graph; with optimizer hooks, the graph holds

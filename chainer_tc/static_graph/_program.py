@@ -12,76 +12,21 @@ parameters (the optimizer updates them in place), persistent arrays (BatchNorm's
 statistics, updated in place by the ops), the step's input buffers (the caller copies each batch
 in), the loss scale (updated in place by the optimizer). Any other array an op reads is a
 *constant* of the step: the two recorded steps must agree on its value, and so must every
-non-array attribute of every node; otherwise the step is not replayable and the caller is told
-which op and which value differ (e.g. a label array built from the batch in Python).
+non-array attribute of every node (and on how the ops are wired: :mod:`._compare`); otherwise
+the step is not replayable and the caller is told which op and which value differ (e.g. a label
+array built from the batch in Python).
 """
-import types
-
 import numpy
 
 import chainer
 from chainer import configuration
 
+from chainer_tc.static_graph import _compare
 from chainer_tc.static_graph import _trace
+from chainer_tc.static_graph._compare import NotReplayable  # NOQA  (raised from here too)
 
-
-class NotReplayable(Exception):
-    """The recorded steps cannot be replayed; the message says which op and why."""
-
-
-def _base_chain(a):
-    while a is not None:
-        yield a
-        a = getattr(a, 'base', None)
-
-
-class _Known:
-    """Arrays (and helper objects holding arrays) refreshed every step, by id; an array is
-    known too when it is a view of a known one."""
-
-    def __init__(self):
-        self.ids = set()
-        self.keep = []
-
-    def add(self, a):
-        if id(a) not in self.ids:
-            self.ids.add(id(a))
-            self.keep.append(a)
-
-    def __contains__(self, a):
-        if not isinstance(a, _trace.array_types()):
-            return id(a) in self.ids
-        return any(id(b) in self.ids for b in _base_chain(a))
-
-
-def _is_plain(v):
-    """A helper object a forward may keep (e.g. BatchNormalization's ``_impl``), whose arrays a
-    gradient node reads later: not a node, Variable, array, class, function or module."""
-    return (hasattr(v, '__dict__') and not isinstance(
-        v, (type, chainer.FunctionNode, chainer.Function, chainer.Variable,
-            chainer.variable.VariableNode, types.ModuleType, types.FunctionType,
-            types.MethodType)) and not isinstance(v, _trace.array_types()))
-
-
-def _same_value(a, b, depth=0):
-    if isinstance(a, _trace.array_types()) or isinstance(b, _trace.array_types()):
-        if type(a) is not type(b) or a.shape != b.shape or a.dtype != b.dtype:
-            return False
-        xp = chainer.backend.get_array_module(a)
-        return bool(xp.array_equal(a, b, equal_nan=a.dtype.kind in 'fc'))
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_same_value(x, y, depth) for x, y in zip(a, b))
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same_value(a[k], b[k], depth) for k in a)
-    if isinstance(a, (chainer.FunctionNode, chainer.Function, chainer.Variable,
-                      chainer.variable.VariableNode)) or callable(a):
-        return type(a) is type(b)
-    if _is_plain(a):
-        return type(a) is type(b) and (depth > 2 or _same_value(vars(a), vars(b), depth + 1))
-    try:
-        return bool(a == b) or (a != a and b != b)
-    except Exception:
-        return type(a) is type(b)
+_base_chain = _compare.base_chain
+_is_plain = _compare.is_plain
 
 
 def _shares(a, arrays):
@@ -111,68 +56,21 @@ class _Slot:
         self.bases = bases        # the slots whose memory this one may share
 
 
-def _op_count(first, last):
-    if len(first.ops) != len(last.ops):
-        raise NotReplayable('the recorded steps applied {} and {} functions: the step does not '
-                            'apply the same functions every time'
-                            .format(len(first.ops), len(last.ops)))
-
-
-def _check_op(i, a, b, known):
-    """Op ``i`` of the later recorded step (``b``) against the earlier one's (``a``): the same
-    function, and the same value of each input and attribute a replay would freeze."""
-    where = 'function #{} ({})'.format(i, b.label)
-    if type(a.node) is not type(b.node) or type(a.state) is not type(b.state):
-        raise NotReplayable('{}: the earlier recorded step applied {} there'
-                            .format(where, a.label))
-    if b.outputs is None:
-        raise NotReplayable('{}: its forward did not return'.format(where))
-    Program._check_inputs(a, b, known, where)
-    Program._check_attributes(a, b, known, where)
-
-
-def _known(externals):
-    known = _Known()
-    for a in externals:
-        known.add(a)
-    return known
-
-
-def check_same_step(first, last, externals):
-    """Raise :class:`NotReplayable` where the recorded step ``last`` differs from ``first`` in
-    what a replay freezes (which functions, in which order, their constant inputs and
-    attributes, the reported values): the checks :class:`Program` makes, without building one.
-    ``externals`` as for :class:`Program`, those of ``last``."""
-    _op_count(first, last)
-    known = _known(externals)
-    array_types = _trace.array_types()
-    for i, (a, b) in enumerate(zip(first.ops, last.ops)):
-        _check_op(i, a, b, known)
-        for y in b.outputs:
-            if y is not None:
-                known.add(y)
-        for key, v in b.post.items():
-            if b.pre.get(key) is v:
-                continue
-            known.add(v)
-            if not isinstance(v, array_types):
-                for x in vars(v).values():
-                    if isinstance(x, array_types):
-                        known.add(x)
-    Program._reports(first, last, known)
-
-
 class Program:
-    """A replayable step, from two recorded steps ``first`` and ``last`` (the one replayed)."""
+    """A replayable step, from two recorded steps ``first`` and ``last`` (the one replayed),
+    and the step's inputs, parameters and state arrays as each of them saw them
+    (``externals_first``, ``externals``: the same arrays in the same order, but for the
+    inputs), which someone else refreshes in place every step."""
 
-    def __init__(self, first, last, externals):
+    def __init__(self, first, last, externals_first, externals):
         self.trace = last
-        _op_count(first, last)
-        known = _known(externals)
+        _compare.op_count(first, last)
+        known_first, known = _compare.Known(externals_first), _compare.Known(externals)
         slots = {}
         ops = []
         for i, (a, b) in enumerate(zip(first.ops, last.ops)):
-            _check_op(i, a, b, known)
+            _compare.check_op(i, a, b, known_first, known)
+            known_first.learn(a, i)
             inputs = list(b.inputs)
             restore = tuple((k, saved) for k, saved in b.overwritten if b.inputs[k] not in known)
             outs = []
@@ -206,14 +104,17 @@ class Program:
                 slots[id(v)] = slot
                 pins.append((key, slot, False))
                 known.add(v)
+            known.learn(b, i)
             forward = b.node.forward
             if restore:        # a constant input the op writes into: its value back first
                 forward = _restoring(forward, restore)
-            ops.append([b.state.__dict__, b.pre, forward, inputs, outs, pins, b.config])
+            # the replay rebinds references in its own copy of the attributes: the trace's
+            # stay as recorded, for a later check to compare with (check_same_step)
+            ops.append([b.state.__dict__, dict(b.pre), forward, inputs, outs, pins, b.config])
         self._ops = ops
         self._slots = slots
         self._known = known
-        self.reports = self._reports(first, last, known)
+        self.reports = _compare.reports(first, last, known_first, known)
         self.loss = [last.loss]
         for g in last.grads:
             if g is not None and g not in known:
@@ -302,64 +203,6 @@ class Program:
         xp = chainer.backend.get_array_module(a)
         return tuple(slots[id(b)] for b in arrays if id(b) in slots and type(b) is type(a)
                      and xp.may_share_memory(a, b))
-    @staticmethod
-    def _check_inputs(a, b, known, where):
-        if len(a.inputs) != len(b.inputs):
-            raise NotReplayable('{}: {} inputs, then {}'.format(where, len(a.inputs),
-                                                               len(b.inputs)))
-        for k, (x, y) in enumerate(zip(a.inputs, b.inputs)):
-            if x is None or y is None:         # an old-style backward's missing array
-                if x is not y:
-                    raise NotReplayable('{}: input {} is None in one step only'.format(where, k))
-                continue
-            if x.shape != y.shape or x.dtype != y.dtype:
-                raise NotReplayable('{}: input {} changed from {} {} to {} {}'.format(
-                    where, k, x.shape, x.dtype, y.shape, y.dtype))
-            if y not in known and not _same_value(x, y):
-                raise NotReplayable(
-                    '{}: input {} (shape {}) is not computed by a recorded function and differs '
-                    'between steps, so a replay would use a stale value; compute it with '
-                    'Chainer functions inside the step, or pass it as an input of the step'
-                    .format(where, k, y.shape))
-
-    @staticmethod
-    def _check_attributes(a, b, known, where):
-        for key, v in b.pre.items():
-            if key in ('forward',):
-                continue
-            if isinstance(v, _trace.array_types()):
-                if v in known:
-                    continue
-            u = a.pre.get(key, _MISSING)
-            if u is _MISSING or not _same_value(u, v):
-                raise NotReplayable('{}: its attribute {!r} differs between steps ({!r} then '
-                                    '{!r}); a replay would freeze it'
-                                    .format(where, key, _short(u), _short(v)))
-
-    @staticmethod
-    def _reports(first, last, known):
-        if len(first.reports) != len(last.reports):
-            raise NotReplayable('the step reported {} times, then {} times'.format(
-                len(first.reports), len(last.reports)))
-        out = []
-        for (va, oa, _), (vb, ob, where) in zip(first.reports, last.reports):
-            values = {}
-            for key, v in vb.items():
-                arr = v.array if isinstance(v, chainer.Variable) else v
-                if isinstance(arr, _trace.array_types()) and arr in known:
-                    values[key] = arr
-                    continue
-                u = va.get(key, _MISSING)
-                u = u.array if isinstance(u, chainer.Variable) else u
-                if u is _MISSING or not _same_value(u, arr):
-                    raise NotReplayable('the reported value {!r} is not computed by a recorded '
-                                        'function and differs between steps ({} then {})'
-                                        .format(key, _short(u), _short(arr)))
-                values[key] = arr
-            variables = frozenset(k for k, v in vb.items() if isinstance(v, chainer.Variable))
-            out.append((values, ob, (variables, where)))
-        return out
-
     def relocate(self, old, new):
         """Make the program write the recorded array ``old`` into ``new`` (same shape and dtype)
         instead, e.g. a gradient into a view of one flat buffer. Returns False, changing
@@ -488,13 +331,3 @@ def give_grads(pairs):
             param.grad = g
 
 
-_MISSING = object()
-
-
-def _short(v):
-    if v is _MISSING:
-        return 'absent'
-    if isinstance(v, _trace.array_types()):
-        return '<array {} {}>'.format(v.shape, v.dtype)
-    r = repr(v)
-    return r if len(r) < 60 else r[:57] + '...'

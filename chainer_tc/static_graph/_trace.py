@@ -108,6 +108,7 @@ class Trace:
         self.loss = None           # the loss Variable's array
         self.grads = None          # per optimizer entry: its gradient array or None
         self.inputs = None         # the step's input buffers
+        self.externals = None      # the arrays refreshed in place elsewhere (TrainStep's list)
 
 
 class Recorder(chainer.FunctionHook):

@@ -14,6 +14,8 @@ follow to be replayable; a step that breaks them runs eagerly, with one warning 
 """
 import collections
 import contextlib
+import os
+import sys
 import warnings
 
 import chainer
@@ -21,6 +23,7 @@ from chainer import configuration
 from chainer import variable
 
 from chainer_tc.optimizers import momentum_sgd
+from chainer_tc.static_graph import _compare
 from chainer_tc.static_graph import _program
 from chainer_tc.static_graph import _trace
 
@@ -178,7 +181,9 @@ class TrainStep:
                 if not self.check_every or entry.since_check < self.check_every:
                     return self._replay(entry, inputs)
                 loss = self._check(entry, inputs)
-            elif entry.failed is not None or entry.calls <= self.warmup:
+            elif entry.failed is not None or entry.calls <= self.warmup or flat is None:
+                # (the optimizer's buffers are built by a first update, which moves the
+                # parameters: a recorded step starts with them in place)
                 loss = self._eager(inputs)
             else:
                 loss = self._record(entry, inputs)
@@ -250,6 +255,9 @@ class TrainStep:
             else:
                 view[...] = g
         self.reduce_gradients(buffers)
+        # each parameter's grad is its reduced gradient, as after a replay (and as ChainerMN
+        # leaves it after its allreduce)
+        _program.give_grads([(e.param, v) for e, v in zip(flat.entries, views)])
         _apply_update(opt, flat, buffers, views)
 
     def _record(self, entry, inputs):
@@ -291,6 +299,7 @@ class TrainStep:
             opt.target.cleargrads()
             opt.scaled_backward(loss)
         trace = rec.trace
+        trace.externals = self._externals(buffers)
         with variable._AllowArrayAccessWithNonstandardLayout():
             flat = opt._try_build(required=True)
             trace.grads = flat.grads()
@@ -308,25 +317,33 @@ class TrainStep:
         self.checks += 1
         trace, result = self._recorded(inputs)
         try:
-            _program.check_same_step(entry.replay.program.trace, trace, self._externals(trace))
-        except _program.NotReplayable as e:
+            traced = entry.replay.program.trace
+            _compare.check_same_step(traced, trace, traced.externals, trace.externals)
+        except _compare.NotReplayable as e:
             self._warn('changed', 'TrainStep: the step changed after it was traced ({}); the '
-                                  '{} replays since the trace was last checked used the traced '
-                                  'value. It is traced again (check_every={} bounds how long a '
-                                  'change goes unseen)'.format(e, replayed, self.check_every))
+                                  '{} replays of this input signature since it was last '
+                                  'checked ran the step as traced. It is traced again, and '
+                                  'every other traced signature is checked at its next call '
+                                  '(check_every={} bounds how long a change goes unseen; this '
+                                  'warning is given once)'.format(e, replayed, self.check_every))
+            for other in self._entries.values():
+                if other is not entry and other.replay is not None:
+                    other.since_check = self.check_every - 1
             entry.replay = None
             entry.visible = ()
             entry.first = trace
         self._update(trace.grads)
         return result
 
-    def _externals(self, trace):
-        """Arrays a replay may read without recomputing them: refreshed in place elsewhere."""
+    def _externals(self, inputs):
+        """Arrays a replay may read without recomputing them, refreshed in place elsewhere: the
+        step's ``inputs``, the loss-scale state, the parameters and the persistent arrays, in
+        an order that does not change (a recorded step keeps them, and two recorded steps are
+        compared array by array)."""
         opt = self.optimizer
-        out = list(trace.inputs)
+        out = list(inputs)
         out.append(opt._scaler.state)
-        for e in opt._flat.entries:
-            out.append(e.view)
+        out.extend(p.array for p in opt.target.params())
         out.extend(a for _, _, a in self._persistents())
         return [a for a in out if isinstance(a, _trace.array_types())]
 
@@ -337,14 +354,16 @@ class TrainStep:
             seen.setdefault(id(link), link)
         return seen.values()
 
-    def _visible_variables(self):
+    def _visible_variables(self, trace):
         """(link dict, name, Variable) for each Variable the step leaves in a link attribute,
         where a user reads it after a step (``L.Classifier``'s ``loss``, ``accuracy``, ``y``):
-        parameters excluded."""
+        those holding a result of the recorded step's functions (not parameters, nor the
+        user's own Variables, which the user may replace)."""
+        results = {id(y) for op in trace.ops for y in op.outputs or () if y is not None}
         return tuple((d, name, v) for d in (vars(link) for link in self._links())
                      for name, v in d.items()
                      if isinstance(v, chainer.Variable) and not isinstance(v, chainer.Parameter)
-                     and v.raw_array is not None)
+                     and id(v.raw_array) in results)
 
     def _persistents(self):
         """(link's dict, name, array) of every persistent array: a replay updates these
@@ -354,8 +373,8 @@ class TrainStep:
                      if isinstance(link.__dict__[name], _trace.array_types()))
 
     def _build(self, entry, trace):
-        program = _program.Program(entry.first, trace, self._externals(trace))
-        entry.visible = self._visible_variables()
+        program = _program.Program(entry.first, trace, entry.first.externals, trace.externals)
+        entry.visible = self._visible_variables(trace)
         program.follow(v for _, _, v in entry.visible)
         flat = self._flat = self.optimizer._flat      # built by the recorded steps at the latest
         # the gradients move into flat buffers laid out like the parameters: the update then
@@ -387,7 +406,8 @@ class TrainStep:
                                             'eagerly: {}'.format(e))
             return self._eager(inputs)
         try:
-            captured.validate(first, self._externals(first) + list(entry.buffers))
+            captured.trace.externals = self._externals(entry.buffers)
+            captured.validate(first, first.externals, captured.trace.externals)
         except _program.NotReplayable as e:                    # this step ran; later ones eager
             entry.failed = str(e)
             self._warn('failed:' + str(e), 'TrainStep: this step cannot be replayed, it runs '
@@ -395,7 +415,7 @@ class TrainStep:
             self.eager_steps += 1
             return captured.first_loss
         entry.replay = captured
-        entry.visible = self._visible_variables()     # their arrays are the graph's
+        entry.visible = self._visible_variables(captured.trace)   # their arrays: the graph's
         self.traces += 1
         self._persistent_arrays = self._persistents()
         self.replays += 1
@@ -414,7 +434,7 @@ class TrainStep:
     def _warn(self, key, message):
         if key not in self._warned:
             self._warned.add(key)
-            warnings.warn(message, RuntimeWarning, stacklevel=3)
+            warnings.warn(message, RuntimeWarning, stacklevel=_caller_level())
 
 
 class _CpuReplay:
@@ -443,6 +463,17 @@ class _CpuReplay:
             opt._step(self.plan)
         self.program.report()
         return chainer.Variable(self.program.loss[0].copy(), requires_grad=False)
+
+
+def _caller_level():
+    """The ``stacklevel`` of the first frame outside chainer_tc, seen from the function that
+    calls ``warnings.warn``: the user's line (or Chainer's updater's) that called the step."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(
+            package + os.sep):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _apply_update(opt, flat, buffers, views):

@@ -1,0 +1,280 @@
+"""What two recorded steps must agree on for one of them to be replayed in place of the other.
+
+A replay runs the ops of one recorded step (``last``) again. That is the step a user would have
+run only if every other recorded step of the same signature (``first``: the other recorded step,
+or a later check step) applied the same functions in the same order, **wired the same way**, with
+the same values wherever a replay would freeze them:
+
+- each input of each op comes from the same place in both: the same output of the same earlier
+  op, the same array the op before it kept, the same input of the step, parameter or state
+  array (or the same view of one). An array that comes from none of these is a *constant* and
+  must have the same value in both;
+- each non-array attribute of each node, and each constant array attribute, has the same value;
+- Chainer's configuration (``chainer.config``, ``using_config``) is the same at each op;
+- the same values are reported, where they are not computed by an op.
+
+:class:`Known` tells where each array of one recorded step comes from; :func:`check_op` and
+:func:`reports` compare two steps op by op and raise :class:`NotReplayable` naming the op and the
+value that differ.
+"""
+import types
+
+import chainer
+
+from chainer_tc.static_graph import _trace
+
+
+class NotReplayable(Exception):
+    """The recorded steps cannot be replayed; the message says which op and why."""
+
+
+MISSING = object()
+
+
+def base_chain(a):
+    while a is not None:
+        yield a
+        a = getattr(a, 'base', None)
+
+
+def _address(a):
+    data = a.data
+    return data.ptr if hasattr(data, 'ptr') else a.__array_interface__['data'][0]
+
+
+class Known:
+    """The arrays (and helper objects holding arrays) of one recorded step that are refreshed
+    every step, by id, each with its *source*: ``('state', k)`` (the k-th of the step's inputs,
+    parameters and state arrays), ``('output', i, j)`` (output j of op i), ``('kept', i, key)``
+    (the array op i kept as attribute ``key``; ``('kept', i, key, name)``: an array of the
+    helper object kept there). An array is known too when it is a view of a known one; its
+    source is then ``('view', source of the base, shape, strides, byte offset)``."""
+
+    def __init__(self, externals=()):
+        self.ids = set()
+        self.keep = []
+        self.tags = {}
+        for k, a in enumerate(externals):
+            self.add(a, ('state', k))
+
+    def add(self, a, tag=None):
+        if id(a) not in self.ids:
+            self.ids.add(id(a))
+            self.keep.append(a)
+        if tag is not None:
+            self.tags.setdefault(id(a), tag)
+
+    def learn(self, op, i):
+        """Op ``i``'s outputs and the arrays it kept, after it ran."""
+        array_types = _trace.array_types()
+        for j, y in enumerate(op.outputs):
+            if y is not None:
+                self.add(y, ('output', i, j))
+        for key, v in op.post.items():
+            if op.pre.get(key) is v:
+                continue                   # given to the node, not made by its forward
+            self.add(v, ('kept', i, key))
+            if not isinstance(v, array_types):
+                for name, x in vars(v).items():
+                    if isinstance(x, array_types):
+                        self.add(x, ('kept', i, key, name))
+
+    def __contains__(self, a):
+        if not isinstance(a, _trace.array_types()):
+            return id(a) in self.ids
+        return any(id(b) in self.ids for b in base_chain(a))
+
+    def source(self, a):
+        """Where the array ``a`` comes from, or None for a constant."""
+        tag = self.tags.get(id(a))
+        if tag is not None or not isinstance(a, _trace.array_types()):
+            return tag
+        for b in base_chain(getattr(a, 'base', None)):
+            tag = self.tags.get(id(b))
+            if tag is not None:
+                return ('view', tag, a.shape, a.strides, _address(a) - _address(b))
+        return None
+
+
+def describe(tag):
+    if tag is None:
+        return 'a constant (computed by no recorded function)'
+    kind = tag[0]
+    if kind == 'state':
+        return "the step's input, parameter or state array #{}".format(tag[1])
+    if kind == 'output':
+        return 'output {} of function #{}'.format(tag[2], tag[1])
+    if kind == 'kept':
+        return 'the array function #{} kept as {}'.format(tag[1], '.'.join(tag[2:]))
+    return 'a view {} of {}'.format(tag[2], describe(tag[1]))
+
+
+def op_count(first, last):
+    if len(first.ops) != len(last.ops):
+        raise NotReplayable('the recorded steps applied {} and {} functions: the step does not '
+                            'apply the same functions every time'
+                            .format(len(first.ops), len(last.ops)))
+
+
+def check_op(i, a, b, known_first, known):
+    """Op ``i`` of the later recorded step (``b``, whose arrays ``known`` describes) against
+    the earlier one's (``a``, ``known_first``), before either learns op ``i``'s results."""
+    where = 'function #{} ({})'.format(i, b.label)
+    if type(a.node) is not type(b.node) or type(a.state) is not type(b.state):
+        raise NotReplayable('{}: the earlier recorded step applied {} there'
+                            .format(where, a.label))
+    if b.outputs is None:
+        raise NotReplayable('{}: its forward did not return'.format(where))
+    _check_config(a, b, where)
+    _check_inputs(a, b, known_first, known, where)
+    _check_attributes(a, b, known_first, known, where)
+
+
+def _check_config(a, b, where):
+    if a.config is None and b.config is None:
+        return
+    ca, cb = a.config or {}, b.config or {}
+    for key in sorted(set(ca) | set(cb)):
+        u, v = ca.get(key, MISSING), cb.get(key, MISSING)
+        if (a.config is None) != (b.config is None) or u is MISSING or v is MISSING or \
+                not same_value(u, v):
+            raise NotReplayable("{}: Chainer's configuration differs between steps ({} is {} "
+                                'then {}); a replay would freeze it'
+                                .format(where, key, short(u), short(v)))
+
+
+def _check_inputs(a, b, known_first, known, where):
+    if len(a.inputs) != len(b.inputs):
+        raise NotReplayable('{}: {} inputs, then {}'.format(where, len(a.inputs),
+                                                           len(b.inputs)))
+    for k, (x, y) in enumerate(zip(a.inputs, b.inputs)):
+        if x is None or y is None:         # an old-style backward's missing array
+            if x is not y:
+                raise NotReplayable('{}: input {} is None in one step only'.format(where, k))
+            continue
+        if x.shape != y.shape or x.dtype != y.dtype:
+            raise NotReplayable('{}: input {} changed from {} {} to {} {}'.format(
+                where, k, x.shape, x.dtype, y.shape, y.dtype))
+        sx, sy = known_first.source(x), known.source(y)
+        if sx != sy:
+            raise NotReplayable('{}: input {} is {} in one step and {} in the other: the '
+                                'functions are wired differently'
+                                .format(where, k, describe(sx), describe(sy)))
+        if sy is None and not same_value(x, y):
+            raise NotReplayable(
+                '{}: input {} ({}) is not computed by a recorded function and differs '
+                'between steps, so a replay would use a stale value; compute it with '
+                'Chainer functions inside the step, or pass it as an input of the step'
+                .format(where, k, _values(x, y)))
+
+
+def _check_attributes(a, b, known_first, known, where):
+    array_types = _trace.array_types()
+    for key, v in b.pre.items():
+        u = a.pre.get(key, MISSING)
+        if isinstance(v, array_types) and isinstance(u, array_types):
+            su, sv = known_first.source(u), known.source(v)
+            if su != sv:
+                raise NotReplayable('{}: its attribute {!r} is {} in one step and {} in the '
+                                    'other: the functions are wired differently'
+                                    .format(where, key, describe(su), describe(sv)))
+            if sv is not None:
+                continue
+        if u is MISSING or not same_value(u, v):
+            raise NotReplayable('{}: its attribute {!r} differs between steps ({} then {}); a '
+                                'replay would freeze it'.format(where, key, short(u), short(v)))
+
+
+def reports(first, last, known_first, known):
+    """The reports of ``last`` as a replay issues them, ``[(values, observer, (names of the
+    values reported as Variables, where))]``, once checked against ``first``'s."""
+    if len(first.reports) != len(last.reports):
+        raise NotReplayable('the step reported {} times, then {} times'.format(
+            len(first.reports), len(last.reports)))
+    array_types = _trace.array_types()
+    out = []
+    for (va, oa, _), (vb, ob, where) in zip(first.reports, last.reports):
+        if va.keys() != vb.keys():
+            raise NotReplayable('the step reported {}, then {}'.format(sorted(va), sorted(vb)))
+        values = {}
+        for key, v in vb.items():
+            arr = v.array if isinstance(v, chainer.Variable) else v
+            u = va[key]
+            u = u.array if isinstance(u, chainer.Variable) else u
+            if isinstance(arr, array_types) and isinstance(u, array_types):
+                su, sv = known_first.source(u), known.source(arr)
+                if su != sv:
+                    raise NotReplayable('the reported value {!r} is {} in one step and {} in '
+                                        'the other'.format(key, describe(su), describe(sv)))
+                if sv is not None:
+                    values[key] = arr
+                    continue
+            if not same_value(u, arr):
+                raise NotReplayable('the reported value {!r} is not computed by a recorded '
+                                    'function and differs between steps ({} then {})'
+                                    .format(key, short(u), short(arr)))
+            values[key] = arr
+        variables = frozenset(k for k, v in vb.items() if isinstance(v, chainer.Variable))
+        out.append((values, ob, (variables, where)))
+    return out
+
+
+def check_same_step(first, last, externals_first, externals):
+    """Raise :class:`NotReplayable` where the recorded step ``last`` differs from ``first`` in
+    what a replay of one freezes: the checks a :class:`~._program.Program` makes, without
+    building one. ``externals``: the step's inputs, parameters and state arrays, in the same
+    order for both steps."""
+    op_count(first, last)
+    known_first, known = Known(externals_first), Known(externals)
+    for i, (a, b) in enumerate(zip(first.ops, last.ops)):
+        check_op(i, a, b, known_first, known)
+        known_first.learn(a, i)
+        known.learn(b, i)
+    reports(first, last, known_first, known)
+
+
+def is_plain(v):
+    """A helper object a forward may keep (e.g. BatchNormalization's ``_impl``), whose arrays a
+    gradient node reads later: not a node, Variable, array, class, function or module."""
+    return (hasattr(v, '__dict__') and not isinstance(
+        v, (type, chainer.FunctionNode, chainer.Function, chainer.Variable,
+            chainer.variable.VariableNode, types.ModuleType, types.FunctionType,
+            types.MethodType)) and not isinstance(v, _trace.array_types()))
+
+
+def same_value(a, b, depth=0):
+    if isinstance(a, _trace.array_types()) or isinstance(b, _trace.array_types()):
+        if type(a) is not type(b) or a.shape != b.shape or a.dtype != b.dtype:
+            return False
+        xp = chainer.backend.get_array_module(a)
+        return bool(xp.array_equal(a, b, equal_nan=a.dtype.kind in 'fc'))
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same_value(x, y, depth) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_value(a[k], b[k], depth) for k in a)
+    if isinstance(a, (chainer.FunctionNode, chainer.Function, chainer.Variable,
+                      chainer.variable.VariableNode)) or callable(a):
+        return type(a) is type(b)
+    if is_plain(a):
+        return type(a) is type(b) and (depth > 2 or same_value(vars(a), vars(b), depth + 1))
+    try:
+        return bool(a == b) or (a != a and b != b)
+    except Exception:
+        return type(a) is type(b)
+
+
+def _values(x, y):
+    """Shape, and both values where they are short."""
+    if x.size > 4:
+        return 'shape {}'.format(y.shape)
+    host = chainer.backend.CpuDevice().send
+    return 'shape {}: {} then {}'.format(y.shape, host(x).tolist(), host(y).tolist())
+
+
+def short(v):
+    if v is MISSING:
+        return 'absent'
+    if isinstance(v, _trace.array_types()):
+        return '<array {} {}>'.format(v.shape, v.dtype)
+    r = repr(v)
+    return r if len(r) < 60 else r[:57] + '...'
