@@ -66,10 +66,11 @@ class TrainStep:
         check_every (int or None): every ``check_every``-th step of a replayed signature runs
             eagerly instead, recorded, and is compared with the trace: a value or a branch that
             changed since the trace (a link attribute set by a schedule, a reported Python
-            value, a branch first taken) is seen there; the step then warns, naming the
-            function and the value, and traces again. Replays between two checks use the
-            traced values. ``None`` or 0: never check (a value first changing after the trace
-            then stays frozen, silently).
+            value, a branch first taken) is seen there; the step then warns (the first time),
+            naming the function and the value, traces again and checks its other signatures
+            at their next call. Replays between two checks use the traced values. ``None`` or
+            0: never check (a value first changing after the trace then stays frozen,
+            silently).
 
     Attributes:
         traces (int): replays built so far (a new input signature builds one).
