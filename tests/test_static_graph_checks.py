@@ -224,6 +224,59 @@ def test_a_change_found_by_one_signature_has_the_others_checked_at_their_next_ca
     assert len(changed_warnings(caught)) == 1
 
 
+def test_nothing_that_stays_the_same_is_taken_for_a_change():
+    """``chainer.config.train`` set on the thread and back to the global value between steps
+    (an old-style evaluation), and a configuration value holding an array, set anew each step
+    with the same value: the configuration in effect is the same, so no re-trace."""
+    (model, opt), _ = twins()
+    step = TrainStep(model, opt, check_every=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter('error', RuntimeWarning)
+        for call, (x, t) in enumerate(data(12), 1):
+            if call == 6:
+                chainer.config.train = False
+                model.l1(x)
+                chainer.config.train = True
+            with chainer.using_config('class_weight', numpy.ones(5, numpy.float32)):
+                step(x, t)
+    del chainer.config.train
+    assert step.traces == 1 and step.checks == 3
+
+
+class Shift(chainer.FunctionNode):
+    """Sets ``offset`` only when one is given."""
+
+    def __init__(self, offset=None):
+        if offset is not None:
+            self.offset = offset
+
+    def forward(self, inputs):
+        return inputs[0] + getattr(self, 'offset', numpy.float32(0)),
+
+    def backward(self, indexes, grad_outputs):
+        return grad_outputs
+
+
+def test_an_attribute_the_traced_step_had_and_a_check_lacks_is_a_change():
+    class Shifted(Net):
+        offset = numpy.float32(0.25)
+
+        def forward(self, x, t):
+            h = Shift(self.offset).apply((self.l1(x),))[0]
+            return F.softmax_cross_entropy(self.l2(F.relu(h)), t)
+    model = Shifted()
+    step = TrainStep(model, optimizers.MomentumSGD(lr=0.1).setup(model),
+                     check_every=CHECK_EVERY)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        for call, (x, t) in enumerate(data(FIRST_CHECK), 1):
+            if call == FIRST_CHECK:
+                model.offset = None
+            step(x, t)
+    warned = changed_warnings(caught)
+    assert len(warned) == 1 and "'offset' is set in one step only" in warned[0], warned
+
+
 def test_check_every_is_validated():
     model = Net()
     opt = optimizers.MomentumSGD().setup(model)

@@ -116,6 +116,110 @@ def test_steps_with_gradients_computed_outside_forward_replay_exactly(kind):
     assert step.replays >= 4 and step.checks >= 2 and step.traces == 1
 
 
+class HalveInBackward(chainer.Function):
+    """An old-style Function whose backward writes into its second input, in place."""
+
+    def forward(self, inputs):
+        return inputs[0] * inputs[1],
+
+    def backward(self, inputs, grad_outputs):
+        x, w = inputs
+        g = grad_outputs[0] * w
+        w *= 0.5
+        return g, None
+
+
+class Written(chainer.Chain):
+    """``fresh``: the array written into is made anew every step (and read by a function
+    before the backward writes into it): each replay starts from its value at the start of the
+    step. Else it is one array kept across steps (a counter): replays go on updating it."""
+
+    def __init__(self, fresh):
+        super().__init__()
+        self.fresh = fresh
+        self.kept = numpy.full((4, 5), 2, numpy.float32)
+        r = numpy.random.RandomState(0)
+        with self.init_scope():
+            self.l1 = L.Linear(6, 5, initialW=r.randn(5, 6).astype(numpy.float32) * 0.3)
+
+    def forward(self, x, t, mask):
+        w = numpy.full((4, 5), 2, numpy.float32) if self.fresh else self.kept
+        h = self.l1(x) * w
+        return F.softmax_cross_entropy(HalveInBackward()(h, w), t)
+
+
+@pytest.mark.parametrize('fresh', [True, False])
+def test_an_array_an_old_style_backward_writes_into_is_what_eager_steps_see(fresh):
+    runs = []
+    for use_step in (False, True):
+        model = Written(fresh)
+        opt = optimizers.MomentumSGD(lr=0.05).setup(model)
+        step = TrainStep(model, opt, check_every=3) if use_step else None
+        losses = []
+        with warnings.catch_warnings():
+            warnings.simplefilter('error', RuntimeWarning)   # replayed, no change found
+            for x, t, mask in batches(10):
+                if step is None:
+                    held = []
+                    opt.update(lambda: held.append(model(x, t, mask)) or held[-1])
+                    losses.append(held[-1].array.copy())
+                else:
+                    losses.append(step(x, t, mask).array.copy())
+        runs.append((losses, state(model), model.kept.copy()))
+    assert [a.tobytes() for a in runs[0][0]] == [b.tobytes() for b in runs[1][0]]
+    for k in runs[0][1]:
+        numpy.testing.assert_array_equal(runs[0][1][k], runs[1][1][k], err_msg=k)
+    numpy.testing.assert_array_equal(runs[0][2], runs[1][2])     # the kept array: 2 ** -9
+    assert step.replays >= 4
+
+
+@pytest.mark.parametrize('replay', [False, True])
+def test_a_backward_writing_into_its_gradient_leaves_the_loss_scale_alone(replay):
+    """F.hinge divides its output gradient in place: with loss scaling that gradient is the
+    scale's seed, which must be an array of its own (it once was a view of the scale)."""
+    model = Net('hinge_L1')
+    opt = optimizers.MomentumSGD(lr=0.05).setup(model)
+    opt.loss_scaling(scale=64.0)
+    step = TrainStep(model, opt, check_every=3) if replay else None
+    for x, t, mask in batches(8):
+        if step is None:
+            opt.update(model, x, t, mask)
+        else:
+            step(x, t, mask)
+    assert opt.loss_scale == 64.0
+    assert all(numpy.isfinite(p.array).all() for p in model.params())
+
+
+def test_recording_on_two_threads_at_once_restores_chainers_functions():
+    """Recorders on two threads that exit in the order they entered (not nested) leave
+    Chainer's ``Reporter.report`` and operand cast as they were."""
+    import threading
+    from chainer import reporter as reporter_module
+    from chainer.functions.math import basic_math
+    from chainer_tc.static_graph import _trace
+    originals = reporter_module.Reporter.report, basic_math._preprocess_rhs
+    entered, release = threading.Event(), threading.Event()
+    seen = []
+
+    def other():
+        with _trace.Recorder() as rec:
+            entered.set()
+            release.wait(10)
+            chainer.Variable(numpy.ones(3, numpy.float32)) * numpy.ones(3, numpy.int32)
+        seen.append(len(rec.trace.ops))
+    first = _trace.Recorder().__enter__()
+    thread = threading.Thread(target=other)
+    thread.start()
+    assert entered.wait(10)
+    chainer.Variable(numpy.ones(3, numpy.float32)) * numpy.ones(3, numpy.int32)
+    first.__exit__(None, None, None)              # before the other thread's recorder
+    release.set()
+    thread.join(10)
+    assert seen == [2]            # its cast and its multiplication: not this thread's
+    assert len(first.trace.ops) == 2
+    assert (reporter_module.Reporter.report, basic_math._preprocess_rhs) == originals
+
+
 def test_max_is_still_refused_with_the_reason():
     """F.max's backward compares arrays in Python (``x == y``): not recorded, so refused."""
     class MaxNet(Net):

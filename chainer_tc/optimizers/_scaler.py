@@ -120,18 +120,19 @@ class LossScaler:
         return int(_host(self.state)[SKIPPED])
 
     def seed(self, loss):
-        """The initial gradient for ``loss.backward()``: the scale, on the device, no host trip."""
+        """The initial gradient for ``loss.backward()``: the scale, on the device, no host trip.
+
+        A new array each step, made by a Chainer function: a backward may write into its
+        gradient (``F.hinge`` divides it in place), which must not reach the state, and a
+        recorded step (chainer_tc.static_graph) recomputes it from the scale at each replay."""
         dtype = loss.dtype
-        if dtype == numpy.float32:
-            s = self.state[SCALE:SCALE + 1].view(numpy.float32)
-        elif dtype == numpy.float16:
+        if dtype == numpy.float16:
             s = self.state.view(numpy.float16)[2 * SCALE_F16:2 * SCALE_F16 + 1]
         else:
-            # a cast by a Chainer function, not ndarray.astype: a recorded step
-            # (chainer_tc.static_graph) then recomputes it from the scale at every replay
             s = self.state[SCALE:SCALE + 1].view(numpy.float32)
-            s = chainer.functions.cast(chainer.Variable(s, requires_grad=False), dtype).array
-        return s.reshape(loss.shape)
+        s = chainer.Variable(s, requires_grad=False)
+        s = s * 1 if s.dtype == dtype else chainer.functions.cast(s, dtype)
+        return s.array.reshape(loss.shape)
 
     def finish_step_host(self, found_inf):
         """The bookkeeping of the kernel's last block, on a NumPy state (the CPU path)."""

@@ -20,6 +20,7 @@ value that differ.
 import types
 
 import chainer
+from chainer import configuration
 
 from chainer_tc.static_graph import _trace
 
@@ -54,6 +55,7 @@ class Known:
         self.ids = set()
         self.keep = []
         self.tags = {}
+        self.config = {}          # the configuration of the op last compared (_check_config)
         for k, a in enumerate(externals):
             self.add(a, ('state', k))
 
@@ -125,19 +127,26 @@ def check_op(i, a, b, known_first, known):
                             .format(where, a.label))
     if b.outputs is None:
         raise NotReplayable('{}: its forward did not return'.format(where))
-    _check_config(a, b, where)
+    _check_config(a, b, known_first, known, where)
     _check_inputs(a, b, known_first, known, where)
     _check_attributes(a, b, known_first, known, where)
 
 
-def _check_config(a, b, where):
+def _check_config(a, b, known_first, known, where):
+    """The configuration each op ran under (recorded where it changed since the op before):
+    the values in effect, the thread's own or else the global ones, must be the same."""
     if a.config is None and b.config is None:
         return
-    ca, cb = a.config or {}, b.config or {}
+    if a.config is not None:
+        known_first.config = a.config
+    if b.config is not None:
+        known.config = b.config
+    ca, cb = known_first.config, known.config
+    glob = configuration.global_config.__dict__
     for key in sorted(set(ca) | set(cb)):
-        u, v = ca.get(key, MISSING), cb.get(key, MISSING)
-        if (a.config is None) != (b.config is None) or u is MISSING or v is MISSING or \
-                not same_value(u, v):
+        u = ca.get(key, glob.get(key, MISSING))
+        v = cb.get(key, glob.get(key, MISSING))
+        if not same_value(u, v):
             raise NotReplayable("{}: Chainer's configuration differs between steps ({} is {} "
                                 'then {}); a replay would freeze it'
                                 .format(where, key, short(u), short(v)))
@@ -147,6 +156,17 @@ def _check_inputs(a, b, known_first, known, where):
     if len(a.inputs) != len(b.inputs):
         raise NotReplayable('{}: {} inputs, then {}'.format(where, len(a.inputs),
                                                            len(b.inputs)))
+    # what an old-style backward wrote into: the same inputs, and a constant made anew each
+    # step (not one array both steps share: state the step updates) with the same value before
+    wa, wb = dict(a.overwritten), dict(b.overwritten)
+    if wa.keys() != wb.keys():
+        raise NotReplayable('{}: it wrote into its inputs {} in one step and {} in the other'
+                            .format(where, sorted(wa), sorted(wb)))
+    for k in wa:
+        if a.inputs[k] is not b.inputs[k] and not same_value(wa[k], wb[k]):
+            raise NotReplayable('{}: its input {} held {} before it wrote into it in one step '
+                                'and {} in the other'
+                                .format(where, k, short(wa[k]), short(wb[k])))
     for k, (x, y) in enumerate(zip(a.inputs, b.inputs)):
         if x is None or y is None:         # an old-style backward's missing array
             if x is not y:
@@ -170,7 +190,12 @@ def _check_inputs(a, b, known_first, known, where):
 
 def _check_attributes(a, b, known_first, known, where):
     array_types = _trace.array_types()
+    for key in a.pre.keys() - b.pre.keys() - {'forward'}:
+        raise NotReplayable('{}: its attribute {!r} is set in one step only ({} then absent); '
+                            'a replay would freeze it'.format(where, key, short(a.pre[key])))
     for key, v in b.pre.items():
+        if key == 'forward':
+            continue
         u = a.pre.get(key, MISSING)
         if isinstance(v, array_types) and isinstance(u, array_types):
             su, sv = known_first.source(u), known.source(v)

@@ -68,11 +68,18 @@ class Program:
         known_first, known = _compare.Known(externals_first), _compare.Known(externals)
         slots = {}
         ops = []
+        restores = {}
         for i, (a, b) in enumerate(zip(first.ops, last.ops)):
             _compare.check_op(i, a, b, known_first, known)
             known_first.learn(a, i)
             inputs = list(b.inputs)
-            restore = tuple((k, saved) for k, saved in b.overwritten if b.inputs[k] not in known)
+            for k, saved in b.overwritten:
+                x = b.inputs[k]
+                # a constant made anew every step (different arrays in the two steps) that an
+                # op writes into: its value at the start of the step comes back before each
+                # replay. The same array in both steps is state the step updates, as in eager.
+                if x not in known and x is not a.inputs[k] and id(x) not in restores:
+                    restores[id(x)] = (x, saved)
             outs = []
             for y in b.outputs:
                 slot = None
@@ -105,12 +112,11 @@ class Program:
                 pins.append((key, slot, False))
                 known.add(v)
             known.learn(b, i)
-            forward = b.node.forward
-            if restore:        # a constant input the op writes into: its value back first
-                forward = _restoring(forward, restore)
             # the replay rebinds references in its own copy of the attributes: the trace's
             # stay as recorded, for a later check to compare with (check_same_step)
-            ops.append([b.state.__dict__, dict(b.pre), forward, inputs, outs, pins, b.config])
+            ops.append([b.state.__dict__, dict(b.pre), b.node.forward, inputs, outs, pins,
+                        b.config])
+        self._restores = tuple(restores.values())
         self._ops = ops
         self._slots = slots
         self._known = known
@@ -254,6 +260,8 @@ class Program:
         saved = dict(local)
         copyto = numpy.copyto
         array_types = _trace.array_types()
+        for x, value in self._restores:
+            x[...] = value
         try:
             for d, pre, forward, inputs, config, rebind, copy, pins in self._compiled:
                 if config is not None:
@@ -310,14 +318,6 @@ class Program:
             reporter, observation = where
             with reporter.scope(observation):
                 reporter.report(out, observer)
-
-
-def _restoring(forward, restore):
-    def run(inputs):
-        for k, saved in restore:
-            inputs[k][...] = saved
-        return forward(inputs)
-    return run
 
 
 def give_grads(pairs):

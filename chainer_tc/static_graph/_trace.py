@@ -111,6 +111,60 @@ class Trace:
         self.externals = None      # the arrays refreshed in place elsewhere (TrainStep's list)
 
 
+class _Patches:
+    """``Reporter.report`` and Chainer's operand cast (``basic_math._preprocess_rhs``), replaced
+    while any thread records, by functions that tell the calling thread's innermost recorder
+    (if any) and then do what the originals do."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._count = 0
+        self._local = threading.local()
+        self._originals = None
+
+    def current(self):
+        stack = getattr(self._local, 'stack', None)
+        return stack[-1] if stack else None
+
+    def enter(self, recorder):
+        stack = self._local.__dict__.setdefault('stack', [])
+        stack.append(recorder)
+        with self._lock:
+            if self._count == 0:
+                self._install()
+            self._count += 1
+
+    def exit(self, recorder):
+        self._local.stack.remove(recorder)
+        with self._lock:
+            self._count -= 1
+            if self._count == 0:
+                reporter_module.Reporter.report, basic_math._preprocess_rhs = self._originals
+
+    def _install(self):
+        report, preprocess_rhs = self._originals = (reporter_module.Reporter.report,
+                                                    basic_math._preprocess_rhs)
+        current = self.current
+
+        def recorded_report(reporter, values, observer=None):
+            rec = current()
+            if rec is not None:
+                rec.on_report(reporter, values, observer)
+            return report(reporter, values, observer)
+
+        def recorded_rhs(x, value):
+            out = preprocess_rhs(x, value)
+            rec = current()
+            if rec is not None:
+                rec.on_cast(value, out)
+            return out
+        reporter_module.Reporter.report = recorded_report
+        basic_math._preprocess_rhs = recorded_rhs
+
+
+_patches = _Patches()
+
+
 class Recorder(chainer.FunctionHook):
     """``with Recorder() as rec:`` records every outermost FunctionNode applied, and the reports."""
 
@@ -120,52 +174,43 @@ class Recorder(chainer.FunctionHook):
         self.trace = Trace()
         self._depth = 0
         self._last_config = None
-        self._report = None
+        self._outer = None
+        self._installed = []        # old-style Functions given a recording backward
 
     def __enter__(self):
         super().__enter__()
-        original = reporter_module.Reporter.report
-        trace = self.trace
         reporters = reporter_module._get_reporters()
-        outer = (reporters[-1], reporters[-1].observation) if reporters else (None, None)
-        thread = threading.get_ident()      # the patches below serve other threads unrecorded
-
-        def report(reporter, values, observer=None):
-            if threading.get_ident() != thread:
-                return original(reporter, values, observer)
-            # to the reporter and observation current when the step began (a Trainer's, each
-            # iteration's): None, the ones current then; else those the step itself set
-            here = (reporter, reporter.observation)
-            where = None if here[0] is outer[0] and here[1] is outer[1] else here
-            trace.reports.append((dict(values), observer, where))
-            return original(reporter, values, observer)
-
-        self._report = original
-        reporter_module.Reporter.report = report
-        self._preprocess_rhs = preprocess_rhs = basic_math._preprocess_rhs
-        recorder = self
-
-        def recorded_rhs(x, value):
-            out = preprocess_rhs(x, value)
-            if out is not value and not recorder._depth and isinstance(
-                    value, array_types()) and threading.get_ident() == thread:
-                op = Op(Cast(out.dtype), (value,), recorder._config())
-                op.outputs, op.post = (out,), {}
-                recorder.trace.ops.append(op)
-            return out
-        basic_math._preprocess_rhs = recorded_rhs
+        # reports to the reporter and observation current when the step began (a Trainer's,
+        # each iteration's) go to the current ones on replay; others to where they went
+        self._outer = (reporters[-1], reporters[-1].observation) if reporters else (None, None)
+        _patches.enter(self)
         return self
 
     def __exit__(self, *exc):
-        reporter_module.Reporter.report = self._report
-        basic_math._preprocess_rhs = self._preprocess_rhs
+        _patches.exit(self)
+        for f in self._installed:           # a backward that never ran (an error before it)
+            f.__dict__.pop('backward', None)
         return super().__exit__(*exc)
+
+    def on_report(self, reporter, values, observer):
+        here = (reporter, reporter.observation)
+        outer = self._outer
+        where = None if here[0] is outer[0] and here[1] is outer[1] else here
+        self.trace.reports.append((dict(values), observer, where))
+
+    def on_cast(self, value, out):
+        if out is not value and not self._depth and isinstance(value, array_types()):
+            op = Op(Cast(out.dtype), (value,), self._config())
+            op.outputs, op.post = (out,), {}
+            self.trace.ops.append(op)
 
     def _config(self):
         snap = dict(configuration.config._local.__dict__)
-        if snap == self._last_config:
+        last = self._last_config
+        if last is not None and snap.keys() == last.keys() and all(
+                snap[k] is last[k] for k in snap):
             return None                 # unchanged since the previous op: nothing to set
-        self._last_config = snap
+        self._last_config = snap        # (by identity: a value may be an array)
         return snap
 
     def forward_preprocess(self, function, in_data):
@@ -220,6 +265,7 @@ class Recorder(chainer.FunctionHook):
             return gxs
 
         old_style.__dict__['backward'] = recording_backward
+        self._installed.append(old_style)
 
     def backward_postprocess(self, function, in_data, out_grad):
         if isinstance(function, chainer_function.FunctionAdapter):
