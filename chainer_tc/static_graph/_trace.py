@@ -247,7 +247,8 @@ class Recorder(chainer.FunctionHook):
                     recorder._config())
             recorder.trace.ops.append(op)
             # an old-style backward may write into its arrays (F.hinge: gloss /= len(t)); the
-            # CPU replay puts such a constant back first. Not checked under a CUDA graph
+            # CPU replay puts a constant made anew each step back at the start of each replay
+            # (_program.Program._restores). Not checked under a CUDA graph
             # capture (comparing would synchronise): an array made inside the graph (the
             # initial gradient) is made again by each launch, but one made before the capture
             # would be written into again at every launch (not detected)
