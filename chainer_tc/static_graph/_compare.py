@@ -19,6 +19,8 @@ value that differ.
 """
 import types
 
+import numpy
+
 import chainer
 from chainer import configuration
 
@@ -76,7 +78,7 @@ class Known:
             if op.pre.get(key) is v:
                 continue                   # given to the node, not made by its forward
             self.add(v, ('kept', i, key))
-            if not isinstance(v, array_types):
+            if not isinstance(v, array_types) and hasattr(v, '__dict__'):
                 for name, x in vars(v).items():
                     if isinstance(x, array_types):
                         self.add(x, ('kept', i, key, name))
@@ -189,7 +191,7 @@ def _check_inputs(a, b, known_first, known, where):
 
 
 def _check_attributes(a, b, known_first, known, where):
-    array_types = _trace.array_types()
+    array_types = _trace.array_types() + (numpy.generic,)     # what a forward computes
     for key in a.pre.keys() - b.pre.keys() - {'forward'}:
         raise NotReplayable('{}: its attribute {!r} is set in one step only ({} then absent); '
                             'a replay would freeze it'.format(where, key, short(a.pre[key])))

@@ -101,6 +101,8 @@ class Program:
                 if isinstance(v, _trace.array_types()):
                     slot = _Slot(v, _shares(v, b.inputs + b.outputs),
                                  bases=self._bases(v, b.inputs + b.outputs, slots))
+                elif isinstance(v, numpy.generic):     # a number: rebound, never copied into
+                    slot = _Slot(v, False)
                 else:                          # a helper object, and the arrays it holds
                     sub = tuple((k, x, _shares(x, b.inputs + b.outputs))
                                 for k, x in vars(v).items()
@@ -129,6 +131,11 @@ class Program:
         if last.loss not in known:
             raise NotReplayable('the loss was not computed by the recorded functions')
         self._find_sites()
+        for sl in slots.values():
+            if sl.copy and isinstance(sl.obj, numpy.generic):
+                raise NotReplayable('a number a function computes ({!r}) is kept where a '
+                                    'replay cannot refresh it (inside a container)'
+                                    .format(sl.obj))
         self._propagated = False
 
     def _find_sites(self):

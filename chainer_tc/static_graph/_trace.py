@@ -8,9 +8,10 @@ the recorder keeps:
 - the node, and a shallow copy of its attributes just before ``forward`` ran (``pre``), so that a
   replay can put the node back in the state in which it computed;
 - the input arrays and the output arrays, by identity;
-- the arrays the node kept in its attributes after ``forward`` (``post``): a replay refreshes
-  them in place, so a gradient node built later from them (``ReLUGrad2(y)``,
-  ``BatchNormalizationGrad(mean, inv_std)``) sees this step's values;
+- the arrays (and NumPy scalars) the node kept in its attributes after ``forward``
+  (``post``): a replay refreshes them, so a gradient node built later from them
+  (``ReLUGrad2(y)``, ``BatchNormalizationGrad(mean, inv_std)``, ``softmax_cross_entropy``'s
+  ``1 / count`` of the labels not ignored) sees this step's values;
 - Chainer's thread-local configuration at that moment (``train``, ``enable_backprop``, ...).
 
 Two array computations Chainer makes outside ``FunctionNode.forward`` are recorded as ops too, so
@@ -25,6 +26,8 @@ Reports (``chainer.report`` and reporters' ``report``) made during the step are 
 Nothing here changes what the step computes: a recorded step is an eager step.
 """
 import threading
+
+import numpy
 
 import chainer
 from chainer import configuration
@@ -229,7 +232,7 @@ class Recorder(chainer.FunctionHook):
                 recorder._depth -= 1
                 function.__dict__.pop('forward', None)
             op.outputs = tuple(outputs)
-            op.post = _kept_arrays(op.state)
+            op.post = _kept_values(op.state)
             return outputs
 
         function.__dict__['forward'] = recording_forward
@@ -262,7 +265,7 @@ class Recorder(chainer.FunctionHook):
             op.overwritten = tuple((k, b) for k, (a, b) in enumerate(zip(op.inputs, before))
                                    if b is not None and not _same_bits(a, b))
             op.outputs = tuple(gxs)
-            op.post = _kept_arrays(op.state)
+            op.post = _kept_values(op.state)
             return gxs
 
         old_style.__dict__['backward'] = recording_backward
@@ -286,9 +289,12 @@ def _same_bits(a, b):
     return bool(xp.array_equal(a, b))
 
 
-def _kept_arrays(state):
+def _kept_values(state):
+    """The attributes a forward may compute for a gradient node to read: arrays, NumPy
+    scalars (``softmax_cross_entropy``'s ``1 / count``) and helper objects holding arrays."""
     return {k: v for k, v in state.__dict__.items()
-            if isinstance(v, array_types()) or _holds_arrays(v)}
+            if isinstance(v, array_types()) or isinstance(v, numpy.generic)
+            or _holds_arrays(v)}
 
 
 def _holds_arrays(v):
