@@ -179,6 +179,32 @@ def test_float64_dynamic_loss_scaling_replays_the_current_scale():
     assert step.replays == 13
 
 
+def test_gradients_without_the_loss_scale_mark_make_the_step_run_eagerly():
+    """F.forget runs its inner backward without the loss scale, so Chainer marks those
+    parameters' gradients unscaled and an eager update leaves them scaled; a replay would
+    unscale every gradient. The step says so and runs eagerly: the same as eager steps."""
+    class Forgetting(StockNet):
+        def forward(self, x):
+            h = F.forget(lambda a: F.relu(self.bn(a)), self.conv(x))
+            return self.fc(F.max_pooling_2d(F.relu(self.conv2(h)), 1))
+    data = batches(6)
+    results = []
+    for use_step in (False, True):
+        model = Forgetting()
+        opt = optimizers.MomentumSGD(lr=0.05).setup(model)
+        opt.loss_scaling(scale=64.0)
+        if use_step:
+            with pytest.warns(RuntimeWarning, match=r'gradients of /bn/beta, /bn/gamma were not '
+                                                    r'computed by the loss-scaled backward'):
+                losses, step = run_step(model, opt, data)
+            assert step.replays == 0
+        else:
+            losses = run_eager(model, opt, data)
+        results.append((losses, state(model, opt)))
+    assert [a.tobytes() for a in results[0][0]] == [b.tobytes() for b in results[1][0]]
+    assert_same(results[0][1], results[1][1])
+
+
 def test_lr_and_frozen_links_changed_between_replays_are_followed(path):
     data = batches(12)
     (m1, o1), (m2, o2) = twin()

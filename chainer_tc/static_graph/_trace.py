@@ -112,6 +112,7 @@ class Trace:
         self.grads = None          # per optimizer entry: its gradient array or None
         self.inputs = None         # the step's input buffers
         self.externals = None      # the arrays refreshed in place elsewhere (TrainStep's list)
+        self.marks = None          # per optimizer entry: its parameter's _loss_scale then
 
 
 class _Patches:

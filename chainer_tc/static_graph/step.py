@@ -22,6 +22,7 @@ import chainer
 from chainer import configuration
 from chainer import variable
 
+from chainer_tc.optimizers import _scaler
 from chainer_tc.optimizers import momentum_sgd
 from chainer_tc.static_graph import _compare
 from chainer_tc.static_graph import _program
@@ -269,6 +270,17 @@ class TrainStep:
             entry.first, result = self._recorded(inputs)
             self._update(entry.first.grads)
             return result
+        unmarked = _unmarked(self.optimizer, entry.first)
+        if unmarked:
+            entry.failed = ('the gradients of {} were not computed by the loss-scaled backward '
+                            '(their parameters\' _loss_scale is not the optimizer\'s, e.g. '
+                            'under F.forget, whose inner backward Chainer runs unscaled): an '
+                            'eager update leaves them scaled, a replay would unscale them'
+                            .format(', '.join(unmarked)))
+            entry.first = None
+            self._warn('failed:' + entry.failed, 'TrainStep: this step cannot be replayed, it '
+                                                 'runs eagerly: {}'.format(entry.failed))
+            return self._eager(inputs)
         entry.load(inputs)
         if self.capture and _is_cupy(entry.buffers):
             return self._capture(entry, inputs)
@@ -304,6 +316,7 @@ class TrainStep:
         with variable._AllowArrayAccessWithNonstandardLayout():
             flat = opt._try_build(required=True)
             trace.grads = flat.grads()
+        trace.marks = [e.param._loss_scale for e in flat.entries]
         trace.loss = loss.array
         trace.inputs = buffers
         return trace, _detached(loss)
@@ -464,6 +477,16 @@ class _CpuReplay:
             opt._step(self.plan)
         self.program.report()
         return chainer.Variable(self.program.loss[0].copy(), requires_grad=False)
+
+
+def _unmarked(opt, trace):
+    """With loss scaling, the names of the parameters whose gradient in ``trace`` does not carry
+    the optimizer's scale mark: an eager update leaves such a gradient as it is, while a
+    replay (and a capture) unscales every gradient."""
+    if opt._scaler.mode == _scaler.NONE:
+        return []
+    return [e.name for e, g, m in zip(opt._flat.entries, trace.grads, trace.marks)
+            if g is not None and m is not _scaler.SCALED_ON_DEVICE]
 
 
 def _caller_level():
