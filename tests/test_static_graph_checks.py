@@ -317,3 +317,49 @@ def test_a_change_on_a_check_is_seen_and_captured_again_on_the_gpu(what):
     # cuBLAS may pick other algorithms on the capture's handle (test_static_graph.py)
     for k in runs[0]:
         cupy.testing.assert_allclose(runs[0][k], runs[1][k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+class Probe(chainer.FunctionNode):
+    """Keeps a NumPy bool its forward computes (numpy.True_ or numpy.False_: shared objects)."""
+
+    def forward(self, inputs):
+        self.positive = (inputs[0] > 0).all()
+        return inputs[0] * 1,
+
+    def backward(self, indexes, grad_outputs):
+        return grad_outputs
+
+
+class Gate(chainer.FunctionNode):
+    """Doubles when ``enabled``: given numpy.True_, the same object Probe may keep."""
+
+    def __init__(self, enabled):
+        self.enabled = enabled
+
+    def forward(self, inputs):
+        return (inputs[0] * 2 if self.enabled else inputs[0]),
+
+    def backward(self, indexes, grad_outputs):
+        return (grad_outputs[0] * 2 if self.enabled else grad_outputs[0]),
+
+
+def test_a_numpy_bool_a_function_keeps_is_not_taken_for_another_attribute():
+    """NumPy scalars a forward keeps are followed by identity (softmax_cross_entropy's count),
+    but not NumPy bools: numpy.True_ is one object, which an unrelated attribute holds too."""
+    class Gated(Net):
+        def forward(self, x, t):
+            h = self.l1(Probe().apply((x,))[0])
+            h = Gate(numpy.True_).apply((h,))[0]
+            return F.softmax_cross_entropy(self.l2(F.relu(h)), t)
+    batches = data(10)
+    for i in range(3):                      # all positive while traced: Probe keeps True_
+        batches[i] = (numpy.abs(batches[i][0]) + 10, batches[i][1])
+    ms = Gated()
+    me = Gated()
+    oe = optimizers.MomentumSGD(lr=0.1).setup(me)
+    step = TrainStep(ms, optimizers.MomentumSGD(lr=0.1).setup(ms), check_every=None)
+    for call, (x, t) in enumerate(batches, 1):
+        oe.update(me, x, t)
+        step(x, t)
+        assert_same(snapshot(me), snapshot(ms), 'call {}'.format(call))
+    assert step.replays == 7

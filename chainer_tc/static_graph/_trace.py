@@ -294,8 +294,13 @@ def _kept_values(state):
     """The attributes a forward may compute for a gradient node to read: arrays, NumPy
     scalars (``softmax_cross_entropy``'s ``1 / count``) and helper objects holding arrays."""
     return {k: v for k, v in state.__dict__.items()
-            if isinstance(v, array_types()) or isinstance(v, numpy.generic)
-            or _holds_arrays(v)}
+            if isinstance(v, array_types()) or _number(v) or _holds_arrays(v)}
+
+
+def _number(v):
+    """A NumPy scalar, followed by identity like an array; not a NumPy bool, whose two values
+    are shared objects (``numpy.True_``) that unrelated attributes may hold too."""
+    return isinstance(v, numpy.generic) and not isinstance(v, numpy.bool_)
 
 
 def _holds_arrays(v):
