@@ -4,10 +4,11 @@ is seen, said once, and traced again.
 
 Each case changes something the two recorded steps could not see: a link attribute set by a
 schedule, a branch first taken at some iteration, a Python value reported from the loss
-function, a batch whose ignored labels change the loss's normaliser. Where the change lands on
-a check, every step equals an eager step bit for bit; where it lands between two checks, the
-replays in between used the traced value, as the warning says, and the steps after the check
-are right again.
+function, the wiring of two results, a configuration value. Where the change lands on a check,
+every step equals an eager step bit for bit; where it lands between two checks, the replays in
+between used the traced value, as the warning says, and the steps after the check are right
+again. Also here: what the comparison must not take for a change (a configuration reset to its
+value, ignored labels, whose count the replay recomputes, NumPy bools).
 """
 import warnings
 
