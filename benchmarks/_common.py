@@ -161,7 +161,7 @@ class TinyStep:
     def ms_per_iter(self):
         """Median host ms per timed iteration; for a TrainStep, with its periodic check
         (``check_every``: one recorded eager step in that many) averaged in."""
-        ms = 1e3 * float(numpy.median(self.times))
+        ms = self.ms_per_replay()
         every = 0 if self.step is None else self.step.check_every
         if not every:
             return ms

@@ -581,7 +581,7 @@ def gpu_table(gpu):
             ips = r.get('error', '-')[:60]
         note = ''
         if 'replays' in r:      # a step TrainStep could not capture runs eagerly: say so
-            eager = r['eager_steps'] - r.get('checks', 0)     # checks: one call in 100
+            eager = r['eager_steps'] - r.get('checks', 0)     # the trace's periodic checks
             note = 'replayed' if eager <= 3 else '{} eager steps'.format(eager)
         body.append((r['config'], r['input'], r['batch'], ips,
                      _f(r.get('speedup_vs_fp32'), '{:.2f}x'), note))

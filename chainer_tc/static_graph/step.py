@@ -333,7 +333,7 @@ class TrainStep:
         try:
             traced = entry.replay.program.trace
             _compare.check_same_step(traced, trace, traced.externals, trace.externals)
-        except _compare.NotReplayable as e:
+        except _program.NotReplayable as e:
             self._warn('changed', 'TrainStep: the step changed after it was traced ({}); the '
                                   '{} replays of this input signature since it was last '
                                   'checked ran the step as traced. It is traced again, and '
