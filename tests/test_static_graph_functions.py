@@ -234,6 +234,24 @@ def test_max_is_still_refused_with_the_reason():
     assert step.replays == 0
 
 
+
+@pytest.mark.parametrize('name', ['sign', 'floor'])
+def test_functions_that_are_not_function_nodes_are_refused_with_their_names(name):
+    """F.sign and F.floor compute on the array directly (no FunctionNode): their result reaches
+    the next function unrecorded, and the refusal says that these functions are why, rather
+    than telling the user to use Chainer functions (they are Chainer functions)."""
+    class SignNet(Net):
+        def forward(self, x, t, mask):
+            h = self.l1(x)
+            return F.softmax_cross_entropy(self.l2(h * getattr(F, name)(h)), t)
+    model = SignNet(name)
+    step = TrainStep(model, optimizers.MomentumSGD().setup(model))
+    with pytest.warns(RuntimeWarning, match=r'cannot be replayed.*not computed by a recorded '
+                                            r'function.*F\.sign, F\.floor, F\.ceil or F\.fix'):
+        for x, t, mask in batches(5):
+            step(x, t, mask)
+    assert step.replays == 0
+
 @pytest.mark.gpu
 @pytest.mark.parametrize('kind', ['hinge_L1', 'user_function', 'integer_mask'])
 def test_steps_with_gradients_computed_outside_forward_are_captured_on_the_gpu(kind):

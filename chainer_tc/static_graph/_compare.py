@@ -185,8 +185,11 @@ def _check_inputs(a, b, known_first, known, where):
         if sy is None and not same_value(x, y):
             raise NotReplayable(
                 '{}: input {} ({}) is not computed by a recorded function and differs '
-                'between steps, so a replay would use a stale value; compute it with '
-                'Chainer functions inside the step, or pass it as an input of the step'
+                'between steps, so a replay would use a stale value. Only FunctionNodes are '
+                'recorded: an array computed with NumPy/CuPy, from a Variable\'s .array, or '
+                'by F.sign, F.floor, F.ceil or F.fix (which compute directly, with no '
+                'FunctionNode) is not; compute it with differentiable Chainer functions '
+                'inside the step, or pass it as an input of the step'
                 .format(where, k, _values(x, y)))
 
 
