@@ -8,7 +8,9 @@ function, the wiring of two results, a configuration value. Where the change lan
 every step equals an eager step bit for bit; where it lands between two checks, the replays in
 between used the traced value, as the warning says, and the steps after the check are right
 again. Also here: what the comparison must not take for a change (a configuration reset to its
-value, ignored labels, whose count the replay recomputes, NumPy bools).
+value, ignored labels, whose count the replay recomputes, NumPy bools). And a Python float a
+function computes for its gradient node, followed like a NumPy scalar; inside a container,
+a number is a constant compared by value.
 """
 import warnings
 
@@ -364,3 +366,85 @@ def test_a_numpy_bool_a_function_keeps_is_not_taken_for_another_attribute():
         step(x, t)
         assert_same(snapshot(me), snapshot(ms), 'call {}'.format(call))
     assert step.replays == 7
+
+
+class MeanOverValid(chainer.FunctionNode):
+    """Sums the rows whose label is not -1 and divides by their count: a Python float its
+    forward computes from the labels and hands to its gradient node (as an attribute, or
+    inside a tuple with ``boxed``); a NumPy float64 with ``kind=numpy.float64``."""
+
+    def __init__(self, boxed=False, kind=float):
+        self.boxed, self.kind = boxed, kind
+
+    def forward(self, inputs):
+        h, t = inputs
+        valid = t >= 0
+        self.valid = valid
+        self.scale = self.kind(1.0 / max(int(valid.sum()), 1))      # a new object each step
+        return numpy.asarray((h[valid].sum(axis=0) * h.dtype.type(self.scale))),
+
+    def backward(self, indexes, grad_outputs):
+        scale = (self.scale,) if self.boxed else self.scale
+        return MeanOverValidGrad(self.valid, scale).apply(grad_outputs)[0], None
+
+
+class MeanOverValidGrad(chainer.FunctionNode):
+    def __init__(self, valid, scale):
+        self.valid, self.scale = valid, scale
+
+    def forward(self, inputs):
+        gy, = inputs
+        scale = self.scale[0] if isinstance(self.scale, tuple) else self.scale
+        g = numpy.zeros((len(self.valid), gy.shape[0]), gy.dtype)
+        g[self.valid] = gy * gy.dtype.type(scale)
+        return g,
+
+
+def valid_counts_net(boxed, kind):
+    class Net2(Net):
+        def forward(self, x, t):
+            h = MeanOverValid(boxed, kind).apply((self.l1(x), t))[0]
+            return F.sum(self.l2(F.expand_dims(F.tanh(h), 0)) ** 2)
+    return Net2()
+
+
+def run_valid_counts(boxed, vary_from, kind=float, n=12):
+    """Eager steps and TrainStep (no checks) side by side, compared after every call; from call
+    ``vary_from`` on, 4, 3 or 2 of the 4 labels are valid. Returns (step, the warnings)."""
+    batches = data(n)
+    for call, (x, t) in enumerate(batches, 1):
+        t[...] = numpy.arange(4)
+        if call >= vary_from:
+            t[:call % 3] = -1
+    ms, me = valid_counts_net(boxed, kind), valid_counts_net(boxed, kind)
+    oe = optimizers.MomentumSGD(lr=0.1).setup(me)
+    step = TrainStep(ms, optimizers.MomentumSGD(lr=0.1).setup(ms), check_every=None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        for call, (x, t) in enumerate(batches, 1):
+            oe.update(me, x, t)
+            step(x, t)
+            assert_same(snapshot(me), snapshot(ms), 'call {}'.format(call))
+    return step, [str(w.message) for w in caught]
+
+
+def test_a_python_float_a_function_computes_for_its_gradient_is_this_steps():
+    """A Python float a forward keeps and its gradient node is given (the same object) is
+    followed like a NumPy scalar: with the count of valid labels the same while traced and
+    varying afterwards, every replay equals an eager step, with no check to catch it."""
+    step, warned = run_valid_counts(boxed=False, vary_from=5)
+    assert warned == [] and step.replays == 9
+
+
+@pytest.mark.parametrize('kind', [float, numpy.float64])
+@pytest.mark.parametrize('vary_from', [1, 13])
+def test_a_number_handed_over_inside_a_container_is_compared_as_a_constant(vary_from, kind):
+    """Inside a tuple the float cannot be rebound: it is a constant of the step, compared by
+    value. Varying while traced: refused with the reason (before, a NumPy scalar there made
+    the step refuse even when it stayed put); constant: replayed."""
+    step, warned = run_valid_counts(boxed=True, vary_from=vary_from, kind=kind)
+    if vary_from == 1:
+        assert step.replays == 0
+        assert len(warned) == 1 and "its attribute 'scale' differs between steps" in warned[0]
+    else:
+        assert warned == [] and step.replays == 9

@@ -194,7 +194,7 @@ def _check_inputs(a, b, known_first, known, where):
 
 
 def _check_attributes(a, b, known_first, known, where):
-    array_types = _trace.array_types() + (numpy.generic,)     # what a forward computes
+    array_types = _trace.array_types() + (numpy.generic, float)     # what a forward computes
     for key in a.pre.keys() - b.pre.keys() - {'forward'}:
         raise NotReplayable('{}: its attribute {!r} is set in one step only ({} then absent); '
                             'a replay would freeze it'.format(where, key, short(a.pre[key])))

@@ -101,7 +101,7 @@ class Program:
                 if isinstance(v, _trace.array_types()):
                     slot = _Slot(v, _shares(v, b.inputs + b.outputs),
                                  bases=self._bases(v, b.inputs + b.outputs, slots))
-                elif isinstance(v, numpy.generic):     # a number: rebound, never copied into
+                elif _trace.number(v):         # rebound, never copied into
                     slot = _Slot(v, False)
                 else:                          # a helper object, and the arrays it holds
                     sub = tuple((k, x, _shares(x, b.inputs + b.outputs))
@@ -131,11 +131,6 @@ class Program:
         if last.loss not in known:
             raise NotReplayable('the loss was not computed by the recorded functions')
         self._find_sites()
-        for sl in slots.values():
-            if sl.copy and isinstance(sl.obj, numpy.generic):
-                raise NotReplayable('a number a function computes ({!r}) is kept where a '
-                                    'replay cannot refresh it (inside a container)'
-                                    .format(sl.obj))
         self._propagated = False
 
     def _find_sites(self):
@@ -167,7 +162,10 @@ class Program:
                 if sl is not None:
                     sl.copy = True
         elif id(v) in self._slots:
-            self._slots[id(v)].copy = True
+            # a number inside a container stays the traced value there (it cannot be copied
+            # into): the comparisons of the steps check the container by value, as a constant
+            if not _trace.number(v):
+                self._slots[id(v)].copy = True
         elif depth < 2 and isinstance(v, (tuple, list)):
             for x in v:
                 self._pin_memory(x, depth + 1)

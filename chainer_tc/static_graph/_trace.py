@@ -8,7 +8,8 @@ the recorder keeps:
 - the node, and a shallow copy of its attributes just before ``forward`` ran (``pre``), so that a
   replay can put the node back in the state in which it computed;
 - the input arrays and the output arrays, by identity;
-- the arrays (and NumPy scalars) the node kept in its attributes after ``forward``
+- the arrays (and numbers: NumPy scalars, Python floats) the node kept in its attributes after
+  ``forward``
   (``post``): a replay refreshes them, so a gradient node built later from them
   (``ReLUGrad2(y)``, ``BatchNormalizationGrad(mean, inv_std)``, ``softmax_cross_entropy``'s
   ``1 / count`` of the labels not ignored) sees this step's values;
@@ -291,16 +292,21 @@ def _same_bits(a, b):
 
 
 def _kept_values(state):
-    """The attributes a forward may compute for a gradient node to read: arrays, NumPy
-    scalars (``softmax_cross_entropy``'s ``1 / count``) and helper objects holding arrays."""
+    """The attributes a forward may compute for a gradient node to read: arrays, numbers
+    (``softmax_cross_entropy``'s ``1 / count``, a NumPy scalar) and helper objects holding
+    arrays."""
     return {k: v for k, v in state.__dict__.items()
-            if isinstance(v, array_types()) or _number(v) or _holds_arrays(v)}
+            if isinstance(v, array_types()) or number(v) or _holds_arrays(v)}
 
 
-def _number(v):
-    """A NumPy scalar, followed by identity like an array; not a NumPy bool, whose two values
-    are shared objects (``numpy.True_``) that unrelated attributes may hold too."""
-    return isinstance(v, numpy.generic) and not isinstance(v, numpy.bool_)
+def number(v):
+    """A number a forward computes, followed by identity like an array: a NumPy scalar or a
+    Python float (a new object each time one is computed, so an attribute holding the same
+    object was handed it). Not a NumPy bool, whose two values are shared objects
+    (``numpy.True_``) that unrelated attributes may hold too; not a Python int or bool, which
+    CPython shares as well (small ints are cached)."""
+    return (isinstance(v, numpy.generic) and not isinstance(v, numpy.bool_)) or \
+        type(v) is float
 
 
 def _holds_arrays(v):
