@@ -40,7 +40,8 @@ class MLP(chainer.Chain):
 
 class ThroughViews(chainer.Chain):
     """A parameter used only through a view: the last backward op (the view's gradient) returns
-    a view of another op's fresh array."""
+    a view of another op's fresh array. With ``how='two_biases'``, two parameters added to a
+    result of their shape: Add's backward gives both the same gradient array."""
 
     def __init__(self, how):
         super().__init__()
@@ -50,6 +51,9 @@ class ThroughViews(chainer.Chain):
             self.W = chainer.Parameter(r.randn(5, 6).astype(numpy.float32))
             self.b = chainer.Parameter(r.randn(5).astype(numpy.float32))
             self.scale = L.Scale(axis=1, W_shape=(5,), bias_term=True)
+            if how == 'two_biases':
+                self.c1 = chainer.Parameter(r.randn(4, 5).astype(numpy.float32))
+                self.c2 = chainer.Parameter(r.randn(4, 5).astype(numpy.float32))
 
     def forward(self, x):
         if self.how == 'reshape':
@@ -57,6 +61,8 @@ class ThroughViews(chainer.Chain):
         if self.how == 'expand_dims':
             y = F.matmul(x, self.W, transb=True)
             return y + F.broadcast_to(F.expand_dims(self.b, 0), y.shape)
+        if self.how == 'two_biases':
+            return F.matmul(x, self.W, transb=True) + self.c1 + self.c2
         return self.scale(F.matmul(x, self.W, transb=True))
 
 
@@ -103,7 +109,7 @@ def params(model):
     return out
 
 
-@pytest.mark.parametrize('how', ['reshape', 'expand_dims', 'scale_link'])
+@pytest.mark.parametrize('how', ['reshape', 'expand_dims', 'scale_link', 'two_biases'])
 def test_a_parameter_used_through_a_view_gets_this_steps_gradient(how):
     (me, oe), (ms, os_) = pair(lambda: ThroughViews(how))
     step = TrainStep(ms, os_, lambda x, t: F.softmax_cross_entropy(ms(x), t))

@@ -395,10 +395,16 @@ class TrainStep:
         # runs over whole runs of parameters (and one buffer is one allreduce)
         buffers, views = flat.grad_buffers()
         copies = []
+        moved = {}        # id of a relocated gradient -> the view it now lives in
         for i, (g, view) in enumerate(zip(trace.grads, views)):
             if g is None:
                 continue
-            if g.flags.c_contiguous and program.relocate(g, view):
+            if id(g) in moved:        # one array for two parameters (Add's backward gives
+                view[...] = moved[id(g)]                # its gradient to both): copied over
+                copies.append((view, moved[id(g)]))     # after each replay
+                trace.grads[i] = view
+            elif g.flags.c_contiguous and program.relocate(g, view):
+                moved[id(g)] = view
                 trace.grads[i] = view
             else:
                 program.pin(g)
