@@ -120,6 +120,18 @@ def op_count(first, last):
                             .format(len(first.ops), len(last.ops)))
 
 
+def python_gradients(trace):
+    """Refuses a step whose gradient goes through a Chainer function that computes an array
+    from the data in Python in its backward (:func:`._trace.python_gradient`)."""
+    if trace.python_gradients:
+        names = sorted(set(trace.python_gradients))
+        raise NotReplayable(
+            "the gradient of {} needs {} that Chainer's backward computes in Python from the "
+            'values (a mask or a sign, made by no FunctionNode), which a replay cannot '
+            "recompute: it would reuse the recorded step's"
+            .format(', '.join(names), 'arrays' if len(names) > 1 else 'an array'))
+
+
 def check_op(i, a, b, known_first, known):
     """Op ``i`` of the later recorded step (``b``, whose arrays ``known`` describes) against
     the earlier one's (``a``, ``known_first``), before either learns op ``i``'s results."""

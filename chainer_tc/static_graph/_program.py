@@ -65,6 +65,7 @@ class Program:
     def __init__(self, first, last, externals_first, externals):
         self.trace = last
         _compare.op_count(first, last)
+        _compare.python_gradients(last)
         known_first, known = _compare.Known(externals_first), _compare.Known(externals)
         slots = {}
         ops = []

@@ -114,6 +114,7 @@ class Trace:
         self.inputs = None         # the step's input buffers
         self.externals = None      # the arrays refreshed in place elsewhere (TrainStep's list)
         self.marks = None          # per optimizer entry: its parameter's _loss_scale then
+        self.python_gradients = []  # Chainer functions whose backward computes in Python
 
 
 class _Patches:
@@ -240,7 +241,12 @@ class Recorder(chainer.FunctionHook):
         function.__dict__['forward'] = recording_forward
 
     def backward_preprocess(self, function, in_data, out_grad):
-        if self._depth or not isinstance(function, chainer_function.FunctionAdapter):
+        if self._depth:
+            return
+        name = python_gradient(function)
+        if name is not None:
+            self.trace.python_gradients.append(name)
+        if not isinstance(function, chainer_function.FunctionAdapter):
             return
         old_style = function._function
         backward = old_style.backward
@@ -276,6 +282,36 @@ class Recorder(chainer.FunctionHook):
     def backward_postprocess(self, function, in_data, out_grad):
         if isinstance(function, chainer_function.FunctionAdapter):
             function._function.__dict__.pop('backward', None)   # if it never ran
+
+
+_PYTHON_GRADIENTS = None
+
+
+def python_gradient(function):
+    """The name of the Chainer function ``function`` is, if its ``backward`` computes an array
+    from the data in Python (a mask ``x >= y``, a sign) rather than in a FunctionNode: no op
+    records that array, so a replay would reuse the recorded step's. Else None.
+
+    Found by reading Chainer 7.8.1's ``backward`` methods (and the gradient nodes they build)
+    for array arithmetic on ``.data``/``.array``: ``F.clip`` and ``F.maximum``/``F.minimum``
+    (``ClipGrad``/``MaximumGrad``/``MinimumGrad`` compute their mask in ``__init__``),
+    ``F.max``/``F.min`` (so ``F.maxout``, ``L.Maxout``), ``F.crelu``, ``F.absolute_error``,
+    ``F.mean_absolute_error``, ``F.contrastive``, ``F.triplet`` and ``F.normalize``."""
+    global _PYTHON_GRADIENTS
+    if _PYTHON_GRADIENTS is None:
+        from chainer.functions.activation import crelu
+        from chainer.functions.loss import absolute_error, contrastive, mean_absolute_error
+        from chainer.functions.loss import triplet
+        from chainer.functions.math import clip, maximum, minimum, minmax
+        from chainer.functions.normalization import l2_normalization
+        _PYTHON_GRADIENTS = {
+            clip.Clip: 'F.clip', maximum.Maximum: 'F.maximum', minimum.Minimum: 'F.minimum',
+            minmax.Max: 'F.max (also inside F.maxout and L.Maxout)', minmax.Min: 'F.min',
+            crelu.CReLU: 'F.crelu', absolute_error.AbsoluteError: 'F.absolute_error',
+            mean_absolute_error.MeanAbsoluteError: 'F.mean_absolute_error',
+            contrastive.Contrastive: 'F.contrastive', triplet.Triplet: 'F.triplet',
+            l2_normalization.NormalizeL2: 'F.normalize'}
+    return _PYTHON_GRADIENTS.get(type(function))
 
 
 def _capturing(arrays):
