@@ -330,3 +330,24 @@ def test_with_a_gradient_reduction_param_grad_is_the_reduced_gradient_after_ever
         for name, p in model.namedparams():
             assert any(numpy.shares_memory(p.grad, b) for b in reduced), (call, name)
     assert step.replays >= 4 and step.checks >= 1
+
+
+def test_a_plain_backward_between_steps_leaves_replays_with_hooks_unscaled_right():
+    """Loss scaling and an optimizer hook (the update runs through ``optimizer.update()``,
+    which unscales the gradients marked scaled), and a plain ``backward()`` between steps (a
+    gradient norm on a validation batch) that leaves its own marks: replays put the recorded
+    step's marks back, as an eager step's backward does."""
+    (me, oe), (ms, os_) = pair(MLP)
+    for opt in (oe, os_):
+        opt.loss_scaling(scale=1024.0)
+        opt.add_hook(chainer.optimizer_hooks.GradientClipping(100.0))
+    step = TrainStep(ms, os_, lambda x, t: F.softmax_cross_entropy(ms(x), t))
+    (vx, vt), = data(1, seed=9)
+    for i, (x, t) in enumerate(data(8)):
+        eager_update(oe, lambda x, t: F.softmax_cross_entropy(me(x), t), x, t)
+        step(x, t)
+        assert_same(params(me), params(ms), 'step {} params'.format(i))
+        for model in (me, ms):                 # diagnostics: an unscaled gradient
+            model.cleargrads()
+            F.softmax_cross_entropy(model(vx), vt).backward()
+    assert step.replays == 5

@@ -79,6 +79,7 @@ class CapturedStep:
         self.trace = trace               # keeps every array the graph touches referenced
         self.loss = loss.array
         self.grads = [(e.param, g) for e, g in zip(flat.entries, grads)]
+        self.marks = [(e.param, e.param._loss_scale) for e in flat.entries]
         self.flat = flat
         self.program = None
         self.graph.upload(self.stream)
@@ -160,6 +161,7 @@ class CapturedStep:
             self.graph.launch(self.stream)
             _program.give_grads(self.grads)
             if self.hooks:
+                _program.give_marks(self.marks)
                 opt.update()
             else:
                 opt.t += 1

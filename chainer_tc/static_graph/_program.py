@@ -337,3 +337,12 @@ def give_grads(pairs):
             param.grad = g
 
 
+def give_marks(pairs):
+    """``param._loss_scale = mark`` for each (param, mark): the loss-scale marks the recorded
+    step's backward left on the parameters, for an optimizer update that reads them (with
+    hooks, ``optimizer.update()`` unscales only the gradients marked scaled). A replay runs no
+    backward, so without this a plain ``loss.backward()`` made between two steps (a gradient
+    norm on a validation batch) would leave its marks and the replayed, scaled gradients
+    would be applied without unscaling."""
+    for param, mark in pairs:
+        param._loss_scale = mark

@@ -464,6 +464,7 @@ class _CpuReplay:
         self.copies = copies
         self.buffers = buffers
         self.grads = [(e.param, g) for e, g in zip(plan.flat.entries, trace.grads)]
+        self.marks = [(e.param, m) for e, m in zip(plan.flat.entries, trace.marks)]
         # with a reduction every parameter's gradient is its view (zeros if it has none)
         self.reduced_grads = [(e.param, v) for e, v in zip(plan.flat.entries, views)]
 
@@ -478,6 +479,7 @@ class _CpuReplay:
             grads = self.reduced_grads
         _program.give_grads(grads)     # hooks may read and change them, as in an eager step
         if opt._has_hooks('pre') or opt._has_hooks('post'):
+            _program.give_marks(self.marks)
             opt.update()
         else:
             opt._step(self.plan)
