@@ -351,3 +351,29 @@ def test_a_plain_backward_between_steps_leaves_replays_with_hooks_unscaled_right
             model.cleargrads()
             F.softmax_cross_entropy(model(vx), vt).backward()
     assert step.replays == 5
+
+
+@pytest.mark.parametrize('what', ['input', 'parameter'])
+def test_a_write_in_place_in_the_loss_function_is_refused_with_what_was_written(what):
+    """``x -= x.mean(0)`` on the batch, or a constraint applied with ``out=`` to a parameter,
+    inside the loss function: no recorded function made the write, so a replay would not redo
+    it (the arrays keep their identity: comparing the steps cannot see it). Refused, naming
+    the array; every step equals an eager one."""
+    def lossfun(model):
+        def f(x, t):
+            if what == 'input':
+                x -= x.mean(axis=0)
+            else:
+                numpy.clip(model.l1.W.array, -0.2, 0.2, out=model.l1.W.array)
+            return F.softmax_cross_entropy(model(x), t)
+        return f
+    (me, oe), (ms, os_) = pair(MLP)
+    step = TrainStep(ms, os_, lossfun(ms))
+    name = 'input 0' if what == 'input' else 'parameter l1/W'
+    with pytest.warns(RuntimeWarning, match='cannot be replayed.*wrote into {} in place'
+                      .format(name)):
+        for i, (x, t) in enumerate(data(6)):
+            eager_update(oe, lossfun(me), x.copy(), t)
+            step(x.copy(), t)
+            assert_same(params(me), params(ms), 'step {} params'.format(i))
+    assert step.replays == 0

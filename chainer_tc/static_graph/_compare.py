@@ -120,9 +120,19 @@ def op_count(first, last):
                             .format(len(first.ops), len(last.ops)))
 
 
-def python_gradients(trace):
-    """Refuses a step whose gradient goes through a Chainer function that computes an array
-    from the data in Python in its backward (:func:`._trace.python_gradient`)."""
+def check_trace(trace):
+    """What one recorded step shows by itself that a replay could not redo: a gradient through
+    a Chainer function that computes an array from the data in Python in its backward
+    (:func:`._trace.python_gradient`), a write in place into an input or a parameter that no
+    recorded function made (``x -= x.mean(0)``, ``numpy.clip(W.array, .., out=W.array)``
+    in the loss function). Raises :class:`NotReplayable`."""
+    if trace.written:
+        raise NotReplayable(
+            'the step wrote into {} in place, outside any Chainer function (e.g. `x -= ...` '
+            'or `out=` on the array in the loss function): a replay would not do it again. '
+            'Compute a new array with Chainer functions instead (x = x - ...), or change '
+            'parameters in an optimizer hook (hooks run at every replay)'
+            .format(', '.join(trace.written)))
     if trace.python_gradients:
         names = sorted(set(trace.python_gradients))
         raise NotReplayable(
@@ -267,6 +277,7 @@ def check_same_step(first, last, externals_first, externals):
     building one. ``externals``: the step's inputs, parameters and state arrays, in the same
     order for both steps."""
     op_count(first, last)
+    check_trace(last)
     known_first, known = Known(externals_first), Known(externals)
     for i, (a, b) in enumerate(zip(first.ops, last.ops)):
         check_op(i, a, b, known_first, known)

@@ -115,6 +115,7 @@ class Trace:
         self.externals = None      # the arrays refreshed in place elsewhere (TrainStep's list)
         self.marks = None          # per optimizer entry: its parameter's _loss_scale then
         self.python_gradients = []  # Chainer functions whose backward computes in Python
+        self.written = []          # inputs and parameters written in place outside the ops
 
 
 class _Patches:
@@ -271,7 +272,7 @@ class Recorder(chainer.FunctionHook):
             finally:
                 recorder._depth -= 1
             op.overwritten = tuple((k, b) for k, (a, b) in enumerate(zip(op.inputs, before))
-                                   if b is not None and not _same_bits(a, b))
+                                   if b is not None and not same_bits(a, b))
             op.outputs = tuple(gxs)
             op.post = _kept_values(op.state)
             return gxs
@@ -319,7 +320,7 @@ def _capturing(arrays):
         and runtime.is_capturing()
 
 
-def _same_bits(a, b):
+def same_bits(a, b):
     xp = chainer.backend.get_array_module(a)
     if a.dtype.kind in 'fc':
         return bool(xp.array_equal(a, b, equal_nan=True)) and bool(

@@ -307,11 +307,15 @@ class TrainStep:
             for buf, a in zip(buffers, inputs):
                 _copy_into(buf, a)
         self.eager_steps += 1
+        watched = self._watched(buffers)
+        before = [a.copy() for _, a in watched]
         with _trace.Recorder() as rec:
             loss = self._call_lossfun(buffers)
             opt.target.cleargrads()
             opt.scaled_backward(loss)
         trace = rec.trace
+        trace.written = [name for (name, a), b in zip(watched, before)
+                         if not _trace.same_bits(a, b)]
         trace.externals = self._externals(buffers)
         with variable._AllowArrayAccessWithNonstandardLayout():
             flat = opt._try_build(required=True)
@@ -360,6 +364,20 @@ class TrainStep:
         out.extend(p.array for p in opt.target.params())
         out.extend(a for _, _, a in self._persistents())
         return [a for a in out if isinstance(a, _trace.array_types())]
+
+    def _watched(self, buffers):
+        """(name, array) of what no recorded function may write into but a loss function
+        could, in Python: the step's inputs and the parameters (a recorded step compares them
+        before and after; on a GPU each is a device copy and a comparison, at recorded steps
+        and checks only)."""
+        out = [('input {}'.format(k), b) for k, b in enumerate(buffers)]
+        seen = set()
+        for root in (self.model, self.optimizer.target):
+            for name, p in root.namedparams(include_uninit=False):
+                if id(p) not in seen and isinstance(p.array, _trace.array_types()):
+                    seen.add(id(p))
+                    out.append(('parameter ' + name.lstrip('/'), p.array))
+        return out
 
     def _links(self):
         """The model's links and the optimizer target's, each once."""
