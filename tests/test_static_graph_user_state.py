@@ -377,3 +377,24 @@ def test_a_write_in_place_in_the_loss_function_is_refused_with_what_was_written(
             step(x.copy(), t)
             assert_same(params(me), params(ms), 'step {} params'.format(i))
     assert step.replays == 0
+
+
+def test_an_input_variable_with_a_graph_is_refused_and_one_needing_a_gradient_is_warned_of():
+    """A step runs from copies of its inputs' arrays: a Variable computed by functions (a
+    model's output fed to the step) would leave what made it untrained, silently, so it is
+    refused; a Variable that requires a gradient gets no .grad, said once; one that does not
+    is taken as its array."""
+    (me, oe), (ms, os_) = pair(MLP)
+    step = TrainStep(ms, os_, lambda x, t: F.softmax_cross_entropy(ms(x), t))
+    (x, t), = data(1)
+    with pytest.raises(TypeError, match='input 0 is a Variable computed by Mul'):
+        step(chainer.Variable(x) * 2, t)
+    with pytest.warns(RuntimeWarning, match='input 0 is a Variable that requires a gradient'):
+        step(chainer.Variable(x), t)
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        step(chainer.Variable(x), t)                           # said once
+        step(chainer.Variable(x, requires_grad=False), chainer.Variable(t))
+    for _ in range(3):                                         # the three steps taken
+        eager_update(oe, lambda x, t: F.softmax_cross_entropy(me(x), t), x, t)
+    assert_same(params(me), params(ms), 'params')

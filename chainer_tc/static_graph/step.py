@@ -143,8 +143,8 @@ class TrainStep:
 
     def __call__(self, *args, **kwargs):
         names = tuple(sorted(kwargs))
-        inputs = tuple(_as_array(a, i) for i, a in enumerate(args + tuple(kwargs[k]
-                                                                          for k in names)))
+        inputs = tuple(self._as_array(a, i) for i, a in enumerate(args + tuple(kwargs[k]
+                                                                               for k in names)))
         self._names = len(args), names
         flat = self.optimizer._flat
         if flat is not None and flat.stale() is not None:
@@ -365,6 +365,31 @@ class TrainStep:
         out.extend(a for _, _, a in self._persistents())
         return [a for a in out if isinstance(a, _trace.array_types())]
 
+    def _as_array(self, a, i):
+        """Input ``i``'s array. A step runs from copies of its inputs' arrays, so no gradient
+        reaches an input Variable: one computed by functions (a graph a model made before the
+        step, which the step would not train) is refused; one made with ``requires_grad``
+        (Chainer's default) gets no ``grad``, said once."""
+        if isinstance(a, chainer.Variable):
+            if a.creator_node is not None:
+                raise TypeError(
+                    'TrainStep input {} is a Variable computed by {}: the step runs from a '
+                    "copy of its array, so that graph would get no gradient and what made it "
+                    'would not be trained. Compute it inside the loss function (TrainStep('
+                    'model, optimizer, lossfun) with lossfun applying it), or pass its .array '
+                    'if it is not to be trained'.format(i, type(a.creator_node).__name__))
+            if a.requires_grad:
+                self._warn('input_grad', 'TrainStep: input {} is a Variable that requires a '
+                                         'gradient; the step runs from a copy of its array and '
+                                         'leaves its .grad as it is (pass the array, or a '
+                                         'Variable made with requires_grad=False, to silence '
+                                         'this)'.format(i))
+            a = a.array
+        if not isinstance(a, _trace.array_types()):
+            raise TypeError('TrainStep inputs must be arrays (NumPy or CuPy) or Variables; input '
+                            '{} is {}'.format(i, type(a).__name__))
+        return a
+
     def _watched(self, buffers):
         """(name, array) of what no recorded function may write into but a loss function
         could, in Python: the step's inputs and the parameters (a recorded step compares them
@@ -536,13 +561,6 @@ def _apply_update(opt, flat, buffers, views):
     opt._step(opt._plan(flat, views, flat_grads=buffers))
 
 
-def _as_array(a, i):
-    if isinstance(a, chainer.Variable):
-        a = a.array
-    if not isinstance(a, _trace.array_types()):
-        raise TypeError('TrainStep inputs must be arrays (NumPy or CuPy) or Variables; input {} '
-                        'is {}'.format(i, type(a).__name__))
-    return a
 
 
 def _is_cupy(arrays):
