@@ -398,3 +398,23 @@ def test_an_input_variable_with_a_graph_is_refused_and_one_needing_a_gradient_is
     for _ in range(3):                                         # the three steps taken
         eager_update(oe, lambda x, t: F.softmax_cross_entropy(me(x), t), x, t)
     assert_same(params(me), params(ms), 'params')
+
+
+def test_a_replaced_parameter_the_optimizer_does_not_train_retraces():
+    """A frozen backbone left out of the optimizer (set up on the head only): replays read its
+    parameters as constants, so replacing one's array (loading other weights) drops the traces,
+    said once, and every step equals an eager one."""
+    models = [MLP(), MLP()]
+    opts = [optimizers.MomentumSGD(lr=0.1).setup(m.l2) for m in models]
+    (me, ms), (oe, os_) = models, opts
+    step = TrainStep(ms, os_, lambda x, t: F.softmax_cross_entropy(ms(x), t))
+    new = numpy.random.RandomState(5).randn(8, 6).astype(numpy.float32)
+    with pytest.warns(RuntimeWarning, match='the array of l1/W .*was replaced'):
+        for i, (x, t) in enumerate(data(12)):
+            if i == 6:
+                for m in models:
+                    m.l1.W.array = new.copy()
+            eager_update(oe, lambda x, t: F.softmax_cross_entropy(me(x), t), x, t)
+            step(x, t)
+            assert_same(params(me), params(ms), 'step {} params'.format(i))
+    assert step.traces == 2

@@ -119,6 +119,7 @@ class TrainStep:
         self._entries = collections.OrderedDict()
         self._flat = None
         self._persistent_arrays = None   # _persistents() when the traces in use were built
+        self._untrained = ()             # _others() then
         self._warned = set()
 
     def __getstate__(self):
@@ -126,7 +127,7 @@ class TrainStep:
         replays, CUDA graphs): the copy traces its steps again, after ``warmup`` eager ones."""
         state = dict(self.__dict__)
         state.update(_entries=collections.OrderedDict(), _flat=None, _eager_grads=None,
-                     _persistent_arrays=None)
+                     _persistent_arrays=None, _untrained=())
         return state
 
     @property
@@ -158,12 +159,21 @@ class TrainStep:
             self._flat = flat
         if self._persistent_arrays is not None and any(
                 d.get(name) is not a for d, name, a in self._persistent_arrays):
-            self._warn('persistent', 'a persistent array of the model (e.g. BatchNorm\'s '
+            self._warn('persistent', "a persistent array of the model (e.g. BatchNorm's "
                                      'avg_mean) was replaced: every trace is dropped and the '
                                      'step is traced again (update such arrays in place, '
                                      'a[...] = value, to keep the traces)')
             self._entries.clear()
             self._persistent_arrays = None
+        replaced = [n for n, p, a in self._untrained if p.raw_array is not a]
+        if replaced:
+            self._warn('untrained', 'the array of {} (a parameter the optimizer does not '
+                                    'train, which replays read as a constant) was replaced: '
+                                    'every trace is dropped and the step is traced again '
+                                    '(write into it in place, W.array[...] = value, to keep '
+                                    'the traces)'.format(', '.join(replaced)))
+            self._entries.clear()
+            self._persistent_arrays, self._untrained = None, ()
         key = self._key(inputs)
         entry = self._entries.get(key)
         if entry is None:
@@ -288,7 +298,7 @@ class TrainStep:
         try:
             entry.replay = self._build(entry, trace)
             self.traces += 1
-            self._persistent_arrays = self._persistents()
+            self._persistent_arrays, self._untrained = self._persistents(), self._others()
         except _program.NotReplayable as e:
             entry.failed = str(e)
             self._warn('failed:' + str(e), 'TrainStep: this step cannot be replayed, it runs '
@@ -429,6 +439,14 @@ class TrainStep:
                      for name in link._persistent
                      if isinstance(link.__dict__[name], _trace.array_types()))
 
+    def _others(self):
+        """(name, param, array) of each parameter of the model that the optimizer does not
+        train (a frozen backbone left out of ``optimizer.setup``): a replay reads its array as
+        a constant, so one replaced by the user invalidates the traces. Usually none."""
+        trained = {id(p) for p in self.optimizer.target.params()}
+        return tuple((name.lstrip('/'), p, p.raw_array) for name, p in self.model.namedparams()
+                     if id(p) not in trained)
+
     def _build(self, entry, trace):
         program = _program.Program(entry.first, trace, entry.first.externals, trace.externals)
         entry.visible = self._visible_variables(trace)
@@ -480,7 +498,7 @@ class TrainStep:
         entry.replay = captured
         entry.visible = self._visible_variables(captured.trace)   # their arrays: the graph's
         self.traces += 1
-        self._persistent_arrays = self._persistents()
+        self._persistent_arrays, self._untrained = self._persistents(), self._others()
         self.replays += 1
         return captured.first_loss
 
