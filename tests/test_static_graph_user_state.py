@@ -140,22 +140,32 @@ def test_param_grad_is_this_steps_after_cleargrads_and_after_another_signature()
 @pytest.mark.parametrize('alternate', [False, True])
 def test_classifier_attributes_are_this_steps(alternate):
     """Also when two signatures alternate (full and partial batches, each replayed): each
-    step's attributes, not the other signature's Variables left there by its last step."""
+    step's attributes, not the other signature's Variables left there by its last step. And
+    each step's own Variables: one kept from an earlier step (a loss history) keeps its value,
+    as after eager steps."""
     (me, oe), (ms, os_) = pair(lambda: L.Classifier(MLP()))
     step = TrainStep(ms, os_)
     batches = data(7)
     if alternate:
         batches = [b for ab in zip(batches, data(7, size=3, seed=1)) for b in ab]
+    kept = {me: [], ms: []}
+    returned = []
     with warnings.catch_warnings():
         warnings.simplefilter('ignore')              # the partial batch's re-trace notice
         for i, (x, t) in enumerate(batches):
             eager_update(oe, me, x, t)
-            step(x, t)
+            returned.append(step(x, t))
             for name in ('loss', 'accuracy', 'y'):
                 numpy.testing.assert_array_equal(getattr(me, name).array,
                                                  getattr(ms, name).array,
                                                  err_msg='step {} model.{}'.format(i, name))
+            for model in kept:
+                kept[model].append((model.loss, model.y))
     assert step.replays == (8 if alternate else 4)
+    for i, ((le, ye), (ls, ys), r) in enumerate(zip(kept[me], kept[ms], returned)):
+        numpy.testing.assert_array_equal(le.array, ls.array, err_msg='kept loss {}'.format(i))
+        numpy.testing.assert_array_equal(le.array, r.array, err_msg='returned {}'.format(i))
+        numpy.testing.assert_array_equal(ye.array, ys.array, err_msg='kept y {}'.format(i))
 
 
 def test_reported_variables_stay_variables_with_this_steps_values():

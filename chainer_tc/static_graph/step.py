@@ -333,7 +333,8 @@ class TrainStep:
         trace.marks = [e.param._loss_scale for e in flat.entries]
         trace.loss = loss.array
         trace.inputs = buffers
-        return trace, _detached(loss)
+        # a copy: this trace may become the replayed one, whose arrays replays refresh
+        return trace, chainer.Variable(loss.array.copy(), requires_grad=False)
 
     def _check(self, entry, inputs):
         """A recorded eager step in place of a replay, compared with the replayed trace as the
@@ -451,6 +452,7 @@ class TrainStep:
         program = _program.Program(entry.first, trace, entry.first.externals, trace.externals)
         entry.visible = self._visible_variables(trace)
         program.follow(v for _, _, v in entry.visible)
+        _leave_copies(entry.visible)            # this step's, which replays refresh in place
         flat = self._flat = self.optimizer._flat      # built by the recorded steps at the latest
         # the gradients move into flat buffers laid out like the parameters: the update then
         # runs over whole runs of parameters (and one buffer is one allreduce)
@@ -497,6 +499,7 @@ class TrainStep:
             return captured.first_loss
         entry.replay = captured
         entry.visible = self._visible_variables(captured.trace)   # their arrays: the graph's
+        _leave_copies(entry.visible)
         self.traces += 1
         self._persistent_arrays, self._untrained = self._persistents(), self._others()
         self.replays += 1
@@ -506,10 +509,7 @@ class TrainStep:
         self.replays += 1
         entry.load(inputs)
         loss = entry.replay.run(self)
-        # a step of another signature, or the user, may have put other Variables there
-        for d, name, v in entry.visible:
-            if d.get(name) is not v:
-                d[name] = v
+        _leave_copies(entry.visible)
         return loss
 
     def _warn(self, key, message):
@@ -594,6 +594,15 @@ def _copy_into(buf, a):
         buf[...] = a
     else:
         buf.set(a)                   # NumPy batch into a CuPy buffer
+
+
+def _leave_copies(visible):
+    """Each (link dict, name, Variable) of ``visible``: a new Variable holding a copy of this
+    step's values put there, as an eager step leaves new Variables (one the user kept from an
+    earlier step, ``history.append(model.loss)``, keeps its values; the recorded arrays are
+    refreshed in place by every replay, or by every launch of a CUDA graph)."""
+    for d, name, v in visible:
+        d[name] = chainer.Variable(v.raw_array.copy(), requires_grad=False)
 
 
 def _detached(loss):
