@@ -18,6 +18,8 @@ import os
 import sys
 import warnings
 
+import numpy
+
 import chainer
 from chainer import configuration
 from chainer import variable
@@ -325,7 +327,8 @@ class TrainStep:
             opt.scaled_backward(loss)
         trace = rec.trace
         trace.written = [name for (name, a), b in zip(watched, before)
-                         if not _trace.same_bits(a, b)]
+                         if not (a.tobytes() == b.tobytes() if isinstance(a, numpy.ndarray)
+                                 else _trace.same_bits(a, b))]
         trace.externals = self._externals(buffers)
         with variable._AllowArrayAccessWithNonstandardLayout():
             flat = opt._try_build(required=True)
@@ -408,7 +411,9 @@ class TrainStep:
         and checks only)."""
         out = [('input {}'.format(k), b) for k, b in enumerate(buffers)]
         seen = set()
-        for root in (self.model, self.optimizer.target):
+        roots = (self.model,) if self.optimizer.target is self.model else (
+            self.model, self.optimizer.target)
+        for root in roots:
             for name, p in root.namedparams(include_uninit=False):
                 if id(p) not in seen and isinstance(p.array, _trace.array_types()):
                     seen.add(id(p))
