@@ -18,8 +18,6 @@ import os
 import sys
 import warnings
 
-import numpy
-
 import chainer
 from chainer import configuration
 from chainer import variable
@@ -327,8 +325,7 @@ class TrainStep:
             opt.scaled_backward(loss)
         trace = rec.trace
         trace.written = [name for (name, a), b in zip(watched, before)
-                         if not (a.tobytes() == b.tobytes() if isinstance(a, numpy.ndarray)
-                                 else _trace.same_bits(a, b))]
+                         if not _trace.same_bits(a, b)]
         trace.externals = self._externals(buffers)
         with variable._AllowArrayAccessWithNonstandardLayout():
             flat = opt._try_build(required=True)
