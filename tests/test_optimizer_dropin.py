@@ -3,6 +3,7 @@ replace (freeze links, per-parameter hyperparameters, copies, pickles, float64, 
 ways) gives Chainer's result, on the NumPy path and through the emulated kernel."""
 import copy
 import pickle
+import warnings
 
 import numpy
 import pytest
@@ -190,6 +191,181 @@ def test_a_foreign_update_rule_is_refused_by_name():
             o.update(lossfun(model, x, t))
 
 
+# ---- momentum resets and model changes after setup ------------------------------------------------
+
+def test_a_momentum_reset_by_assignment_equals_chainer(path):
+    """``state['v'] = zeros`` (what Chainer users do to reset the momentum) takes effect; the
+    state stays a view of the flat buffer."""
+    x, t = data()
+    ref, o_ref, ours, o = chainer_pair()
+    step_both(ref, o_ref, ours, o, x, t, 2)
+    for m in (ref, ours):
+        for p in m.params():
+            p.update_rule.state['v'] = numpy.zeros_like(p.array)
+    for e in o._flat.entries:
+        assert e.param.update_rule.state['v'] is e.v and not e.v.any()
+    step_both(ref, o_ref, ours, o, x, t, 2)
+    assert_same_params(ref, ours)
+    ours.fc.W.update_rule.state.update(v=numpy.ones(ours.fc.W.shape, numpy.float64))
+    entry, = [e for e in o._flat.entries if e.param is ours.fc.W]
+    assert ours.fc.W.update_rule.state['v'] is entry.v
+    numpy.testing.assert_array_equal(entry.v, 1)
+
+
+def test_the_state_keeps_its_keys_and_shapes_and_pickles_as_a_dict():
+    model = Net()
+    optimizers.MomentumSGD().setup(model)
+    state = model.fc.W.update_rule.state
+    with pytest.raises(ValueError, match=r"state\['v'\] has shape \(5, 64\); the array "
+                                         r"assigned has shape \(64, 5\)"):
+        state['v'] = numpy.zeros((64, 5), numpy.float32)
+    with pytest.raises(TypeError, match=r"state\['v'\] must be an array of shape \(5, 64\)"):
+        state['v'] = None
+    for remove in (lambda: state.pop('v'), lambda: state.clear(), lambda: state.popitem()):
+        with pytest.raises(TypeError, match=r"reset a value in place, state\['v'\]\[...\] = 0"):
+            remove()
+    with pytest.raises(TypeError, match='keeps its keys'):
+        del state['v']
+    assert set(state) == {'v'}
+    state['v'][...] = 2
+    for copied in (pickle.loads(pickle.dumps(state)), copy.deepcopy(state)):
+        assert type(copied) is dict and set(copied) == {'v'}
+        numpy.testing.assert_array_equal(copied['v'], 2)
+        assert not numpy.shares_memory(copied['v'], state['v'])
+
+
+class WithExtra(Net):
+    """Net and, while it has one, a link ``extra`` applied to its output."""
+
+    def __init__(self, dtype=numpy.float32):
+        super().__init__(dtype)
+        with self.init_scope():
+            self.extra = L.Linear(5, 5, initialW=numpy.eye(5, dtype=dtype) * 0.5)
+
+    def forward(self, x):
+        y = super().forward(x)
+        extra = getattr(self, 'extra', None)
+        return y if extra is None else extra(y)
+
+
+@pytest.mark.parametrize('how', ['delete the link', 'update_rule = None',
+                                 'replace the link', 'replace the Parameter'])
+def test_parameters_taken_out_of_training_stop_like_chainer(path, how):
+    """After setup(), a link deleted or replaced, a Parameter replaced, or a rule set to None:
+    Chainer's update walks the model and no longer updates the old parameters (nor the new
+    ones, which have no update rule); ours does the same, with a warning naming them."""
+    x, t = data()
+    ref = WithExtra()
+    ours = copy.deepcopy(ref)
+    o_ref = chainer.optimizers.MomentumSGD(lr=0.1).setup(ref)
+    o = optimizers.MomentumSGD(lr=0.1).setup(ours)
+    step_both(ref, o_ref, ours, o, x, t, 2)
+    old = {}
+    for m in (ref, ours):
+        extra = old[id(m)] = m.extra
+        if how == 'delete the link':
+            del m.extra
+        elif how == 'update_rule = None':
+            extra.W.update_rule = extra.b.update_rule = None
+        elif how == 'replace the link':
+            del m.extra
+            with m.init_scope():
+                m.extra = L.Linear(5, 5, initialW=numpy.eye(5, dtype=numpy.float32))
+        else:
+            with extra.init_scope():
+                extra.W = chainer.Parameter(numpy.eye(5, dtype=numpy.float32))
+        for p in extra.params():          # a gradient left behind must not be applied
+            p.grad = numpy.ones_like(p.array)
+    kept = {n: p.array.copy() for n, p in old[id(ours)].namedparams()}
+    with pytest.warns(chainer.warnings.PerformanceWarning, match='the optimizer rebuilds'):
+        if how == 'delete the link':
+            step_both(ref, o_ref, ours, o, x, t, 2)
+        else:
+            with pytest.warns(UserWarning, match=r'parameter\(s\) /extra/W.* have no update rule'):
+                step_both(ref, o_ref, ours, o, x, t, 2)
+    assert_same_params(ref, ours)
+    for (n, p), (_, q) in zip(old[id(ref)].namedparams(), old[id(ours)].namedparams()):
+        if how == 'replace the Parameter' and n == '/b':     # still in the model, trained
+            numpy.testing.assert_array_equal(q.array, p.array)
+            continue
+        numpy.testing.assert_array_equal(q.array, kept[n], err_msg=n)
+
+
+def test_a_link_added_after_setup_is_left_untrained_like_chainer_and_said_once(path):
+    x, t = data()
+    ref, o_ref, ours, o = chainer_pair()
+    step_both(ref, o_ref, ours, o, x, t, 1)
+    for m in (ref, ours):
+        with m.init_scope():
+            m.head = L.Linear(5, 3, initialW=numpy.ones((3, 5), numpy.float32))
+    before = ours.head.W.array.copy()
+
+    def loss(m):
+        return lambda: F.sum(m.head(m(x)))
+    with pytest.warns(UserWarning, match=r'parameter\(s\) /head/W, /head/b have no update rule '
+                                         r'.*call optimizer.setup\(model\) again'):
+        o.update(loss(ours))
+    o_ref.update(loss(ref))
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        o.update(loss(ours))
+    o_ref.update(loss(ref))
+    assert_same_params(ref, ours)
+    numpy.testing.assert_array_equal(ours.head.W.array, before)
+    o.setup(ours)                           # as with Chainer, setup() again trains it
+    o.update(loss(ours))
+    assert not numpy.array_equal(ours.head.W.array, before)
+
+
+def test_a_parameter_set_up_by_another_optimizer_is_refused_by_name():
+    model = Net()
+    o = optimizers.MomentumSGD().setup(model)
+    optimizers.MomentumSGD().setup(model.fc)
+    x, t = data()
+    with pytest.raises(RuntimeError, match='parameter /fc/W has the update rule of another '
+                                           'chainer_tc optimizer'):
+        with pytest.warns(RuntimeWarning, match='parameter /fc/W was given a new array'):
+            o.update(lossfun(model, x, t))        # (the other optimizer moved it)
+
+
+@pytest.mark.parametrize('change', ['add a parameter', 'delete a parameter',
+                                    'replace a parameter without init_scope', 'add a link',
+                                    'delete a link', 'append to a ChainList',
+                                    'replace in a ChainList', 'delete from a ChainList'])
+def test_the_structure_snapshot_sees_every_change(change):
+    from chainer_tc.optimizers import _structure
+
+    def make():
+        m = Net()
+        with m.init_scope():
+            m.seq = chainer.ChainList(L.Linear(2, 2), L.Linear(2, 2))
+        return m
+    m = make()
+    s = _structure.Structure(m)
+    assert s.same()
+    m.fc.W.array = m.fc.W.array.copy()      # a new array is not a structure change
+    m.cleargrads()
+    m(data()[0])
+    assert s.same()
+    if change == 'add a parameter':
+        m.fc.add_param('c', (2,))
+    elif change == 'delete a parameter':
+        del m.fc.b
+    elif change == 'replace a parameter without init_scope':
+        m.fc.W = chainer.Parameter(m.fc.W.array)
+    elif change == 'add a link':
+        m.add_link('head', L.Linear(2, 2))
+    elif change == 'delete a link':
+        del m.bn
+    elif change == 'append to a ChainList':
+        m.seq.append(L.Linear(2, 2))
+    elif change == 'replace in a ChainList':
+        m.seq[0] = L.Linear(2, 2)
+    else:
+        del m.seq[1]
+    assert not s.same()
+
+
 # ---- copies and pickles --------------------------------------------------------------------------
 
 @pytest.mark.parametrize('how', ['deepcopy', 'pickle'])
@@ -352,6 +528,22 @@ def test_state_lives_on_the_parameters_device_whatever_the_current_device():
         o.update(lossfun(model, x, t))
     assert o._scaler.state.device.id == 0 and o.loss_scale == scale
     assert o._table.device.device.id == 0
+
+
+@pytest.mark.gpu
+def test_a_momentum_reset_from_host_or_device_arrays_reaches_the_gpu_buffer():
+    import cupy
+    model = Net()
+    model.to_gpu()
+    o = optimizers.MomentumSGD(lr=0.1).setup(model)
+    x, t = (cupy.asarray(a) for a in data())
+    o.update(lossfun(model, x, t))
+    state = model.fc.W.update_rule.state
+    v = state['v']
+    state['v'] = numpy.zeros(v.shape, numpy.float32)
+    assert state['v'] is v and not v.any()
+    state['v'] = cupy.full(v.shape, 0.5, cupy.float64)
+    assert state['v'] is v and bool((v == 0.5).all())
 
 
 # ---- snapshots that would poison the state ----------------------------------------------------

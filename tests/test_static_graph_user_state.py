@@ -428,3 +428,54 @@ def test_a_replaced_parameter_the_optimizer_does_not_train_retraces():
             step(x, t)
             assert_same(params(me), params(ms), 'step {} params'.format(i))
     assert step.traces == 2
+
+
+class MaybeExtra(MLP):
+    def forward(self, x):
+        y = super().forward(x)
+        extra = getattr(self, 'extra', None)
+        return y if extra is None else extra(y)
+
+
+@pytest.mark.parametrize('how', ['replace a link', 'replace a Parameter', 'delete a link',
+                                 'add a link', 'set an update rule to None'])
+def test_a_change_of_the_models_structure_is_seen_at_the_next_step(how):
+    """Without optimizer.setup() again: the step after the change equals the eager one (no
+    check needed: check_every=None), the traces are dropped, said once, naming the parameters."""
+    def make():
+        m = MaybeExtra()
+        with m.init_scope():
+            m.extra = L.Linear(5, 5, initialW=numpy.eye(5, dtype=numpy.float32) * 0.5)
+        return m
+    (me, oe), (ms, os_) = pair(make)
+    step = TrainStep(ms, os_, lambda x, t: F.softmax_cross_entropy(ms(x), t), check_every=None)
+    names = {'replace a link': '/l2/W, /l2/b', 'replace a Parameter': '/l1/W',
+             'delete a link': '/extra/W, /extra/b', 'add a link': '/more/W, /more/b',
+             'set an update rule to None': '/extra/W'}[how]
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter('always')
+        for i, (x, t) in enumerate(data(12)):
+            if i == 6:
+                for m in (me, ms):
+                    if how == 'replace a link':
+                        del m.l2
+                        with m.init_scope():
+                            m.l2 = L.Linear(8, 5, initialW=numpy.ones((5, 8), numpy.float32))
+                    elif how == 'replace a Parameter':
+                        with m.l1.init_scope():
+                            m.l1.W = chainer.Parameter(m.l1.W.array * 0.5)
+                    elif how == 'delete a link':
+                        del m.extra
+                    elif how == 'add a link':
+                        del m.extra
+                        with m.init_scope():
+                            m.more = L.Linear(5, 5, initialW=numpy.eye(5, dtype=numpy.float32))
+                        m.extra = m.more          # (not a child: set outside init_scope)
+                    else:
+                        m.extra.W.update_rule = None
+            eager_update(oe, lambda x, t: F.softmax_cross_entropy(me(x), t), x, t)
+            step(x, t)
+            assert_same(params(me), params(ms), 'step {} params'.format(i))
+    dropped = [str(w.message) for w in said if 'every trace is dropped' in str(w.message)]
+    assert len(dropped) == 1 and names in dropped[0], dropped
+    assert step.traces == 2 and step.checks == 0

@@ -18,6 +18,8 @@ of at most CHUNK elements; see kernels/optimizer.cu for its format.
 """
 import numpy
 
+from chainer_tc.optimizers import _structure
+
 ALIGN = 128           # elements; every parameter view starts 256-byte aligned (512 for float32)
 CHUNK = 2048          # elements per thread block of the update kernel
 GRAD_TABLE = 480      # gradient addresses per launch (kernels/optimizer.cu OPT_GRAD_TABLE)
@@ -30,7 +32,8 @@ STATE_DTYPES = (DTYPES[F32], DTYPES[F32], DTYPES[F64])      # momentum (and mast
 class Entry:
     """One parameter: where it lives in the flat buffers."""
 
-    __slots__ = ('name', 'param', 'group', 'offset', 'size', 'shape', 'view', 'v', 'master')
+    __slots__ = ('name', 'param', 'rule', 'group', 'offset', 'size', 'shape', 'view', 'v',
+                 'master')
 
 
 def _device_of(array):
@@ -49,10 +52,13 @@ def unique_params(named_params):
 
 
 class FlatParams:
-    """Flat buffers of a model's parameters, built from ``named_params`` (unique)."""
+    """Flat buffers of a model's parameters, built from ``named_params`` (unique, each with an
+    update rule). ``untrained``: the target's other parameters (no update rule), which it holds so
+    that :meth:`changed` can tell them from new ones."""
 
-    def __init__(self, named_params):
+    def __init__(self, named_params, untrained=()):
         entries = []
+        self.untrained = list(untrained)
         devices = {}
         for name, param in named_params:
             a = param.array
@@ -66,6 +72,7 @@ class FlatParams:
             devices.setdefault(_device_of(a), name)
             e = Entry()
             e.name, e.param, e.shape, e.size = name, param, a.shape, a.size
+            e.rule = param.update_rule
             e.group = DTYPES.index(a.dtype)
             entries.append(e)
         if not entries:
@@ -86,6 +93,8 @@ class FlatParams:
             sizes[e.group] += -(-e.size // ALIGN) * ALIGN
         self.entries = order
         self.sizes = sizes
+        self.known = frozenset([id(e.param) for e in order] + [id(p) for _, p in self.untrained])
+        self._structure = None
         self._allocate()
         self.chunks, self.launches = self._work_list()
 
@@ -115,7 +124,7 @@ class FlatParams:
                     new_state['master'] = e.master
                 else:
                     e.master = None
-                e.param.update_rule._state = new_state
+                e.param.update_rule._state = FlatState(new_state)
 
     def _work_list(self):
         """The chunk table and the launches: [(first chunk, chunk count, first entry, entries)]."""
@@ -145,12 +154,35 @@ class FlatParams:
         return bufs, views
 
     def stale(self):
-        """The first entry whose parameter no longer holds its view (replaced, retyped, moved),
-        or None. Cheap: one identity test per parameter."""
+        """Why the buffers no longer fit the parameters they were built from (a parameter's
+        array replaced, retyped or moved; its update rule replaced or set to None), or None.
+        Cheap: two identity tests per parameter."""
         for e in self.entries:
             if e.param.raw_array is not e.view:
-                return e
+                return ('parameter {} was given a new array after setup() (a new value, dtype '
+                        'or device)'.format(e.name))
+            if e.param.update_rule is not e.rule:
+                return 'the update rule of parameter {} was {}'.format(
+                    e.name, 'set to None' if e.param.update_rule is None else 'replaced')
         return None
+
+    def changed(self, target):
+        """Why the parameters of ``target`` are no longer those the buffers were built from (a
+        link or Parameter added, deleted or replaced), or None. Identity tests while the model's
+        structure is unchanged; a walk of its parameters when it changed."""
+        shape = self._structure
+        if shape is not None and shape.root is target and shape.same():
+            return None
+        now = unique_params(target.namedparams())
+        ids = {id(p) for _, p in now}
+        if ids == self.known:
+            self._structure = _structure.Structure(target)
+            return None
+        gone = [e.name for e in self.entries if id(e.param) not in ids]
+        new = [name for name, p in now if id(p) not in self.known]
+        return 'the model {}'.format(' and '.join(
+            ['no longer holds parameter(s) {}'.format(', '.join(gone))] * bool(gone)
+            + ['holds new parameter(s) {}'.format(', '.join(new))] * bool(new)))
 
     def grads(self):
         """Each parameter's gradient (None where there is none), C-contiguous. Chainer already
@@ -163,6 +195,49 @@ class FlatParams:
                 g = xp.ascontiguousarray(g)
             out.append(g)
         return out
+
+
+class FlatState(dict):
+    """An update rule's ``state`` whose arrays are views of the flat buffers.
+
+    Chainer's rules update whatever array ``state['v']`` holds, so assigning one (a momentum
+    reset: ``state['v'] = zeros``) takes effect. Here the view stays and the assigned values are
+    copied into it (any device, castable dtype; the shape must match). Removing a key is refused:
+    the flat buffers would still update it."""
+
+    __slots__ = ()
+
+    def __setitem__(self, key, value):
+        view = self.get(key)
+        if view is None or value is view:
+            dict.__setitem__(self, key, value)
+            return
+        if value is None or not hasattr(value, 'shape'):
+            raise TypeError('update_rule.state[{!r}] must be an array of shape {}; got {!r}'
+                            .format(key, tuple(view.shape), value))
+        if tuple(value.shape) != tuple(view.shape):
+            raise ValueError('update_rule.state[{!r}] has shape {}; the array assigned has shape '
+                             '{}'.format(key, tuple(view.shape), tuple(value.shape)))
+        if isinstance(view, numpy.ndarray):
+            view[...] = value if isinstance(value, numpy.ndarray) else value.get()
+        else:
+            with view.device:
+                view[...] = _array_module(view).asarray(value)
+
+    def update(self, *args, **kwargs):
+        for key, value in dict(*args, **kwargs).items():
+            self[key] = value
+
+    def _refuse(self, *args):
+        raise TypeError(
+            'the update rule state of chainer_tc.optimizers.MomentumSGD keeps its keys (its '
+            "arrays are views of the optimizer's flat buffers); reset a value in place, "
+            "state['v'][...] = 0, or assign a new array, state['v'] = array")
+
+    __delitem__ = pop = popitem = clear = _refuse
+
+    def __reduce__(self):          # pickles and copies as the plain dict Chainer's rules hold
+        return dict, (dict(self),)
 
 
 def _no_decay(param):

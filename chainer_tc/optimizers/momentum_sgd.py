@@ -131,38 +131,57 @@ class MomentumSGD(chainer_optimizer.GradientMethod):
         self._try_build()
         return self
 
-    def _try_build(self, required=False):
-        """The flat buffers, (re)built if missing or stale; None while lazy parameters wait."""
+    def _try_build(self, required=False, walk=False):
+        """The flat buffers, (re)built if missing or stale; None while lazy parameters wait.
+        ``walk``: also compare the model's parameters with the buffers' (a link added or
+        deleted since they were built), as Chainer's update does by walking the model."""
         flat = self._flat
         if flat is not None:
-            e = flat.stale()
-            if e is None:
+            why = flat.stale() or (flat.changed(self.target) if walk else None)
+            if why is None:
                 return flat
-            self._warn_once('rebuild', 'parameter {} was given a new array after setup() (a '
-                            'new value, dtype or device): the optimizer rebuilds its buffers, '
-                            'keeping every momentum; this costs a copy of all parameters each '
-                            'time it happens'.format(e.name))
+            self._warn_once('rebuild', '{}: the optimizer rebuilds its buffers, keeping every '
+                                       'momentum; this costs a copy of all parameters each time '
+                                       'it happens'.format(why))
         with variable._AllowArrayAccessWithNonstandardLayout():
             params = _flat.unique_params(self.target.namedparams())
             if not required and any(p.array is None for _, p in params):
                 return None                       # lazy links: wait for the first update
+            trained, untrained = [], []
             for name, p in params:
-                if not isinstance(p.update_rule, _rule.Rule):
+                rule = p.update_rule
+                if rule is None:
+                    untrained.append((name, p))
+                elif not isinstance(rule, _rule.Rule):
                     raise RuntimeError(
                         'parameter {} has update rule {!r}, not chainer_tc\'s: its update rule '
                         'was replaced after setup(), or the link was added after setup(); call '
-                        'optimizer.setup(model) again'.format(name, p.update_rule))
-            self._flat = flat = _flat.FlatParams(params)
+                        'optimizer.setup(model) again'.format(name, rule))
+                elif rule._versions is not self._versions:
+                    raise RuntimeError(
+                        'parameter {} has the update rule of another chainer_tc optimizer (it '
+                        'was set up on this parameter later); one optimizer per parameter: '
+                        'call optimizer.setup(model) again on the one to use'.format(name))
+                else:
+                    trained.append((name, p))
+            if untrained:
+                names = ', '.join(n for n, _ in untrained)
+                self._warn_once('untrained:' + names, (
+                    'parameter(s) {} have no update rule (update_rule is None, or their link was '
+                    'added after setup()): the optimizer does not train them, as Chainer\'s '
+                    'optimizers do not; call optimizer.setup(model) again to train them'
+                    ).format(names), UserWarning)
+            self._flat = flat = _flat.FlatParams(trained, untrained)
         with flat.device_scope():
             self._scaler.to_device(flat.xp)
         self._table = _hyper.HyperTable(flat, kernels.backend(flat.xp) != 'numpy')
         self._temps = None
         return flat
 
-    def _warn_once(self, key, message):
+    def _warn_once(self, key, message, category=chainer.warnings.PerformanceWarning):
         if key not in self._warned:
             self._warned.add(key)
-            warnings.warn(message, chainer.warnings.PerformanceWarning, stacklevel=4)
+            warnings.warn(message, category, stacklevel=4)
 
     def use_fp32_update(self, flag=True):
         """Accepted for compatibility and does nothing: float16 parameters always have float32
@@ -269,7 +288,7 @@ class MomentumSGD(chainer_optimizer.GradientMethod):
             self.scaled_backward(loss)
             del loss
         with variable._AllowArrayAccessWithNonstandardLayout():
-            flat = self._try_build(required=True)
+            flat = self._try_build(required=True, walk=True)
             if self._has_hooks('pre'):
                 self.reallocate_cleared_grads()
                 self.call_hooks('pre')

@@ -148,14 +148,14 @@ class TrainStep:
                                                                                for k in names)))
         self._names = len(args), names
         flat = self.optimizer._flat
-        if flat is not None and flat.stale() is not None:
-            flat = None                   # a parameter was replaced: the next update rebuilds
+        # replays see the model only through their traces: a parameter given a new array or
+        # update rule, or a link added, deleted or replaced, is found here (identity tests)
+        why = None if flat is None else flat.stale() or flat.changed(self.optimizer.target)
+        if why is not None:
+            flat = None                   # the next update rebuilds the buffers
         if flat is not self._flat:
-            if any(e.first is not None or e.replay is not None for e in self._entries.values()):
-                self._warn('model', 'the optimizer rebuilt its parameter buffers (a parameter '
-                                    'was replaced, moved or retyped): every trace is dropped '
-                                    'and the step is traced again')
-            self._entries.clear()
+            self._drop_traces(why or 'the optimizer rebuilt its parameter buffers (after '
+                                     'optimizer.setup(), or a change it found in an update)')
             self._flat = flat
         if self._persistent_arrays is not None and any(
                 d.get(name) is not a for d, name, a in self._persistent_arrays):
@@ -204,6 +204,13 @@ class TrainStep:
         self._flat = self.optimizer._flat
         return loss
 
+    def _drop_traces(self, why):
+        """Forget every trace, saying why once (when there was one)."""
+        if any(e.first is not None or e.replay is not None for e in self._entries.values()):
+            self._warn('model', 'TrainStep: {}: every trace is dropped and the step is traced '
+                                'again'.format(why))
+        self._entries.clear()
+
     def _chainer_cudnn_routed(self, inputs):
         """On a GPU with capture, Chainer's own cuDNN calls go through chainer_tc's binding in
         every step of this TrainStep (eager ones too: their plans serve the capture)."""
@@ -245,7 +252,7 @@ class TrainStep:
         result = _detached(loss)
         del loss
         with variable._AllowArrayAccessWithNonstandardLayout():
-            grads = opt._try_build(required=True).grads()
+            grads = opt._try_build(required=True, walk=True).grads()
         self._update(grads)
         return result
 
@@ -579,8 +586,6 @@ def _apply_update(opt, flat, buffers, views):
         opt.update()
         return
     opt._step(opt._plan(flat, views, flat_grads=buffers))
-
-
 
 
 def _is_cupy(arrays):
