@@ -266,6 +266,7 @@ def test_functions_that_are_not_function_nodes_are_refused_with_their_names(name
             step(x, t, mask)
     assert step.replays == 0
 
+
 @pytest.mark.gpu
 @pytest.mark.parametrize('kind', ['hinge_L1', 'user_function', 'integer_mask'])
 def test_steps_with_gradients_computed_outside_forward_are_captured_on_the_gpu(kind):

@@ -479,3 +479,83 @@ def test_a_change_of_the_models_structure_is_seen_at_the_next_step(how):
     dropped = [str(w.message) for w in said if 'every trace is dropped' in str(w.message)]
     assert len(dropped) == 1 and names in dropped[0], dropped
     assert step.traces == 2 and step.checks == 0
+
+
+class StridedGradients(chainer.Chain):
+    """Parameters whose gradient Chainer leaves as a strided view: a depthwise convolution
+    (its W goes through F.transpose), a weight used only transposed, a parameter only summed
+    (a broadcast gradient)."""
+
+    def __init__(self, kind):
+        super().__init__()
+        r = numpy.random.RandomState(0)
+        self.kind = kind
+        with self.init_scope():
+            self.dw = L.DepthwiseConvolution2D(3, 2, 3, pad=1,
+                                               initialW=r.randn(2, 3, 3, 3).astype('f') * 0.3)
+            self.tied = L.Linear(6, 6, initialW=r.randn(6, 6).astype(numpy.float32) * 0.3)
+            self.p = chainer.Parameter(r.randn(6).astype(numpy.float32))
+            self.fc = L.Linear(6, 5, initialW=r.randn(5, 6).astype(numpy.float32) * 0.3)
+
+    def forward(self, x, t):
+        if self.kind == 'depthwise':
+            h = F.mean(self.dw(x), axis=(2, 3))
+        else:
+            h = F.mean(F.concat([x, x]), axis=(2, 3))
+        if self.kind == 'transposed':
+            h = F.relu(F.linear(h, F.transpose(self.tied.W)))
+        loss = F.softmax_cross_entropy(self.fc(h), t)
+        if self.kind == 'summed':
+            loss = loss + 0.1 * F.sum(self.p)
+        return loss
+
+
+@pytest.mark.parametrize('reduce', [False, True])
+@pytest.mark.parametrize('kind', ['depthwise', 'transposed', 'summed'])
+def test_a_strided_parameter_gradient_replays_like_eager_steps(kind, reduce):
+    """Such a gradient is copied into the parameter's flat view after each replay (it used to
+    be refused as 'produced outside the recorded functions')."""
+    (me, oe), (ms, os_) = pair(lambda: StridedGradients(kind))
+    step = TrainStep(ms, os_, reduce_gradients=(lambda buffers: None) if reduce else None)
+    r = numpy.random.RandomState(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        for i in range(8):
+            x = r.randn(4, 3, 5, 5).astype(numpy.float32)
+            t = r.randint(0, 5, 4).astype(numpy.int32)
+            eager_update(oe, me, x, t)
+            step(x, t)
+            expect = grads(me)
+            if reduce:                # (with a reduction an unused parameter's grad is zeros)
+                expect = {n: numpy.zeros_like(p.array) if expect[n] is None else expect[n]
+                          for n, p in me.namedparams()}
+            assert_same(expect, grads(ms), 'step {} grads'.format(i))
+            assert_same(params(me), params(ms), 'step {} params'.format(i))
+    assert step.replays == 5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('kind', ['depthwise', 'transposed', 'summed'])
+def test_a_strided_parameter_gradient_is_captured_on_the_gpu(kind):
+    import cupy
+    runs = []
+    for use_step in (False, True):
+        model = StridedGradients(kind)
+        model.to_device('@cupy:0')
+        opt = optimizers.MomentumSGD(lr=0.1, weight_decay=1e-3).setup(model)
+        step = TrainStep(model, opt) if use_step else None
+        r = numpy.random.RandomState(1)
+        with warnings.catch_warnings():
+            warnings.simplefilter('error', RuntimeWarning)      # captured, nothing refused
+            for _ in range(8):
+                x = cupy.asarray(r.randn(4, 3, 5, 5).astype(numpy.float32))
+                t = cupy.asarray(r.randint(0, 5, 4).astype(numpy.int32))
+                if step is None:
+                    opt.update(model, x, t)
+                else:
+                    step(x, t)
+        runs.append({n: p.array.copy() for n, p in model.namedparams()})
+    assert step.replays == 5 and step.traces == 1
+    # cuBLAS may pick other algorithms on the capture's handle (test_static_graph.py)
+    for k in runs[0]:
+        cupy.testing.assert_allclose(runs[0][k], runs[1][k], rtol=1e-5, atol=1e-6, err_msg=k)

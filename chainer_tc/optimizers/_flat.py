@@ -184,14 +184,15 @@ class FlatParams:
             ['no longer holds parameter(s) {}'.format(', '.join(gone))] * bool(gone)
             + ['holds new parameter(s) {}'.format(', '.join(new))] * bool(new)))
 
-    def grads(self):
-        """Each parameter's gradient (None where there is none), C-contiguous. Chainer already
-        guarantees that a gradient has its parameter's dtype and shape."""
+    def grads(self, contiguous=True):
+        """Each parameter's gradient (None where there is none), C-contiguous unless
+        ``contiguous`` is False (a gradient that is a transposed or broadcast view stays one).
+        Chainer already guarantees that a gradient has its parameter's dtype and shape."""
         out = []
         xp = self.xp
         for e in self.entries:
             g = e.param.grad
-            if g is not None and not g.flags.c_contiguous:
+            if contiguous and g is not None and not g.flags.c_contiguous:
                 g = xp.ascontiguousarray(g)
             out.append(g)
         return out

@@ -97,8 +97,8 @@ class CapturedStep:
                 loss = step._call_lossfun(entry.buffers)
                 opt.target.cleargrads()
                 opt.scaled_backward(loss)
-            grads = flat.grads()
-            recorded_grads = grads
+            recorded_grads = flat.grads(contiguous=False)      # checked as the CPU replay's
+            grads = flat.grads()       # a strided one copied, in the graph, for the kernel
             if reduce is not None:
                 for view, g in zip(views, grads):
                     if g is None:

@@ -336,7 +336,9 @@ class TrainStep:
         trace.externals = self._externals(buffers)
         with variable._AllowArrayAccessWithNonstandardLayout():
             flat = opt._try_build(required=True)
-            trace.grads = flat.grads()
+            # as the backward left them: a replay copies a strided one (the gradient of a
+            # parameter used through F.transpose, a broadcast) into its flat view
+            trace.grads = flat.grads(contiguous=False)
         trace.marks = [e.param._loss_scale for e in flat.entries]
         trace.loss = loss.array
         trace.inputs = buffers
