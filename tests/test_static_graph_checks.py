@@ -445,6 +445,6 @@ def test_a_number_handed_over_inside_a_container_is_compared_as_a_constant(vary_
     step, warned = run_valid_counts(boxed=True, vary_from=vary_from, kind=kind)
     if vary_from == 1:
         assert step.replays == 0
-        assert len(warned) == 1 and "its attribute 'scale' differs between steps" in warned[0]
+        assert len(warned) == 1 and "its attribute 'scale'[0] differs between steps" in warned[0]
     else:
         assert warned == [] and step.replays == 9

@@ -216,25 +216,39 @@ def _check_inputs(a, b, known_first, known, where):
 
 
 def _check_attributes(a, b, known_first, known, where):
-    array_types = _trace.array_types() + (numpy.generic, float)     # what a forward computes
     for key in a.pre.keys() - b.pre.keys() - {'forward'}:
         raise NotReplayable('{}: its attribute {!r} is set in one step only ({} then absent); '
                             'a replay would freeze it'.format(where, key, short(a.pre[key])))
     for key, v in b.pre.items():
-        if key == 'forward':
-            continue
-        u = a.pre.get(key, MISSING)
-        if isinstance(v, array_types) and isinstance(u, array_types):
-            su, sv = known_first.source(u), known.source(v)
-            if su != sv:
-                raise NotReplayable('{}: its attribute {!r} is {} in one step and {} in the '
-                                    'other: the functions are wired differently'
-                                    .format(where, key, describe(su), describe(sv)))
-            if sv is not None:
-                continue
-        if u is MISSING or not same_value(u, v):
-            raise NotReplayable('{}: its attribute {!r} differs between steps ({} then {}); a '
-                                'replay would freeze it'.format(where, key, short(u), short(v)))
+        if key != 'forward':
+            _check_attribute(a.pre.get(key, MISSING), v, known_first, known, where,
+                             'its attribute {!r}'.format(key))
+
+
+def _check_attribute(u, v, known_first, known, where, what, depth=0):
+    """An attribute's value ``u`` in the earlier step against ``v``: what a forward computes
+    (an array, a NumPy scalar or float) by source, where either has one; a tuple or list
+    element by element, its arrays by source (``y[xp.arange(n), t]`` keeps the step's input
+    ``t`` in GetItem's ``slices``: a replay refreshes it in place) and its numbers by value
+    (a replay cannot rebind them there); anything else by value."""
+    computed = _trace.array_types() + ((numpy.generic, float) if depth == 0 else ())
+    if isinstance(v, computed) and isinstance(u, computed):
+        su, sv = known_first.source(u), known.source(v)
+        if su != sv:
+            raise NotReplayable('{}: {} is {} in one step and {} in the other: the functions '
+                                'are wired differently'.format(where, what, describe(su),
+                                                               describe(sv)))
+        if sv is not None:
+            return
+    elif (depth < 2 and isinstance(v, (tuple, list)) and type(u) is type(v)
+          and len(u) == len(v)):
+        for j, (x, y) in enumerate(zip(u, v)):
+            _check_attribute(x, y, known_first, known, where, '{}[{}]'.format(what, j),
+                             depth + 1)
+        return
+    if u is MISSING or not same_value(u, v):
+        raise NotReplayable('{}: {} differs between steps ({} then {}); a replay would freeze '
+                            'it'.format(where, what, short(u), short(v)))
 
 
 def reports(first, last, known_first, known):
