@@ -9,6 +9,7 @@ eager steps). Every comparison is bit for bit against eager ``optimizer.update``
 """
 import copy
 import pickle
+import re
 import warnings
 
 import numpy
@@ -559,3 +560,77 @@ def test_a_strided_parameter_gradient_is_captured_on_the_gpu(kind):
     # cuBLAS may pick other algorithms on the capture's handle (test_static_graph.py)
     for k in runs[0]:
         cupy.testing.assert_allclose(runs[0][k], runs[1][k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+class Generator(chainer.Chain):
+    def __init__(self):
+        super().__init__()
+        r = numpy.random.RandomState(1)
+        with self.init_scope():
+            self.l1 = L.Linear(4, 6, initialW=r.randn(6, 4).astype(numpy.float32) * 0.3)
+
+    def forward(self, z):
+        return F.tanh(self.l1(z))
+
+
+class Discriminator(chainer.Chain):
+    def __init__(self):
+        super().__init__()
+        r = numpy.random.RandomState(2)
+        with self.init_scope():
+            self.l1 = L.Linear(6, 8, initialW=r.randn(8, 6).astype(numpy.float32) * 0.3)
+            self.l2 = L.Linear(8, 1, initialW=r.randn(1, 8).astype(numpy.float32) * 0.3)
+
+    def forward(self, x):
+        return self.l2(F.relu(self.l1(x)))
+
+
+@pytest.mark.parametrize('separated', [False, True])
+def test_a_gan_replays_when_each_loss_keeps_to_its_model_and_is_told_why_when_not(separated):
+    """Two TrainSteps whose losses run through both models: the discriminator's backward adds
+    to the generator's gradients, which its optimizer never clears. That is refused, saying
+    so (it used to blame an array computed with NumPy); with the fix the message gives (the
+    fake batch passed as an array, the other model's gradients cleared in the loss) both
+    steps replay, equal to eager steps."""
+    def losses(gen, dis):
+        def loss_dis(x, z):
+            fake = gen(z)
+            return (F.mean(F.softplus(-dis(x)))
+                    + F.mean(F.softplus(dis(fake.array if separated else fake))))
+
+        def loss_gen(z):
+            if separated:
+                dis.cleargrads()
+            return F.mean(F.softplus(-dis(gen(z))))
+        return loss_dis, loss_gen
+    r = numpy.random.RandomState(0)
+    batches = [(r.randn(5, 6).astype(numpy.float32), r.randn(5, 4).astype(numpy.float32))
+               for _ in range(10)]
+    runs = []
+    for use_step in (False, True):
+        gen, dis = Generator(), Discriminator()
+        og = optimizers.MomentumSGD(lr=0.05).setup(gen)
+        od = optimizers.MomentumSGD(lr=0.05).setup(dis)
+        loss_dis, loss_gen = losses(gen, dis)
+        if use_step:
+            sd, sg = TrainStep(dis, od, loss_dis), TrainStep(gen, og, loss_gen)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter('always')
+            for x, z in batches:
+                if use_step:
+                    sd(x, z)
+                    sg(z)
+                else:
+                    eager_update(od, loss_dis, x, z)
+                    eager_update(og, loss_gen, z)
+        runs.append({**params(gen), **{'dis' + k: v for k, v in params(dis).items()}})
+    assert_same(runs[0], runs[1], 'params')
+    messages = [str(w.message) for w in said if issubclass(w.category, RuntimeWarning)]
+    if separated:
+        assert messages == [] and sd.replays == sg.replays == 7
+    else:
+        assert sd.replays == sg.replays == 0 and len(messages) == 2
+        for m, shape in zip(messages, ['(6, 4)', '(1, 8)']):
+            assert re.search(r'input 0 is the gradient parameter W of shape {} held before the '
+                             r"step, which the backward adds to: this step's optimizer does "
+                             r'not train it'.format(re.escape(shape)), m), m

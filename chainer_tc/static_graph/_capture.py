@@ -96,6 +96,7 @@ class CapturedStep:
             with _trace.Recorder() as rec, _products.products_through(products):
                 loss = step._call_lossfun(entry.buffers)
                 opt.target.cleargrads()
+                rec.trace.leftover_grads = _trace.leftover_grads(loss)
                 opt.scaled_backward(loss)
             recorded_grads = flat.grads(contiguous=False)      # checked as the CPU replay's
             grads = flat.grads()       # a strided one copied, in the graph, for the kernel

@@ -53,7 +53,8 @@ class Known:
     helper object kept there). An array is known too when it is a view of a known one; its
     source is then ``('view', source of the base, shape, strides, byte offset)``."""
 
-    def __init__(self, externals=()):
+    def __init__(self, externals=(), leftover_grads=None):
+        self.leftover_grads = leftover_grads or {}     # Trace.leftover_grads: for messages
         self.ids = set()
         self.keep = []
         self.tags = {}
@@ -204,6 +205,15 @@ def _check_inputs(a, b, known_first, known, where):
             raise NotReplayable('{}: input {} is {} in one step and {} in the other: the '
                                 'functions are wired differently'
                                 .format(where, k, describe(sx), describe(sy)))
+        if sy is None and not same_value(x, y) and id(y) in known.leftover_grads:
+            raise NotReplayable(
+                '{}: input {} is the gradient {} held before the step, which the backward '
+                "adds to: this step's optimizer does not train it, so nothing clears it "
+                "between steps (another model's parameter under this loss, as a GAN's "
+                "generator under the discriminator's), and a replay cannot follow it. Keep "
+                "the backward out of that model (pass fake.array, not fake) or clear its "
+                'gradients in the loss function (other_model.cleargrads())'
+                .format(where, k, known.leftover_grads[id(y)]))
         if sy is None and not same_value(x, y):
             raise NotReplayable(
                 '{}: input {} ({}) is not computed by a recorded function and differs '
@@ -292,7 +302,7 @@ def check_same_step(first, last, externals_first, externals):
     order for both steps."""
     op_count(first, last)
     check_trace(last)
-    known_first, known = Known(externals_first), Known(externals)
+    known_first, known = Known(externals_first), Known(externals, last.leftover_grads)
     for i, (a, b) in enumerate(zip(first.ops, last.ops)):
         check_op(i, a, b, known_first, known)
         known_first.learn(a, i)

@@ -67,7 +67,8 @@ class Program:
         _compare.op_count(first, last)
         _compare.check_trace(first)         # (a captured step does not watch its writes)
         _compare.check_trace(last)
-        known_first, known = _compare.Known(externals_first), _compare.Known(externals)
+        known_first = _compare.Known(externals_first)
+        known = _compare.Known(externals, last.leftover_grads)
         slots = {}
         ops = []
         restores = {}

@@ -116,6 +116,7 @@ class Trace:
         self.marks = None          # per optimizer entry: its parameter's _loss_scale then
         self.python_gradients = []  # Chainer functions whose backward computes in Python
         self.written = []          # inputs and parameters written in place outside the ops
+        self.leftover_grads = {}   # id of a gradient the backward adds to -> its parameter
 
 
 class _Patches:
@@ -313,6 +314,31 @@ def python_gradient(function):
             contrastive.Contrastive: 'F.contrastive', triplet.Triplet: 'F.triplet',
             l2_normalization.NormalizeL2: 'F.normalize'}
     return _PYTHON_GRADIENTS.get(type(function))
+
+
+def leftover_grads(loss):
+    """The gradients the backward from ``loss`` will add to, after the optimizer cleared its
+    own: {id of the array: 'parameter W of shape (8, 6)'}, for the leaf variables of the
+    graph that hold one (a parameter the step does not train, such as another model's)."""
+    out = {}
+    seen = set()
+    stack = [loss.node]
+    while stack:
+        node = stack.pop()
+        creator = node.creator_node
+        if creator is not None:
+            for x in creator.inputs:
+                if id(x) not in seen:
+                    seen.add(id(x))
+                    stack.append(x)
+            continue
+        v = node.get_variable_or_none()
+        g = None if v is None else v.grad
+        if g is not None:
+            out[id(g)] = '{} {} of shape {}'.format(
+                'parameter' if isinstance(v, chainer.Parameter) else 'variable',
+                v.name or '(unnamed)', tuple(v.shape))
+    return out
 
 
 def _capturing(arrays):

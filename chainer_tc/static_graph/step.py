@@ -329,6 +329,7 @@ class TrainStep:
         with _trace.Recorder() as rec:
             loss = self._call_lossfun(buffers)
             opt.target.cleargrads()
+            rec.trace.leftover_grads = _trace.leftover_grads(loss)    # (for the messages)
             opt.scaled_backward(loss)
         trace = rec.trace
         trace.written = [name for (name, a), b in zip(watched, before)
