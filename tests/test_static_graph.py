@@ -227,6 +227,42 @@ def test_lr_and_frozen_links_changed_between_replays_are_followed(path):
 
 # ---- signatures -----------------------------------------------------------------------------------
 
+@pytest.mark.parametrize('change, said', [
+    ('loss scaling', r"the optimizer's loss scaling changed \(off \(interval 1000, scales "
+                     r"1\.0\.\.16777216\.0\) then dynamic \(interval 1000,"),
+    ('train mode', r'chainer\.config\.train changed \(True then False\)'),
+    ('batch size', r'new input signature \(2 inputs \(3, 3, 8, 8\) float32, \(3,\) int32\)')])
+def test_a_new_signature_is_said_with_what_changed(change, said):
+    model, opt = make()
+    step = TrainStep(model, opt, sce(model))
+    data = batches(4)
+    for x, t in data:
+        step(x, t)
+    with pytest.warns(RuntimeWarning, match=said):
+        if change == 'loss scaling':
+            opt.loss_scaling()
+            step(*data[0])
+        elif change == 'train mode':
+            with chainer.using_config('train', False):
+                step(*data[0])
+        else:
+            step(*batches(1, size=3)[0])
+
+
+def test_signatures_cycling_beyond_max_signatures_are_said_once():
+    model, opt = make()
+    step = TrainStep(model, opt, sce(model), max_signatures=2)
+    data = [batches(1, size=n, seed=n)[0] for n in (2, 3, 4)]
+    with pytest.warns(RuntimeWarning) as record:
+        for _ in range(4):
+            for x, t in data:
+                step(x, t)
+    back = [str(w.message) for w in record if 'comes back' in str(w.message)]
+    assert len(back) == 1 and 'raise max_signatures' in back[0]
+    assert 'max_signatures=2' in back[0] and '(2, 3, 8, 8)' in back[0]
+    assert step.replays == 0 and step.traces == 0
+
+
 def test_a_shape_change_mid_run_retraces_once_and_stays_exact():
     data = batches(6, size=4) + batches(1, size=3, seed=1) + batches(6, size=4, seed=2) \
         + batches(3, size=3, seed=3)

@@ -18,6 +18,8 @@ import os
 import sys
 import warnings
 
+import numpy
+
 import chainer
 from chainer import configuration
 from chainer import variable
@@ -120,6 +122,7 @@ class TrainStep:
         self._flat = None
         self._persistent_arrays = None   # _persistents() when the traces in use were built
         self._untrained = ()             # _others() then
+        self._evicted = set()            # signatures dropped to keep max_signatures
         self._warned = set()
 
     def __getstate__(self):
@@ -177,13 +180,22 @@ class TrainStep:
         key = self._key(inputs)
         entry = self._entries.get(key)
         if entry is None:
-            if self._entries:
-                self._warn('signature', 'the step was called with a new input signature {}: '
-                                        'it is traced again (each signature is traced once; '
-                                        'a last partial batch is one more)'.format(key[0]))
+            if key in self._evicted:
+                self._warn('evicted', 'TrainStep: a signature traced before ({}) comes back '
+                                      'after it was dropped to keep max_signatures={}: it is '
+                                      'traced again, and steps that cycle through more '
+                                      'signatures than that never replay; raise '
+                                      'max_signatures'.format(_describe(key),
+                                                              self.max_signatures))
+            elif self._entries:
+                last = next(reversed(self._entries))
+                what, change = _signature_change(last, key)
+                self._warn('signature:' + what,
+                           'TrainStep: {}: the step is traced again for it (each signature is '
+                           'traced once; a last partial batch is one more)'.format(change))
             entry = self._entries[key] = _Entry(inputs)
             while len(self._entries) > self.max_signatures:
-                self._entries.popitem(last=False)
+                self._evicted.add(self._entries.popitem(last=False)[0])
         else:
             self._entries.move_to_end(key)
         entry.calls += 1
@@ -589,6 +601,35 @@ def _apply_update(opt, flat, buffers, views):
         opt.update()
         return
     opt._step(opt._plan(flat, views, flat_grads=buffers))
+
+
+_SIGNATURE_PARTS = ('the input shapes and dtypes', 'the keyword inputs', 'chainer.config.train',
+                    'chainer.config.enable_backprop', "the optimizer's loss scaling",
+                    "the optimizer's nesterov", 'whether the optimizer has hooks')
+_SCALING = {_scaler.NONE: 'off', _scaler.STATIC: 'static', _scaler.DYNAMIC: 'dynamic'}
+
+
+def _describe(key):
+    """A signature (``TrainStep._key``) in words: its input shapes and dtypes, and train mode."""
+    return '{} inputs {}{}'.format(
+        len(key[0]), ', '.join('{}{} {}'.format('cupy ' if m.startswith('cupy') else '',
+                                                shape, numpy.dtype(dt).name)
+                               for shape, dt, m in key[0]),
+        '' if key[2] else ', chainer.config.train False')
+
+
+def _signature_change(old, new):
+    """(which part, a sentence) of what makes signature ``new`` differ from ``old``."""
+    parts = [i for i, (a, b) in enumerate(zip(old, new)) if a != b]
+    if parts[0] == 0:
+        return 'inputs', 'the step was called with a new input signature ({})'.format(
+            _describe(new))
+    i = parts[0]
+    a, b = old[i], new[i]
+    if i == 4:                        # (mode, interval, min_scale, max_scale)
+        a, b = ('{} (interval {}, scales {}..{})'.format(_SCALING.get(k[0], k[0]), *k[1:])
+                for k in (a, b))
+    return _SIGNATURE_PARTS[i], '{} changed ({} then {})'.format(_SIGNATURE_PARTS[i], a, b)
 
 
 def _is_cupy(arrays):
