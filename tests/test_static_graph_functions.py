@@ -241,6 +241,15 @@ PYTHON_GRADIENTS = {
 }
 
 
+def assert_refused(model, message):
+    """Five steps of ``model`` under a TrainStep all run eagerly, said with ``message``."""
+    step = TrainStep(model, optimizers.MomentumSGD().setup(model))
+    with pytest.warns(RuntimeWarning, match=r'cannot be replayed.*' + message):
+        for x, t, mask in batches(5):
+            step(x, t, mask)
+    assert step.replays == 0 and step.eager_steps == 5
+
+
 @pytest.mark.parametrize('name', sorted(PYTHON_GRADIENTS))
 def test_functions_whose_backward_computes_in_python_are_refused_by_name(name):
     """These functions' backward computes an array from the values in Python (F.max: ``x ==
@@ -250,23 +259,13 @@ def test_functions_whose_backward_computes_in_python_are_refused_by_name(name):
     class PythonGradientNet(Net):
         def forward(self, x, t, mask):
             return F.softmax_cross_entropy(self.l2(PYTHON_GRADIENTS[name](self.l1(x))), t)
-    model = PythonGradientNet(name)
-    step = TrainStep(model, optimizers.MomentumSGD().setup(model))
-    with pytest.warns(RuntimeWarning, match=r'cannot be replayed.*the gradient of {}\b.* needs'
-                                            .format(re.escape(name))):
-        for x, t, mask in batches(5):
-            step(x, t, mask)
-    assert step.replays == 0 and step.eager_steps == 5
+    assert_refused(PythonGradientNet(name),
+                   r'the gradient of {}\b.* needs'.format(re.escape(name)))
 
 
 def test_a_constant_inside_a_tuple_attribute_that_changes_is_refused_naming_its_place():
-    model = Net('picked_at_random')
-    step = TrainStep(model, optimizers.MomentumSGD().setup(model))
-    with pytest.warns(RuntimeWarning, match=r"cannot be replayed.*GetItem\): its attribute "
-                                            r"'slices'\[1\] differs between steps"):
-        for x, t, mask in batches(5):
-            step(x, t, mask)
-    assert step.replays == 0
+    assert_refused(Net('picked_at_random'),
+                   r"GetItem\): its attribute 'slices'\[1\] differs between steps")
 
 
 @pytest.mark.parametrize('name', ['sign', 'floor'])
@@ -278,13 +277,8 @@ def test_functions_that_are_not_function_nodes_are_refused_with_their_names(name
         def forward(self, x, t, mask):
             h = self.l1(x)
             return F.softmax_cross_entropy(self.l2(h * getattr(F, name)(h)), t)
-    model = SignNet(name)
-    step = TrainStep(model, optimizers.MomentumSGD().setup(model))
-    with pytest.warns(RuntimeWarning, match=r'cannot be replayed.*not computed by a recorded '
-                                            r'function.*F\.sign, F\.floor, F\.ceil or F\.fix'):
-        for x, t, mask in batches(5):
-            step(x, t, mask)
-    assert step.replays == 0
+    assert_refused(SignNet(name), r'not computed by a recorded function.*F\.sign, F\.floor, '
+                                  r'F\.ceil or F\.fix')
 
 
 @pytest.mark.gpu

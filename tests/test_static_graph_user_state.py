@@ -562,27 +562,23 @@ def test_a_strided_parameter_gradient_is_captured_on_the_gpu(kind):
         cupy.testing.assert_allclose(runs[0][k], runs[1][k], rtol=1e-5, atol=1e-6, err_msg=k)
 
 
-class Generator(chainer.Chain):
-    def __init__(self):
+class Dense(chainer.Chain):
+    """Linear layers through ``sizes``, ReLU between them, ``tanh`` after the last if asked:
+    a GAN's generator (4 -> 6, tanh) or discriminator (6 -> 8 -> 1)."""
+
+    def __init__(self, sizes, seed, tanh=False):
         super().__init__()
-        r = numpy.random.RandomState(1)
+        r = numpy.random.RandomState(seed)
+        self.tanh = tanh
         with self.init_scope():
-            self.l1 = L.Linear(4, 6, initialW=r.randn(6, 4).astype(numpy.float32) * 0.3)
-
-    def forward(self, z):
-        return F.tanh(self.l1(z))
-
-
-class Discriminator(chainer.Chain):
-    def __init__(self):
-        super().__init__()
-        r = numpy.random.RandomState(2)
-        with self.init_scope():
-            self.l1 = L.Linear(6, 8, initialW=r.randn(8, 6).astype(numpy.float32) * 0.3)
-            self.l2 = L.Linear(8, 1, initialW=r.randn(1, 8).astype(numpy.float32) * 0.3)
+            self.layers = chainer.ChainList(*[
+                L.Linear(a, b, initialW=r.randn(b, a).astype(numpy.float32) * 0.3)
+                for a, b in zip(sizes, sizes[1:])])
 
     def forward(self, x):
-        return self.l2(F.relu(self.l1(x)))
+        for i, layer in enumerate(self.layers):
+            x = layer(x if i == 0 else F.relu(x))
+        return F.tanh(x) if self.tanh else x
 
 
 @pytest.mark.parametrize('separated', [False, True])
@@ -608,7 +604,7 @@ def test_a_gan_replays_when_each_loss_keeps_to_its_model_and_is_told_why_when_no
                for _ in range(10)]
     runs = []
     for use_step in (False, True):
-        gen, dis = Generator(), Discriminator()
+        gen, dis = Dense((4, 6), 1, tanh=True), Dense((6, 8, 1), 2)
         og = optimizers.MomentumSGD(lr=0.05).setup(gen)
         od = optimizers.MomentumSGD(lr=0.05).setup(dis)
         loss_dis, loss_gen = losses(gen, dis)
