@@ -170,21 +170,33 @@ def test_classifier_attributes_are_this_steps(alternate):
 
 
 def test_reported_variables_stay_variables_with_this_steps_values():
+    """Each step's observation keeps its own values after later steps (the recording step's
+    too: its Variables are L.Classifier's attributes, which replays used to rebind), and
+    checks of a step that reports what it keeps in a link find nothing changed (they used to
+    take the rebound Variable for a new value at every check, and trace again)."""
     (me, oe), (ms, os_) = pair(lambda: L.Classifier(MLP()))
-    step = TrainStep(ms, os_)
-    for i, (x, t) in enumerate(data(6)):
-        seen = []
-        for model, run in ((me, lambda: eager_update(oe, me, x, t)), (ms, lambda: step(x, t))):
-            reporter = reporter_module.Reporter()
-            reporter.add_observer('main', model)
-            observation = {}
-            with reporter.scope(observation):
-                run()
-            seen.append(observation)
-        assert seen[0].keys() == seen[1].keys() == {'main/loss', 'main/accuracy'}
-        for key in seen[0]:
-            assert isinstance(seen[1][key], chainer.Variable), (i, key)
-            numpy.testing.assert_array_equal(seen[0][key].array, seen[1][key].array)
+    step = TrainStep(ms, os_, check_every=3)
+    kept = []
+    with warnings.catch_warnings():
+        warnings.simplefilter('error', RuntimeWarning)
+        for i, (x, t) in enumerate(data(12)):
+            seen = []
+            for model, run in ((me, lambda: eager_update(oe, me, x, t)),
+                               (ms, lambda: step(x, t))):
+                reporter = reporter_module.Reporter()
+                reporter.add_observer('main', model)
+                observation = {}
+                with reporter.scope(observation):
+                    run()
+                seen.append(observation)
+            assert seen[0].keys() == seen[1].keys() == {'main/loss', 'main/accuracy'}
+            kept.append(seen)
+    for i, (eager, replayed) in enumerate(kept):
+        for key in eager:
+            assert isinstance(replayed[key], chainer.Variable), (i, key)
+            numpy.testing.assert_array_equal(eager[key].array, replayed[key].array,
+                                             err_msg='step {} {}'.format(i, key))
+    assert step.traces == 1 and step.checks == 3 and step.replays == 6
 
 
 def test_a_reporter_the_step_makes_current_gets_the_replayed_reports():

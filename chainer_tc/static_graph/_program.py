@@ -182,12 +182,12 @@ class Program:
         elif depth < 2 and _is_plain(v):
             self._pin_memory(vars(v), depth + 1)
 
-    def follow(self, variables):
-        """Keep each Variable's array this step's after every replay: the Variables a step
-        leaves where the user reads them (``L.Classifier``'s ``loss``, ``accuracy`` and ``y``,
-        any link attribute), which hold arrays of the recorded step."""
-        for v in variables:
-            self._refer(v._data, 0, v.raw_array)
+    def follow(self, holders):
+        """Keep each one-element list's array this step's after every replay: the arrays of
+        the Variables a step leaves where the user reads them (``L.Classifier``'s ``loss``,
+        ``accuracy`` and ``y``, any link attribute), which are arrays of the recorded step."""
+        for held in holders:
+            self._refer(held, 0, held[0])
         self._propagated = False
 
     def _propagate(self):

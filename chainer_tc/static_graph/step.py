@@ -40,7 +40,7 @@ class _Entry:
         self.first = None          # the first recorded trace
         self.replay = None         # a Program (CPU) or a captured graph (GPU)
         self.failed = None         # why this signature runs eagerly
-        self.visible = ()          # (link dict, name, Variable) the replay leaves there
+        self.visible = ()          # (link dict, name, [array]): what the replay leaves there
         self.since_check = 0       # calls served since the replay was built or last checked
 
     def load(self, inputs):
@@ -447,12 +447,14 @@ class TrainStep:
         return seen.values()
 
     def _visible_variables(self, trace):
-        """(link dict, name, Variable) for each Variable the step leaves in a link attribute,
+        """(link dict, name, [array]) for each Variable the step leaves in a link attribute,
         where a user reads it after a step (``L.Classifier``'s ``loss``, ``accuracy``, ``y``):
         those holding a result of the recorded step's functions (not parameters, nor the
-        user's own Variables, which the user may replace)."""
+        user's own Variables, which the user may replace). The one-element list holds the
+        Variable's array, which a replay rebinds (:meth:`_program.Program.follow`): the
+        recorded Variable itself stays as it was (the recorded step may have reported it)."""
         results = {id(y) for op in trace.ops for y in op.outputs or () if y is not None}
-        return tuple((d, name, v) for d in (vars(link) for link in self._links())
+        return tuple((d, name, [v.raw_array]) for d in (vars(link) for link in self._links())
                      for name, v in d.items()
                      if isinstance(v, chainer.Variable) and not isinstance(v, chainer.Parameter)
                      and id(v.raw_array) in results)
@@ -475,7 +477,7 @@ class TrainStep:
     def _build(self, entry, trace):
         program = _program.Program(entry.first, trace, entry.first.externals, trace.externals)
         entry.visible = self._visible_variables(trace)
-        program.follow(v for _, _, v in entry.visible)
+        program.follow(held for _, _, held in entry.visible)
         _leave_copies(entry.visible)            # this step's, which replays refresh in place
         flat = self._flat = self.optimizer._flat      # built by the recorded steps at the latest
         # the gradients move into flat buffers laid out like the parameters: the update then
@@ -648,12 +650,12 @@ def _copy_into(buf, a):
 
 
 def _leave_copies(visible):
-    """Each (link dict, name, Variable) of ``visible``: a new Variable holding a copy of this
+    """Each (link dict, name, [array]) of ``visible``: a new Variable holding a copy of this
     step's values put there, as an eager step leaves new Variables (one the user kept from an
     earlier step, ``history.append(model.loss)``, keeps its values; the recorded arrays are
-    refreshed in place by every replay, or by every launch of a CUDA graph)."""
-    for d, name, v in visible:
-        d[name] = chainer.Variable(v.raw_array.copy(), requires_grad=False)
+    rebound or refreshed in place by every replay, or by every launch of a CUDA graph)."""
+    for d, name, held in visible:
+        d[name] = chainer.Variable(held[0].copy(), requires_grad=False)
 
 
 def _detached(loss):
