@@ -642,3 +642,62 @@ def test_a_gan_replays_when_each_loss_keeps_to_its_model_and_is_told_why_when_no
             assert re.search(r'input 0 is the gradient parameter W of shape {} held before the '
                              r"step, which the backward adds to: this step's optimizer does "
                              r'not train it'.format(re.escape(shape)), m), m
+
+
+class Blocks(chainer.Chain):
+    """Two same-shape blocks in a ChainList and an activation link without parameters."""
+
+    def __init__(self):
+        super().__init__()
+        r = numpy.random.RandomState(0)
+        with self.init_scope():
+            self.l1 = L.Linear(6, 8, initialW=r.randn(8, 6).astype(numpy.float32) * 0.3)
+            self.blocks = chainer.ChainList(*[
+                L.Linear(8, 8, initialW=r.randn(8, 8).astype(numpy.float32) * 0.3)
+                for _ in range(2)])
+            self.act = Activation(F.tanh)
+            self.l2 = L.Linear(8, 5, initialW=r.randn(5, 8).astype(numpy.float32) * 0.3)
+
+    def forward(self, x):
+        h = F.relu(self.l1(x))
+        for block in self.blocks:
+            h = self.act(block(h))
+        return self.l2(h)
+
+
+class Activation(chainer.Link):
+    def __init__(self, f):
+        super().__init__()
+        self.f = f
+
+    def forward(self, x):
+        return self.f(x)
+
+
+@pytest.mark.parametrize('how', ['swap two blocks', 'swap two Parameters',
+                                 'replace a link without parameters'])
+def test_a_rewiring_that_keeps_the_parameters_is_seen_at_the_next_step(how):
+    """The optimizer's parameters stay the same, so it rebuilds nothing, but the replay would
+    run the traced wiring: the step sees the change (identity tests), drops its traces and
+    equals eager steps from the step after the change on (check_every=None)."""
+    (me, oe), (ms, os_) = pair(Blocks)
+    step = TrainStep(ms, os_, lambda x, t: F.softmax_cross_entropy(ms(x), t), check_every=None)
+    with pytest.warns(RuntimeWarning, match="the model's links were replaced, moved or "
+                                            "reordered: every trace is dropped"):
+        for i, (x, t) in enumerate(data(12)):
+            if i == 6:
+                for m in (me, ms):
+                    a, b = m.blocks[0], m.blocks[1]
+                    if how == 'swap two blocks':
+                        m.blocks[0], m.blocks[1] = b, a
+                    elif how == 'swap two Parameters':
+                        with a.init_scope():
+                            a.W, b.W = b.W, a.W
+                    else:
+                        del m.act
+                        with m.init_scope():
+                            m.act = Activation(F.relu)
+            eager_update(oe, lambda x, t: F.softmax_cross_entropy(me(x), t), x, t)
+            step(x, t)
+            assert_same(params(me), params(ms), 'step {} params'.format(i))
+    assert step.traces == 2

@@ -171,7 +171,7 @@ class FlatParams:
         link or Parameter added, deleted or replaced), or None. Identity tests while the model's
         structure is unchanged; a walk of its parameters when it changed."""
         shape = self._structure
-        if shape is not None and shape.root is target and shape.same():
+        if shape is not None and shape.roots == (target,) and shape.same():
             return None
         now = unique_params(target.namedparams())
         ids = {id(p) for _, p in now}

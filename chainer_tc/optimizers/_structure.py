@@ -14,15 +14,16 @@ holds the object under every name and index, and each container's length.
 
 
 class Structure:
-    """The links and parameters under ``root`` now; :meth:`same` says whether that still holds.
-    A False may come from a change that leaves the parameters as they were (a parameterless
-    link replaced): callers then compare the parameters themselves."""
+    """The links and parameters under ``roots`` now; :meth:`same` says whether that still
+    holds. A False may come from a change that leaves the set of parameters as it was (a
+    parameterless link replaced, two links swapped)."""
 
-    def __init__(self, root):
-        self.root = root
+    def __init__(self, *roots):
+        self.roots = roots
         held = []          # (container, key, object): container[key] must still be object
         sizes = []         # (container, length)
-        for link in root.links():
+        links = {id(link): link for root in roots for link in root.links()}
+        for link in links.values():
             d = link.__dict__
             params = d['_params']
             held.append((d, '_params', params))

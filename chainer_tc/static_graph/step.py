@@ -25,6 +25,7 @@ from chainer import configuration
 from chainer import variable
 
 from chainer_tc.optimizers import _scaler
+from chainer_tc.optimizers import _structure
 from chainer_tc.optimizers import momentum_sgd
 from chainer_tc.static_graph import _compare
 from chainer_tc.static_graph import _program
@@ -123,6 +124,7 @@ class TrainStep:
         self._persistent_arrays = None   # _persistents() when the traces in use were built
         self._untrained = ()             # _others() then
         self._evicted = set()            # signatures dropped to keep max_signatures
+        self._structure = None           # the model's links and parameters when last traced
         self._warned = set()
 
     def __getstate__(self):
@@ -130,7 +132,7 @@ class TrainStep:
         replays, CUDA graphs): the copy traces its steps again, after ``warmup`` eager ones."""
         state = dict(self.__dict__)
         state.update(_entries=collections.OrderedDict(), _flat=None, _eager_grads=None,
-                     _persistent_arrays=None, _untrained=())
+                     _persistent_arrays=None, _untrained=(), _structure=None)
         return state
 
     @property
@@ -152,10 +154,15 @@ class TrainStep:
         self._names = len(args), names
         flat = self.optimizer._flat
         # replays see the model only through their traces: a parameter given a new array or
-        # update rule, or a link added, deleted or replaced, is found here (identity tests)
-        why = None if flat is None else flat.stale() or flat.changed(self.optimizer.target)
+        # update rule, or a link added, deleted, replaced or moved, is found here (identity
+        # tests; the optimizer's own walk of the model only when its structure changed)
+        why = None if flat is None else flat.stale()
+        if why is None and self._structure is not None and not self._structure.same():
+            why = (None if flat is None else flat.changed(self.optimizer.target)) or (
+                "the model's links were replaced, moved or reordered")
+            self._structure = None
         if why is not None:
-            flat = None                   # the next update rebuilds the buffers
+            flat = None                   # the next update rebuilds the buffers if needed
         if flat is not self._flat:
             self._drop_traces(why or 'the optimizer rebuilt its parameter buffers (after '
                                      'optimizer.setup(), or a change it found in an update)')
@@ -317,7 +324,7 @@ class TrainStep:
         try:
             entry.replay = self._build(entry, trace)
             self.traces += 1
-            self._persistent_arrays, self._untrained = self._persistents(), self._others()
+            self._traced()
         except _program.NotReplayable as e:
             entry.failed = str(e)
             self._warn('failed:' + str(e), 'TrainStep: this step cannot be replayed, it runs '
@@ -459,6 +466,11 @@ class TrainStep:
                      if isinstance(v, chainer.Variable) and not isinstance(v, chainer.Parameter)
                      and id(v.raw_array) in results)
 
+    def _traced(self):
+        """What a new trace read of the model, to notice when the user changes it."""
+        self._persistent_arrays, self._untrained = self._persistents(), self._others()
+        self._structure = _structure.Structure(self.model, self.optimizer.target)
+
     def _persistents(self):
         """(link's dict, name, array) of every persistent array: a replay updates these
         arrays in place, so one replaced by the user invalidates the traces."""
@@ -527,7 +539,7 @@ class TrainStep:
         entry.visible = self._visible_variables(captured.trace)   # their arrays: the graph's
         _leave_copies(entry.visible)
         self.traces += 1
-        self._persistent_arrays, self._untrained = self._persistents(), self._others()
+        self._traced()
         self.replays += 1
         return captured.first_loss
 
