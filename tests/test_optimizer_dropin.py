@@ -291,6 +291,33 @@ def test_parameters_taken_out_of_training_stop_like_chainer(path, how):
         numpy.testing.assert_array_equal(q.array, kept[n], err_msg=n)
 
 
+def test_snapshots_skip_parameters_without_a_rule_and_a_rule_given_back_trains_like_chainer(
+        path, tmp_path):
+    x, t = data()
+    ref = WithExtra()
+    ours = copy.deepcopy(ref)
+    o_ref = chainer.optimizers.MomentumSGD(lr=0.1).setup(ref)
+    o = optimizers.MomentumSGD(lr=0.1).setup(ours)
+    step_both(ref, o_ref, ours, o, x, t, 1)
+    rules = {}
+    for m in (ref, ours):
+        rules[id(m)] = m.extra.W.update_rule
+        m.extra.W.update_rule = None
+    with pytest.warns(UserWarning, match=r'parameter\(s\) /extra/W have no update rule'):
+        step_both(ref, o_ref, ours, o, x, t, 2)
+    for name, opt in (('ref', o_ref), ('ours', o)):        # skipped, as Chainer skips it
+        serializers.save_npz(str(tmp_path / name), opt)
+        serializers.load_npz(str(tmp_path / name), opt)
+    assert 'extra/W/v' not in numpy.load(str(tmp_path / 'ours'))
+    for m in (ref, ours):
+        m.extra.W.update_rule = rules[id(m)]
+    frozen = ours.extra.W.array.copy()
+    assert o._flat.stale() == 'parameter /extra/W was given an update rule'
+    step_both(ref, o_ref, ours, o, x, t, 2)
+    assert_same_params(ref, ours)
+    assert not numpy.array_equal(ours.extra.W.array, frozen)
+
+
 def test_a_link_added_after_setup_is_left_untrained_like_chainer_and_said_once(path):
     x, t = data()
     ref, o_ref, ours, o = chainer_pair()

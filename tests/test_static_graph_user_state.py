@@ -701,3 +701,31 @@ def test_a_rewiring_that_keeps_the_parameters_is_seen_at_the_next_step(how):
             step(x, t)
             assert_same(params(me), params(ms), 'step {} params'.format(i))
     assert step.traces == 2
+
+
+@pytest.mark.parametrize('reduce', [False, True])
+@pytest.mark.parametrize('change', [None, 'a new array'])
+def test_a_parameter_of_the_target_without_update_rule_replays_like_eager_steps(change, reduce):
+    """Left untrained (as Chainer's optimizers leave it), its gradient is still this step's
+    after each replay (GradientClipping's norm reads it), and a new array given to it drops
+    the traces (replays read it as a constant)."""
+    (me, oe), (ms, os_) = pair(MLP)
+    for m, o in ((me, oe), (ms, os_)):
+        m.l1.W.update_rule = None
+        o.add_hook(chainer.optimizer_hooks.GradientClipping(0.5))
+    step = TrainStep(ms, os_, lambda x, t: F.softmax_cross_entropy(ms(x), t), check_every=None,
+                     reduce_gradients=(lambda buffers: None) if reduce else None)
+    new = numpy.random.RandomState(5).randn(8, 6).astype(numpy.float32)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter('always')
+        for i, (x, t) in enumerate(data(12)):
+            if change and i == 6:
+                for m in (me, ms):
+                    m.l1.W.array = new.copy()
+            eager_update(oe, lambda x, t: F.softmax_cross_entropy(me(x), t), x, t)
+            step(x, t)
+            assert_same(params(me), params(ms), 'step {} params'.format(i))
+            numpy.testing.assert_array_equal(me.l1.W.grad, ms.l1.W.grad,
+                                             err_msg='step {} l1/W grad'.format(i))
+    dropped = [str(w.message) for w in said if 'every trace is dropped' in str(w.message)]
+    assert (step.traces, len(dropped)) == ((2, 1) if change else (1, 0)), dropped

@@ -164,6 +164,9 @@ class FlatParams:
             if e.param.update_rule is not e.rule:
                 return 'the update rule of parameter {} was {}'.format(
                     e.name, 'set to None' if e.param.update_rule is None else 'replaced')
+        for name, p in self.untrained:
+            if p.update_rule is not None:
+                return 'parameter {} was given an update rule'.format(name)
         return None
 
     def changed(self, target):
@@ -183,6 +186,11 @@ class FlatParams:
         return 'the model {}'.format(' and '.join(
             ['no longer holds parameter(s) {}'.format(', '.join(gone))] * bool(gone)
             + ['holds new parameter(s) {}'.format(', '.join(new))] * bool(new)))
+
+    def untrained_grads(self):
+        """(param, grad) of the target's parameters without an update rule that have a
+        gradient (optimizer hooks read them, as GradientClipping's norm does)."""
+        return [(p, p.grad) for _, p in self.untrained if p.grad is not None]
 
     def grads(self, contiguous=True):
         """Each parameter's gradient (None where there is none), C-contiguous unless

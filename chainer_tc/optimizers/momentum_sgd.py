@@ -382,13 +382,16 @@ class MomentumSGD(chainer_optimizer.GradientMethod):
         self._clock.forget()
         with variable._AllowArrayAccessWithNonstandardLayout():
             for name, param in _flat.unique_params(self.target.namedparams()):
-                param.update_rule.serialize(serializer[name])
+                if param.update_rule is not None:        # (as Chainer's: untrained, skipped)
+                    param.update_rule.serialize(serializer[name])
 
     def _backup(self):
         sc = self._scaler
         rules = []
         for _, param in _flat.unique_params(self.target.namedparams()):
             rule = param.update_rule
+            if rule is None:
+                continue
             state = rule._state
             rules.append((rule, rule.t, None if state is None else
                            {k: v.copy() for k, v in state.items()}))

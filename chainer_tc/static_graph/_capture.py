@@ -78,7 +78,8 @@ class CapturedStep:
         self.graph = graph
         self.trace = trace               # keeps every array the graph touches referenced
         self.loss = loss.array
-        self.grads = [(e.param, g) for e, g in zip(flat.entries, grads)]
+        self.grads = [(e.param, g) for e, g in zip(flat.entries, grads)] + [
+            (p, g) for p, g in trace.untrained_grads]
         self.marks = [(e.param, e.param._loss_scale) for e in flat.entries]
         self.flat = flat
         self.program = None
@@ -98,6 +99,7 @@ class CapturedStep:
                 opt.target.cleargrads()
                 rec.trace.leftover_grads = _trace.leftover_grads(loss)
                 opt.scaled_backward(loss)
+            rec.trace.untrained_grads = flat.untrained_grads()
             recorded_grads = flat.grads(contiguous=False)      # checked as the CPU replay's
             grads = flat.grads()       # a strided one copied, in the graph, for the kernel
             if reduce is not None:

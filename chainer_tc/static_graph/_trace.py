@@ -117,6 +117,7 @@ class Trace:
         self.python_gradients = []  # Chainer functions whose backward computes in Python
         self.written = []          # inputs and parameters written in place outside the ops
         self.leftover_grads = {}   # id of a gradient the backward adds to -> its parameter
+        self.untrained_grads = []  # (param, grad) of the target's parameters without a rule
 
 
 class _Patches:

@@ -360,6 +360,7 @@ class TrainStep:
             # parameter used through F.transpose, a broadcast) into its flat view
             trace.grads = flat.grads(contiguous=False)
         trace.marks = [e.param._loss_scale for e in flat.entries]
+        trace.untrained_grads = flat.untrained_grads()
         trace.loss = loss.array
         trace.inputs = buffers
         # a copy: this trace may become the replayed one, whose arrays replays refresh
@@ -482,7 +483,7 @@ class TrainStep:
         """(name, param, array) of each parameter of the model that the optimizer does not
         train (a frozen backbone left out of ``optimizer.setup``): a replay reads its array as
         a constant, so one replaced by the user invalidates the traces. Usually none."""
-        trained = {id(p) for p in self.optimizer.target.params()}
+        trained = {id(e.param) for e in self.optimizer._flat.entries}
         return tuple((name.lstrip('/'), p, p.raw_array) for name, p in self.model.namedparams()
                      if id(p) not in trained)
 
@@ -513,6 +514,8 @@ class TrainStep:
         for (param, g) in zip((e.param for e in flat.entries), trace.grads):
             if g is not None:
                 param.grad = g
+        for _, g in trace.untrained_grads:       # (read by hooks: GradientClipping's norm)
+            program.pin(g)
         plan = self.optimizer._plan(flat, views, flat_grads=buffers)
         return _CpuReplay(program, plan, trace, copies, buffers, views)
 
@@ -566,6 +569,8 @@ class _CpuReplay:
         self.marks = [(e.param, m) for e, m in zip(plan.flat.entries, trace.marks)]
         # with a reduction every parameter's gradient is its view (zeros if it has none)
         self.reduced_grads = [(e.param, v) for e, v in zip(plan.flat.entries, views)]
+        self.grads += trace.untrained_grads
+        self.reduced_grads += trace.untrained_grads
 
     def run(self, step):
         opt = step.optimizer
