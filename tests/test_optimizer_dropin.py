@@ -98,6 +98,21 @@ def test_a_skipped_overflow_step_does_not_count_in_rule_t(path):
     assert o.t == 2 and model.fc.W.update_rule.t == 1
 
 
+def test_rule_t_counts_the_applied_steps_across_a_new_loss_scaling(path):
+    """loss_scaling() again starts the skipped count anew: a rule's t stays the steps applied."""
+    model = Net()
+    o = optimizers.MomentumSGD(lr=0.1).setup(model)
+    o.loss_scaling(initial_scale=4.0)
+    x, t = data()
+    o.update(lossfun(model, x, t))
+    o.update(lossfun(model, x * numpy.float32(numpy.inf), t))
+    assert (o.t, o.skipped_steps, model.fc.W.update_rule.t) == (2, 1, 1)
+    o.loss_scaling(initial_scale=8.0)
+    assert (o.skipped_steps, model.fc.W.update_rule.t) == (0, 1)
+    o.update(lossfun(model, x, t))
+    assert (o.t, model.fc.W.update_rule.t) == (3, 2)
+
+
 # ---- per-parameter hyperparameters ----------------------------------------------------------------
 
 def test_per_parameter_lr_and_momentum_equal_chainer(path):
@@ -206,6 +221,10 @@ def test_a_momentum_reset_by_assignment_equals_chainer(path):
         assert e.param.update_rule.state['v'] is e.v and not e.v.any()
     step_both(ref, o_ref, ours, o, x, t, 2)
     assert_same_params(ref, ours)
+    state = ours.fc.W.update_rule.state
+    state |= {'v': numpy.full(ours.fc.W.shape, 2, numpy.float32)}
+    assert state is ours.fc.W.update_rule.state
+    numpy.testing.assert_array_equal(state['v'], 2)
     ours.fc.W.update_rule.state.update(v=numpy.ones(ours.fc.W.shape, numpy.float64))
     entry, = [e for e in o._flat.entries if e.param is ours.fc.W]
     assert ours.fc.W.update_rule.state['v'] is entry.v
@@ -349,8 +368,8 @@ def test_a_parameter_set_up_by_another_optimizer_is_refused_by_name():
     o = optimizers.MomentumSGD().setup(model)
     optimizers.MomentumSGD().setup(model.fc)
     x, t = data()
-    with pytest.raises(RuntimeError, match='parameter /fc/W has the update rule of another '
-                                           'chainer_tc optimizer'):
+    with pytest.raises(RuntimeError, match="parameter /fc/W has an update rule that is not this "
+                                           "optimizer's"):
         with pytest.warns(RuntimeWarning, match='parameter /fc/W was given a new array'):
             o.update(lossfun(model, x, t))        # (the other optimizer moved it)
 

@@ -237,6 +237,10 @@ class FlatState(dict):
         for key, value in dict(*args, **kwargs).items():
             self[key] = value
 
+    def __ior__(self, other):
+        self.update(other)
+        return self
+
     def _refuse(self, *args):
         raise TypeError(
             'the update rule state of chainer_tc.optimizers.MomentumSGD keeps its keys (its '

@@ -93,14 +93,21 @@ class Clock:
         self.t = 0
         self.scaler = scaler
         self._cached = (None, 0)
+        self._skipped_before = 0     # skipped steps the scaler's count lost to a reconfigure
 
     def applied(self):
         """Steps applied so far (reads the skipped count from the device when t has moved)."""
         if self.t == 0:
             return 0
         if self._cached[0] != self.t:
-            self._cached = (self.t, self.t - self.scaler.skipped)
+            self._cached = (self.t,
+                            self.t - self._skipped_before - self.scaler.skipped)
         return self._cached[1]
+
+    def reconfiguring(self):
+        """Before the scaler starts its skipped count again (``loss_scaling()``)."""
+        self._skipped_before += self.scaler.skipped
+        self.forget()
 
     def forget(self):
         self._cached = (None, 0)

@@ -159,9 +159,11 @@ class MomentumSGD(chainer_optimizer.GradientMethod):
                         'optimizer.setup(model) again'.format(name, rule))
                 elif rule._versions is not self._versions:
                     raise RuntimeError(
-                        'parameter {} has the update rule of another chainer_tc optimizer (it '
-                        'was set up on this parameter later); one optimizer per parameter: '
-                        'call optimizer.setup(model) again on the one to use'.format(name))
+                        "parameter {} has an update rule that is not this optimizer's: another "
+                        'chainer_tc optimizer was set up on it since, or its link was copied '
+                        "with its rules (Link.copy(mode='copy'), copy.deepcopy) and added after "
+                        'setup(); call optimizer.setup(model) again (one optimizer per '
+                        'parameter)'.format(name))
                 else:
                     trained.append((name, p))
             if untrained:
@@ -234,6 +236,7 @@ class MomentumSGD(chainer_optimizer.GradientMethod):
         Dynamic: a step with an inf or nan in any gradient is skipped and the scale halves; after
         ``interval`` clean steps it doubles; it stays within [min_scale, max_scale].
         """
+        self._clock.reconfiguring()
         self._scaler.configure(interval, scale, initial_scale, min_scale, max_scale)
 
     def set_loss_scale(self, loss_scale):

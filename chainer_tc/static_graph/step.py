@@ -87,9 +87,10 @@ class TrainStep:
                  capture=True, reduce_gradients=None, check_every=100):
         if not isinstance(optimizer, momentum_sgd.MomentumSGD):
             raise TypeError('TrainStep replays chainer_tc.optimizers.MomentumSGD (whose '
-                            'hyperparameters and loss scale live in device memory); got {}. '
-                            'Use it, or call optimizer.update(lossfun, ...) eagerly'
-                            .format(type(optimizer).__name__))
+                            'hyperparameters and loss scale live in device memory); got {}.{}. '
+                            'Use it, or run eager steps (optimizer.update(lossfun, ...); in a '
+                            'Trainer, chainer.training.updaters.StandardUpdater)'
+                            .format(type(optimizer).__module__, type(optimizer).__name__))
         if optimizer.target is None:
             raise RuntimeError('optimizer is not set up: call optimizer.setup(model) first')
         if not isinstance(model, chainer.Link):
