@@ -228,16 +228,20 @@ def test_lr_and_frozen_links_changed_between_replays_are_followed(path):
 # ---- signatures -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize('change, said', [
-    ('loss scaling', r"the optimizer's loss scaling changed \(off \(interval 1000, scales "
-                     r"1\.0\.\.16777216\.0\) then dynamic \(interval 1000,"),
+    ('loss scaling', r"the optimizer's loss scaling changed \(off then dynamic, interval "
+                     r"1000, scales 1\.0\.\.16777216\.0\)"),
+    ('train mode, then loss scaling', r"the optimizer's loss scaling changed \(off then "
+                                      r"dynamic"),
+    ('keyword', r'keyword inputs changed \(by keyword: t then by keyword: y\)'),
     ('train mode', r'chainer\.config\.train changed \(True then False\)'),
     ('batch size', r'new input signature \(2 inputs \(3, 3, 8, 8\) float32, \(3,\) int32\)')])
 def test_a_new_signature_is_said_with_what_changed(change, said):
     model, opt = make()
-    step = TrainStep(model, opt, sce(model))
+    step = TrainStep(model, opt, sce(model) if change != 'keyword' else
+                     lambda x, t: sce(model)(x, t))
     data = batches(4)
     for x, t in data:
-        step(x, t)
+        step(x, t=t) if change == 'keyword' else step(x, t)
     with pytest.warns(RuntimeWarning, match=said):
         if change == 'loss scaling':
             opt.loss_scaling()
@@ -245,6 +249,14 @@ def test_a_new_signature_is_said_with_what_changed(change, said):
         elif change == 'train mode':
             with chainer.using_config('train', False):
                 step(*data[0])
+        elif change == 'train mode, then loss scaling':
+            with chainer.using_config('train', False):
+                step(*data[0])                        # (said too: a kind of its own)
+            opt.loss_scaling()
+            step(*data[0])
+        elif change == 'keyword':
+            step.lossfun = lambda x, y: sce(model)(x, y)
+            step(data[0][0], y=data[0][1])
         else:
             step(*batches(1, size=3)[0])
 

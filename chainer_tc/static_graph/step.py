@@ -196,11 +196,13 @@ class TrainStep:
                                       'max_signatures'.format(_describe(key),
                                                               self.max_signatures))
             elif self._entries:
-                last = next(reversed(self._entries))
-                what, change = _signature_change(last, key)
-                self._warn('signature:' + what,
-                           'TrainStep: {}: the step is traced again for it (each signature is '
-                           'traced once; a last partial batch is one more)'.format(change))
+                what, change = _signature_change(list(self._entries), key)
+                kinds = {'signature:' + w for w in what}     # said once per kind of change
+                if not kinds <= self._warned:
+                    self._warned |= kinds
+                    warnings.warn('TrainStep: {}: the step is traced again for it (each '
+                                  'signature is traced once; a last partial batch is one more)'
+                                  .format(change), RuntimeWarning, stacklevel=_caller_level())
             entry = self._entries[key] = _Entry(inputs)
             while len(self._entries) > self.max_signatures:
                 self._evicted.add(self._entries.popitem(last=False)[0])
@@ -638,18 +640,29 @@ def _describe(key):
         '' if key[2] else ', chainer.config.train False')
 
 
-def _signature_change(old, new):
-    """(which part, a sentence) of what makes signature ``new`` differ from ``old``."""
+def _signature_change(kept, new):
+    """(the parts that changed, a sentence): how signature ``new`` differs from the closest of
+    the ``kept`` ones (the fewest parts changed)."""
+    old = min(kept, key=lambda k: sum(a != b for a, b in zip(k, new)))
     parts = [i for i, (a, b) in enumerate(zip(old, new)) if a != b]
-    if parts[0] == 0:
-        return 'inputs', 'the step was called with a new input signature ({})'.format(
-            _describe(new))
-    i = parts[0]
-    a, b = old[i], new[i]
+    said = []
+    for i in parts:
+        a, b = (_part(i, k[i]) for k in (old, new))
+        if i == 0:
+            said.append('a new input signature ({})'.format(_describe(new)))
+        else:
+            said.append('{} changed ({} then {})'.format(_SIGNATURE_PARTS[i], a, b))
+    return tuple(_SIGNATURE_PARTS[i] for i in parts), '; '.join(said)
+
+
+def _part(i, value):
+    if i == 1:                        # (positional count, keyword names)
+        return 'by keyword: {}'.format(', '.join(value[1])) if value[1] else 'none by keyword'
     if i == 4:                        # (mode, interval, min_scale, max_scale)
-        a, b = ('{} (interval {}, scales {}..{})'.format(_SCALING.get(k[0], k[0]), *k[1:])
-                for k in (a, b))
-    return _SIGNATURE_PARTS[i], '{} changed ({} then {})'.format(_SIGNATURE_PARTS[i], a, b)
+        mode = _SCALING.get(value[0], value[0])
+        return mode if mode != 'dynamic' else 'dynamic, interval {}, scales {}..{}'.format(
+            *value[1:])
+    return value
 
 
 def _is_cupy(arrays):
