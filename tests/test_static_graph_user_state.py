@@ -639,9 +639,9 @@ def test_a_gan_replays_when_each_loss_keeps_to_its_model_and_is_told_why_when_no
     else:
         assert sd.replays == sg.replays == 0 and len(messages) == 2
         for m, shape in zip(messages, ['(6, 4)', '(1, 8)']):
-            assert re.search(r'input 0 is the gradient parameter W of shape {} held before the '
-                             r"step, which the backward adds to: this step's optimizer does "
-                             r'not train it'.format(re.escape(shape)), m), m
+            assert re.search(r'input 0 is the gradient of parameter W of shape {}, held '
+                             r"before the step, which the backward adds to: this step's "
+                             r'optimizer does not train it'.format(re.escape(shape)), m), m
 
 
 class Blocks(chainer.Chain):

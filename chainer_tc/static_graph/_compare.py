@@ -205,16 +205,16 @@ def _check_inputs(a, b, known_first, known, where):
             raise NotReplayable('{}: input {} is {} in one step and {} in the other: the '
                                 'functions are wired differently'
                                 .format(where, k, describe(sx), describe(sy)))
-        if sy is None and not same_value(x, y) and id(y) in known.leftover_grads:
-            raise NotReplayable(
-                '{}: input {} is the gradient {} held before the step, which the backward '
-                "adds to: this step's optimizer does not train it, so nothing clears it "
-                "between steps (another model's parameter under this loss, as a GAN's "
-                "generator under the discriminator's), and a replay cannot follow it. Keep "
-                "the backward out of that model (pass fake.array, not fake) or clear its "
-                'gradients in the loss function (other_model.cleargrads())'
-                .format(where, k, known.leftover_grads[id(y)]))
         if sy is None and not same_value(x, y):
+            if id(y) in known.leftover_grads:
+                raise NotReplayable(
+                    '{}: input {} is the gradient of {}, held before the step, which the '
+                    "backward adds to: this step's optimizer does not train it, so nothing "
+                    "clears it between steps (another model's parameter under this loss, as a "
+                    "GAN's generator under the discriminator's), and a replay cannot follow "
+                    'it. Keep the backward out of that model (pass fake.array, not fake) or '
+                    'clear its gradients in the loss function (other_model.cleargrads())'
+                    .format(where, k, known.leftover_grads[id(y)]))
             raise NotReplayable(
                 '{}: input {} ({}) is not computed by a recorded function and differs '
                 'between steps, so a replay would use a stale value. Only FunctionNodes are '

@@ -645,13 +645,10 @@ def _signature_change(kept, new):
     the ``kept`` ones (the fewest parts changed)."""
     old = min(kept, key=lambda k: sum(a != b for a, b in zip(k, new)))
     parts = [i for i, (a, b) in enumerate(zip(old, new)) if a != b]
-    said = []
-    for i in parts:
-        a, b = (_part(i, k[i]) for k in (old, new))
-        if i == 0:
-            said.append('a new input signature ({})'.format(_describe(new)))
-        else:
-            said.append('{} changed ({} then {})'.format(_SIGNATURE_PARTS[i], a, b))
+    said = ['a new input signature ({})'.format(_describe(new)) if i == 0 else
+            '{} changed ({} then {})'.format(_SIGNATURE_PARTS[i], _part(i, old[i]),
+                                             _part(i, new[i]))
+            for i in parts]
     return tuple(_SIGNATURE_PARTS[i] for i in parts), '; '.join(said)
 
 
