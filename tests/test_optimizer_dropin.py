@@ -347,6 +347,70 @@ def test_a_link_added_after_setup_is_left_untrained_like_chainer_and_said_once(p
     assert not numpy.array_equal(ours.head.W.array, before)
 
 
+class WithLazy(Net):
+    """Net and a lazy link ``late`` that the loss calls only when ``use_late`` is set."""
+
+    def __init__(self, dtype=numpy.float32):
+        super().__init__(dtype)
+        self.use_late = False
+        with self.init_scope():
+            self.late = L.Linear(None, 5, initialW=numpy.eye(5, dtype=dtype) * 0.5)
+
+    def forward(self, x):
+        y = super().forward(x)
+        return self.late(y) if self.use_late else y
+
+
+def test_a_lazy_link_the_loss_never_called_is_skipped_like_chainer_until_its_first_call(
+        path, tmp_path):
+    """Chainer's update skips a parameter that has no array yet; ours keeps it out of the flat
+    buffers, saves snapshots as Chainer does (and fails to load them strictly, as Chainer does:
+    no momentum was saved for it), and trains it from its first call."""
+    x, t = data()
+    ref, o_ref, ours, o = chainer_pair(net=WithLazy)
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        step_both(ref, o_ref, ours, o, x, t, 2)
+    assert_same_params(ref, ours)
+    assert ours.late.W.array is None
+    assert [n for n, _ in o._flat.waiting] == ['/late/W']
+    for name, opt in (('ref', o_ref), ('ours', o)):
+        serializers.save_npz(str(tmp_path / name), opt)
+    saved = [numpy.load(str(tmp_path / n)) for n in ('ref', 'ours')]
+    assert sorted(k for k in saved[1] if 'late' in k) == sorted(
+        k for k in saved[0] if 'late' in k) == ['late/W/t', 'late/b/t', 'late/b/v']
+    with pytest.raises(KeyError, match='late/W/v'):   # as Chainer's own load of its file
+        serializers.load_npz(str(tmp_path / 'ours'), o)   # (which then leaves a broken state;
+    assert ours.late.W.update_rule.state is None          # ours changes nothing)
+    for m in (ref, ours):
+        m.use_late = True
+    with pytest.warns(chainer.warnings.PerformanceWarning,
+                      match='parameter /late/W was initialized .* rebuilds its buffers'):
+        step_both(ref, o_ref, ours, o, x, t, 3)
+    assert_same_params(ref, ours)
+    assert o._flat.waiting == []
+
+
+def test_an_update_before_any_parameter_has_an_array_says_so():
+    model = chainer.Sequential(L.Linear(None, 3, nobias=True))
+    o = optimizers.MomentumSGD().setup(model)
+    with pytest.raises(RuntimeError, match=r'no parameter of the target is initialized yet '
+                                           r'\(/0/W wait .*run a forward pass'):
+        o.update()
+
+
+def test_a_link_copied_with_mode_share_beside_its_original_is_refused_by_name():
+    """Both Parameters hold one array: Chainer updates it twice per step (each with its own
+    gradient), which flat buffers cannot do; ours says so when it builds them (at setup())."""
+    model = chainer.Chain()
+    with model.init_scope():
+        model.a = L.Linear(3, 3)
+        model.b = model.a.copy(mode='share')
+    with pytest.raises(ValueError, match=r"parameters /a/W and /b/W share one array "
+                                         r"\(a Link.copy\(mode='share'\).*call the same link"):
+        optimizers.MomentumSGD().setup(model)
+
+
 def test_a_parameter_set_up_by_another_optimizer_is_refused_by_name():
     model = Net()
     o = optimizers.MomentumSGD().setup(model)

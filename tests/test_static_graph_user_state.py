@@ -103,7 +103,7 @@ def assert_same(a, b, what):
 
 
 def params(model):
-    out = {n: p.array.copy() for n, p in model.namedparams()}
+    out = {n: p.array if p.array is None else p.array.copy() for n, p in model.namedparams()}
     for name, link in model.namedlinks():
         out.update({name + '/' + k: link.__dict__[k].copy() for k in link._persistent
                     if isinstance(link.__dict__[k], numpy.ndarray)})
@@ -729,3 +729,43 @@ def test_a_parameter_of_the_target_without_update_rule_replays_like_eager_steps(
                                              err_msg='step {} l1/W grad'.format(i))
     dropped = [str(w.message) for w in said if 'every trace is dropped' in str(w.message)]
     assert (step.traces, len(dropped)) == ((2, 1) if change else (1, 0)), dropped
+
+
+class MaybeLate(MLP):
+    """MLP and a lazy link ``late`` that the loss calls from the step ``use_late`` is set."""
+
+    def __init__(self):
+        super().__init__()
+        self.use_late = False
+        with self.init_scope():
+            self.late = L.Linear(None, 5, initialW=numpy.eye(5, dtype=numpy.float32) * 0.5)
+
+    def forward(self, x):
+        y = super().forward(x)
+        return self.late(y) if self.use_late else y
+
+
+def test_a_lazy_link_the_loss_does_not_call_yet_is_skipped_and_trained_from_its_first_call():
+    """While ``late`` has no array the optimizer skips it (as Chainer's does) and the step
+    replays. Calling it is a change of the step's functions (rule 2: a new TrainStep); its
+    first call initializes it, the optimizer rebuilds its buffers, and the new step replays
+    with it, like eager steps."""
+    (me, oe), (ms, os_) = pair(MaybeLate)
+
+    def new_step():
+        return TrainStep(ms, os_, lambda x, t: F.softmax_cross_entropy(ms(x), t),
+                         check_every=None)
+    step = new_step()
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter('always')
+        for i, (x, t) in enumerate(data(14)):
+            if i == 7:
+                assert (step.traces, step.replays) == (1, 4)
+                me.use_late = ms.use_late = True
+                step = new_step()
+            eager_update(oe, lambda x, t: F.softmax_cross_entropy(me(x), t), x, t)
+            step(x, t)
+            assert_same(params(me), params(ms), 'step {} params'.format(i))
+    assert (step.traces, step.replays) == (1, 4)
+    said = [str(w.message) for w in said]
+    assert any('parameter /late/W was initialized' in m for m in said), said

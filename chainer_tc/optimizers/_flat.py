@@ -52,20 +52,31 @@ def unique_params(named_params):
 
 
 class FlatParams:
-    """Flat buffers of a model's parameters, built from ``named_params`` (unique, each with an
-    update rule). ``untrained``: the target's other parameters (no update rule), which it holds so
-    that :meth:`changed` can tell them from new ones."""
+    """Flat buffers of a model's parameters, built from ``named_params`` (unique, initialized,
+    each with an update rule). The target's other parameters are held so that :meth:`changed`
+    can tell them from new ones: ``untrained`` (no update rule) and ``waiting`` (a lazy link the
+    loss has not called yet: no array; Chainer's update skips them, and :meth:`stale` says when
+    one is initialized)."""
 
-    def __init__(self, named_params, untrained=()):
+    def __init__(self, named_params, untrained=(), waiting=()):
         entries = []
         self.untrained = list(untrained)
+        self.waiting = list(waiting)
         devices = {}
+        arrays = {}          # id of a Parameter's array holder -> its name
         for name, param in named_params:
             a = param.array
             if a is None:
-                raise RuntimeError(
-                    'parameter {} is not initialized yet; run a forward pass (or give the link '
-                    'its input size) before the first update'.format(name))
+                raise RuntimeError('parameter {} is not initialized yet: pass it as waiting'
+                                   .format(name))
+            other = arrays.setdefault(id(param._data), name)
+            if other != name:
+                raise ValueError(
+                    "parameters {} and {} share one array (a Link.copy(mode='share') of a link, "
+                    'both in the model): Chainer updates that array once for each of them, '
+                    'which flat buffers cannot do; to tie weights, call the same link twice '
+                    "(its parameters are then updated once), or copy it with mode='copy'"
+                    .format(other, name))
             if a.dtype not in DTYPES:
                 raise TypeError('parameter {} is {}; chainer_tc.optimizers supports float16, '
                                 'float32 and float64 parameters'.format(name, a.dtype))
@@ -75,6 +86,10 @@ class FlatParams:
             e.rule = param.update_rule
             e.group = DTYPES.index(a.dtype)
             entries.append(e)
+        if not entries and self.waiting:
+            raise RuntimeError('no parameter of the target is initialized yet ({} wait for '
+                               "their link's first call); run a forward pass before the first "
+                               'update'.format(', '.join(n for n, _ in self.waiting)))
         if not entries:
             raise ValueError('the target link has no parameters to optimize')
         if len(devices) > 1:
@@ -93,7 +108,8 @@ class FlatParams:
             sizes[e.group] += -(-e.size // ALIGN) * ALIGN
         self.entries = order
         self.sizes = sizes
-        self.known = frozenset([id(e.param) for e in order] + [id(p) for _, p in self.untrained])
+        self.known = frozenset([id(e.param) for e in order] +
+                               [id(p) for _, p in self.untrained + self.waiting])
         self._structure = None
         self._allocate()
         self.chunks, self.launches = self._work_list()
@@ -155,8 +171,8 @@ class FlatParams:
 
     def stale(self):
         """Why the buffers no longer fit the parameters they were built from (a parameter's
-        array replaced, retyped or moved; its update rule replaced or set to None), or None.
-        Cheap: two identity tests per parameter."""
+        array replaced, retyped or moved; its update rule replaced or set to None; a waiting
+        parameter initialized), or None. Cheap: two identity tests per parameter."""
         for e in self.entries:
             if e.param.raw_array is not e.view:
                 return ('parameter {} was given a new array after setup() (a new value, dtype '
@@ -167,6 +183,10 @@ class FlatParams:
         for name, p in self.untrained:
             if p.update_rule is not None:
                 return 'parameter {} was given an update rule'.format(name)
+        for name, p in self.waiting:
+            if p.raw_array is not None:
+                return 'parameter {} was initialized (a lazy link called for the first time)' \
+                    .format(name)
         return None
 
     def changed(self, target):

@@ -147,11 +147,13 @@ class MomentumSGD(chainer_optimizer.GradientMethod):
             params = _flat.unique_params(self.target.namedparams())
             if not required and any(p.array is None for _, p in params):
                 return None                       # lazy links: wait for the first update
-            trained, untrained = [], []
+            trained, untrained, waiting = [], [], []
             for name, p in params:
                 rule = p.update_rule
                 if rule is None:
                     untrained.append((name, p))
+                elif p.array is None:              # a lazy link the loss has not called yet:
+                    waiting.append((name, p))      # skipped, as Chainer's update skips it
                 elif not isinstance(rule, _rule.Rule):
                     raise RuntimeError(
                         'parameter {} has update rule {!r}, not chainer_tc\'s: its update rule '
@@ -173,7 +175,7 @@ class MomentumSGD(chainer_optimizer.GradientMethod):
                     'added after setup()): the optimizer does not train them, as Chainer\'s '
                     'optimizers do not; call optimizer.setup(model) again to train them'
                     ).format(names), UserWarning)
-            self._flat = flat = _flat.FlatParams(trained, untrained)
+            self._flat = flat = _flat.FlatParams(trained, untrained, waiting)
         with flat.device_scope():
             self._scaler.to_device(flat.xp)
         self._table = _hyper.HyperTable(flat, kernels.backend(flat.xp) != 'numpy')
