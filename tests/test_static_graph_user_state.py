@@ -199,6 +199,57 @@ def test_reported_variables_stay_variables_with_this_steps_values():
     assert step.traces == 1 and step.checks == 3 and step.replays == 6
 
 
+def test_the_captured_steps_reports_are_given_arrays_of_their_own():
+    """The GPU capture's reports hold the graph's arrays, which every later launch overwrites:
+    after the first launch, ``detach_reports`` gives every observation the capture reported to
+    (the caller's and one a model's own reporter holds) copies, Variables staying Variables,
+    numbers as they were. Here on the CPU, a launch played by overwriting the arrays."""
+    from chainer_tc.static_graph import _capture, _trace
+    model = L.Classifier(MLP())
+    outer, own = reporter_module.Reporter(), reporter_module.Reporter()
+    outer.add_observer('main', model)
+    observation, stats = {}, {}
+    x, t = data(1)[0]
+    with outer.scope(observation), _trace.Recorder() as rec:
+        model(x, t)
+        with own.scope(stats):
+            chainer.report({'n': 3, 'raw': numpy.ones(2, numpy.float32)})
+    graphs = [observation['main/loss'].array, observation['main/accuracy'].array, stats['raw']]
+    values = [a.copy() for a in graphs]
+    _capture.detach_reports(rec)
+    for a in graphs:
+        a[...] = numpy.nan                           # the next launch
+    assert isinstance(observation['main/loss'], chainer.Variable) and stats['n'] == 3
+    kept = [observation['main/loss'].array, observation['main/accuracy'].array, stats['raw']]
+    for a, b in zip(kept, values):
+        numpy.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.gpu
+def test_a_kept_observation_of_the_captured_step_keeps_its_values_on_the_gpu():
+    import cupy
+    runs = []
+    for use_step in (False, True):
+        model = L.Classifier(MLP())
+        model.to_device('@cupy:0')
+        opt = optimizers.MomentumSGD(lr=0.1, weight_decay=1e-3).setup(model)
+        step = TrainStep(model, opt) if use_step else None
+        kept = []
+        for x, t in data(8):
+            reporter = reporter_module.Reporter()
+            reporter.add_observer('main', model)
+            observation = {}
+            with reporter.scope(observation):
+                if step is None:
+                    opt.update(model, cupy.asarray(x), cupy.asarray(t))
+                else:
+                    step(cupy.asarray(x), cupy.asarray(t))
+            kept.append(observation)
+        runs.append([float(o['main/loss'].array) for o in kept])
+    assert step.replays == 5 and step.traces == 1
+    numpy.testing.assert_allclose(runs[1], runs[0], rtol=1e-5)     # cuBLAS algorithms may differ
+
+
 def test_a_reporter_the_step_makes_current_gets_the_replayed_reports():
     """A model with a reporter of its own (its statistics dict kept across steps): replayed
     reports go there, not to the caller's reporter."""

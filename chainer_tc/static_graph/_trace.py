@@ -183,7 +183,7 @@ class Recorder(chainer.FunctionHook):
         self.trace = Trace()
         self._depth = 0
         self._last_config = None
-        self._outer = None
+        self.outer = None
         self._installed = []        # old-style Functions given a recording backward
 
     def __enter__(self):
@@ -191,7 +191,7 @@ class Recorder(chainer.FunctionHook):
         reporters = reporter_module._get_reporters()
         # reports to the reporter and observation current when the step began (a Trainer's,
         # each iteration's) go to the current ones on replay; others to where they went
-        self._outer = (reporters[-1], reporters[-1].observation) if reporters else (None, None)
+        self.outer = (reporters[-1], reporters[-1].observation) if reporters else (None, None)
         _patches.enter(self)
         return self
 
@@ -203,7 +203,7 @@ class Recorder(chainer.FunctionHook):
 
     def on_report(self, reporter, values, observer):
         here = (reporter, reporter.observation)
-        outer = self._outer
+        outer = self.outer
         where = None if here[0] is outer[0] and here[1] is outer[1] else here
         self.trace.reports.append((dict(values), observer, where))
 
