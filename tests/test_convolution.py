@@ -177,6 +177,25 @@ def test_link_lazy_in_channels_and_initialW_in_chainers_layout():
     assert (ours.b.array == 0.5).all()
 
 
+@pytest.mark.parametrize('in_channels, lazy, pad_channels', [
+    (3, False, None),             # (4, 3, 3, 3) in both layouts: a plain copy is silently wrong
+    (5, False, None), (3, True, None), (3, False, 4)])
+def test_copyparams_from_chainers_link_transposes_the_filter(in_channels, lazy, pad_channels):
+    """A pretrained NCHW layer copied into the NHWC link (fine-tuning) computes the same."""
+    r = numpy.random.RandomState(0)
+    theirs = L.Convolution2D(in_channels, 4, 3, pad=1)
+    theirs.b.array[...] = r.randn(4)
+    ours = TL.Convolution2D(None if lazy else in_channels, 4, 3, pad=1,
+                            pad_channels=pad_channels)
+    before = None if lazy else ours.W.array
+    ours.copyparams(theirs)
+    assert lazy or ours.W.array is before                  # in place, as Chainer copies
+    x = r.randn(2, in_channels, 5, 5).astype(numpy.float32)
+    numpy.testing.assert_allclose(ours(nhwc(x)).array, nhwc(theirs(x).array), atol=1e-5)
+    if pad_channels:
+        assert (ours.W.array[..., in_channels:] == 0).all()
+
+
 def test_npz_round_trip_nchw_to_nhwc_and_back(tmp_path):
     class Net(chainer.Chain):
         def __init__(self, conv, bn):

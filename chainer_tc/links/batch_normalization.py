@@ -40,6 +40,12 @@ class BatchNormalization(L.BatchNormalization):
             raise ValueError('{} normalises NHWC input over every axis but the last (the '
                              'channels); axis={} is not supported'
                              .format(type(self).__name__, axis))
+        if size is not None and (isinstance(size, bool) or
+                                 not isinstance(size, (int, numpy.integer))):
+            raise TypeError('{}: size must be the channel count (an int) or None; got {!r}: a '
+                            'BatchNormalization of each element (a tuple size) has no '
+                            'channels-last form, use L.BatchNormalization'
+                            .format(type(self).__name__, size))
         eps = check_eps(eps)
         if dtype is None:       # float16 data: float32 parameters and statistics
             dtype = chainer.get_dtype(None, map_mixed16=numpy.float32)

@@ -140,8 +140,17 @@ class Convolution2D(L.Convolution2D):
                                  self.groups)
 
     def copyparams(self, link, copy_persistent=True):
-        """``Link.copyparams``; between links of different ``pad_channels`` (their filters'
-        shapes differ) a ValueError saying so, where NumPy would only say it cannot broadcast."""
+        """``Link.copyparams``. From Chainer's (NCHW) ``L.Convolution2D`` (a pretrained model's
+        layer) the filter is transposed into this link's layout, as ``load_npz`` of that
+        link's file does (padding channels zeroed). Between links of different
+        ``pad_channels`` (their filters' shapes differ) a ValueError saying so, where NumPy
+        would only say it cannot broadcast. (The other way, Chainer's link cannot know: move
+        the weights with ``save_npz``/``load_npz``, or convert with ``to_nchw``.)"""
+        if isinstance(link, L.Convolution2D) and not isinstance(link, Convolution2D):
+            saved = {}
+            link.serialize(chainer.serializers.DictionarySerializer(saved))
+            self.serialize(chainer.serializers.NpzDeserializer(saved))
+            return
         w, v = self.W.raw_array, getattr(getattr(link, 'W', None), 'raw_array', None)
         if w is not None and v is not None and w.shape != v.shape and (
                 self.pad_channels is not None or getattr(link, 'pad_channels', None)):
