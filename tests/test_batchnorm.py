@@ -818,3 +818,16 @@ def test_partial_kernels_two_channels_give_the_bits_of_one(dtype, pdtype, relu):
                                           atol=atol, err_msg=name)
     for name in out[1]:
         numpy.testing.assert_array_equal(out[2][name], out[1][name], err_msg=name)
+
+
+def test_chainers_old_test_argument_and_variable_statistics_are_refused_with_the_reason():
+    bn = TL.BatchNormalization(3)
+    x = numpy.zeros((2, 2, 2, 3), numpy.float32)
+    with pytest.raises(ValueError, match=r"test argument is not supported anymore. Use "
+                                         r"chainer.using_config\('train', False\)"):
+        bn(x, test=True)
+    with pytest.raises(TypeError, match='unexpected keyword argument'):
+        bn(x, finetne=True)
+    mean, var = chainer.Variable(numpy.zeros(3, numpy.float32)), numpy.ones(3, numpy.float32)
+    with pytest.raises(TypeError, match=r'mean is a Variable: .* pass mean.array'):
+        TF.fixed_batch_normalization(x, bn.gamma, bn.beta, mean, var)

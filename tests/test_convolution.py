@@ -2,6 +2,7 @@
 gradient checks; npz round trips between NCHW and NHWC models."""
 import itertools
 import pickle
+import warnings
 
 import numpy
 import pytest
@@ -298,3 +299,24 @@ def test_use_cudnn_never_runs_chainers_convolution_on_the_gpu_and_warns_once(cud
                           cupy.asarray(gy))
     for a, g in zip(ours, plain):
         cupy.testing.assert_allclose(a, g, atol=1e-4, rtol=1e-4)
+
+
+def test_compute_mode_cudnn_fast_leaves_the_nhwc_link_as_it_is():
+    """Chainer's cudnn_fast mode gives its link a channels-last filter layout; ours is
+    channels-last already and would refuse a filter with a layout."""
+    with chainer.using_config('compute_mode', 'cudnn_fast'):
+        link = TL.Convolution2D(3, 4, 3)
+    assert link.W.layout is None and not link.cudnn_fast
+    assert link(numpy.zeros((1, 5, 5, 3), numpy.float32)).shape == (1, 3, 3, 4)
+
+
+def test_float16_bias_gradient_overflow_is_inf_without_a_warning():
+    with chainer.using_config('dtype', numpy.float16):
+        link = TL.Convolution2D(2, 2, 1)
+    link.cleargrads()
+    y = link(numpy.ones((4, 8, 8, 2), numpy.float16))
+    y.grad = numpy.full(y.shape, 60000, numpy.float16)
+    with warnings.catch_warnings():
+        warnings.simplefilter('error', RuntimeWarning)
+        y.backward()
+    assert numpy.isinf(link.b.grad).all()

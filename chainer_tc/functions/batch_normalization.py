@@ -124,6 +124,11 @@ class BatchNormAddAct(function_node.FunctionNode):
         self.eps, self.relu, self.has_z, self.decay = eps, bool(relu), bool(has_z), decay
         self.running_mean, self.running_var = running_mean, running_var
         self.fixed = mean is not None
+        for name, v in (('mean', mean), ('var', var)):
+            if isinstance(v, chainer.Variable):
+                raise TypeError('{} is a Variable: the NHWC fixed_batch_normalization takes the '
+                                'statistics as arrays and gives them no gradient; pass {}.array'
+                                .format(name, name))
         self.fixed_mean, self.fixed_var = mean, var
 
     def check_type_forward(self, in_types):

@@ -110,8 +110,9 @@ class _Convolution2DNHWCGrad(function_node.FunctionNode):
     def forward(self, inputs):
         x, W, gy = inputs
         grads = self._cpu(x, W, gy) if isinstance(x, numpy.ndarray) else self._cudnn(x, W, gy)
-        if 2 in self.indexes:
-            grads[2] = gy.reshape(-1, gy.shape[-1]).sum(axis=0)
+        if 2 in self.indexes:           # (float16 with loss scaling: inf is expected now
+            with numpy.errstate(over='ignore'):        # and then, the optimizer skips it)
+                grads[2] = gy.reshape(-1, gy.shape[-1]).sum(axis=0)
         return tuple(grads[i] for i in self.indexes)
 
     def _cpu(self, x, W, gy):

@@ -19,6 +19,7 @@ import numpy
 
 import chainer
 import chainer.links as L
+from chainer.utils import argument
 
 from chainer_tc import functions as bn_functions
 from chainer_tc.functions.batch_normalization import check_eps
@@ -60,7 +61,12 @@ class BatchNormalization(L.BatchNormalization):
                          initial_beta, axis=(0,) if size is None else None,
                          initial_avg_mean=initial_avg_mean, initial_avg_var=initial_avg_var)
 
-    def forward(self, x, z=None, finetune=False):
+    def forward(self, x, z=None, finetune=False, **kwargs):
+        if kwargs:
+            argument.check_unexpected_kwargs(
+                kwargs, test='test argument is not supported anymore. Use '
+                             "chainer.using_config('train', False)")
+            argument.assert_kwargs_empty(kwargs)
         if self.avg_mean is None:
             _messages.warn_if_lazy_nchw(self, x.shape)
             self._initialize_params((x.shape[-1],))

@@ -100,8 +100,11 @@ class Convolution2D(L.Convolution2D):
                                  'channels'.format(pad_channels, in_channels))
             if pad_channels > in_channels:
                 self.pad_channels = int(pad_channels)
-        super().__init__(in_channels, out_channels, ksize, stride, pad, nobias, initialW,
-                         initial_bias, **kwargs)
+        # compute_mode='cudnn_fast' gives Chainer's link a channels-last filter layout that it
+        # transposes to; this link's data and filter are channels-last already
+        with chainer.using_config('compute_mode', None):
+            super().__init__(in_channels, out_channels, ksize, stride, pad, nobias, initialW,
+                             initial_bias, **kwargs)
 
     @property
     def printable_specs(self):
