@@ -14,10 +14,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import chainer_tc  # noqa: E402,F401  (before chainer)
 import chainer  # noqa: E402
+import chainer.functions as F  # noqa: E402
+import chainer.links as L  # noqa: E402
 import chainermn  # noqa: E402
 
 import multinode_common as common  # noqa: E402
 from chainer_tc import multinode  # noqa: E402
+from chainer_tc import optimizers  # noqa: E402
 
 
 def shards(comm, outdir):
@@ -48,11 +51,67 @@ def shards(comm, outdir):
                 mean=result[[k for k in result if k.endswith('/label')][0]], keys=sorted(result))
 
 
+class Edges(chainer.Chain):
+    """fc1 -> fc2 and three heads on fc1's output: ``only0``, which only rank 0's loss uses
+    (rank 1 has no gradient for it); ``aux``, a lazy head called in training only (so first in
+    the first training step, with values of each rank's own); ``frozen``, added after
+    ``optimizer.setup`` (no update rule; its gradient enters GradientClipping's norm)."""
+
+    def __init__(self, rank):
+        super().__init__()
+        r = numpy.random.RandomState(rank)            # different on each rank until broadcast
+        with self.init_scope():
+            self.fc1 = L.Linear(6, 8, initialW=r.randn(8, 6).astype(numpy.float32) * 0.3)
+            self.fc2 = L.Linear(8, 5, initialW=r.randn(5, 8).astype(numpy.float32) * 0.3)
+            self.only0 = L.Linear(8, 5, initialW=r.randn(5, 8).astype(numpy.float32) * 0.3)
+            self.aux = L.Linear(None, 5)
+        self.rank = rank
+
+    def forward(self, x):
+        h = F.relu(self.fc1(x))
+        y = self.fc2(h)
+        if chainer.config.train:
+            y = y + self.aux(h)
+        if self.rank == 0:
+            y = y + self.only0(h)
+        if hasattr(self, 'frozen'):
+            y = y + self.frozen(h)
+        return y
+
+
+def edges(comm, outdir):
+    """The same steps replayed (warmup=1) and eager (warmup=100): every parameter equal on the
+    ranks, and the replayed run equal to the eager one."""
+    results = {}
+    for warmup in (1, 100):
+        numpy.random.seed(comm.rank)                  # aux's initializer: each rank's own
+        model = Edges(comm.rank)
+        opt = optimizers.MomentumSGD(lr=0.1, weight_decay=1e-3).setup(model)
+        opt.add_hook(chainer.optimizer_hooks.GradientClipping(0.05))
+        with model.init_scope():
+            model.frozen = L.Linear(8, 5, initialW=numpy.full((5, 8), 0.1 * (comm.rank + 1),
+                                                              numpy.float32))
+        step = multinode.TrainStep(model, opt, comm,
+                                   lambda x, t: F.softmax_cross_entropy(model(x), t),
+                                   warmup=warmup)
+        r = numpy.random.RandomState(7)
+        for s in range(common.STEPS):
+            x = r.randn(8, 6).astype(numpy.float32)
+            t = r.randint(0, 5, 8).astype(numpy.int32)
+            step(x[comm.rank * 4:(comm.rank + 1) * 4], t[comm.rank * 4:(comm.rank + 1) * 4])
+        results['replays{}'.format(warmup)] = step.replays
+        for name, p in model.namedparams():
+            results['w{}{}'.format(warmup, name)] = p.array
+    numpy.savez(os.path.join(outdir, 'edges-{}.npz'.format(comm.rank)), **results)
+
+
 def main(case, outdir):
     nccl = case.startswith('nccl')
     comm = chainermn.create_communicator('pure_nccl' if nccl else 'naive')
     if case == 'dali':
         return shards(comm, outdir)
+    if case == 'edges':
+        return edges(comm, outdir)
     dtype = numpy.float16 if 'fp16' in case else numpy.float32
     with chainer.using_config('dtype', dtype):
         model = common.Net(seed=comm.rank)            # different on each rank until broadcast

@@ -25,15 +25,15 @@ def tiny(tmp_path_factory):
     return data, val
 
 
-def run(tiny, out, *flags):
+def run(tiny, out, *flags, returncode=0):
     data, val = tiny
     argv = [MPIEXEC, '--allow-run-as-root', '--oversubscribe', '-n', '2', sys.executable, SCRIPT,
             data.classes_list, val, '-R', data.root, '-o', str(out), '--width', '64',
             '--insize', '32', '-B', '4', '-b', '4', '--n-classes', '2', '--seed', '0', '-j', '0',
             '--iterations', '6', '--val-interval', '3', '--communicator', 'naive'] + list(flags)
     p = subprocess.run([str(a) for a in argv], capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    return p.stdout
+    assert p.returncode == returncode, p.stdout[-3000:] + p.stderr[-3000:]
+    return p.stdout if returncode == 0 else p.stderr
 
 
 STATIC = ['--nhwc', '--fused-bn', '--batched-update', '--static-graph']
@@ -58,6 +58,11 @@ def test_rank_0_reports_and_a_resumed_run_ends_with_the_same_bits(tiny, tmp_path
     with open(str(tmp_path / 'b' / 'log')) as f:
         log_b = json.load(f)
     assert log_a[-1]['validation/main/loss'] == log_b[-1]['validation/main/loss']
+    # a rank that cannot resume stops every rank (the others used to wait in a collective)
+    os.remove(str(tmp_path / 'a' / 'snapshot_iter_3.rank1'))
+    err = run(tiny, tmp_path / 'c', *STATIC, '-r', tmp_path / 'a' / 'snapshot_iter_3',
+              returncode=2)
+    assert 'rank 1 needs its own snapshot' in err and 'rank 1 could not set up' in err
 
 
 def test_chainermn_wrapper_path(tiny, tmp_path):

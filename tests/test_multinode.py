@@ -89,6 +89,23 @@ def test_chainermn_wrapper_around_our_optimizer_equals_one_process(tmp_path, cas
     check(case, run_ranks(case, tmp_path), **tol)
 
 
+def test_heads_one_rank_uses_lazy_heads_and_untrained_links_keep_the_ranks_together(tmp_path):
+    """(tests/multinode_worker.py ``edges``.) A head only rank 0's loss uses: rank 1's share
+    of its gradient is zero at every replay (it was the last step's mean, sent again). A lazy
+    head first called in training: rank 0's values are sent before the update (each rank had
+    its own). A link without an update rule under GradientClipping: its gradients are
+    averaged too, so every rank clips alike. Found by review."""
+    ranks = run_ranks('edges', tmp_path)
+    r0, r1 = ranks
+    assert int(r0['replays1']) > 0 and int(r0['replays100']) == 0
+    keys = [k for k in r0 if k.startswith('w1/')]
+    assert {'w1/only0/W', 'w1/aux/W', 'w1/frozen/W'} <= set(keys)
+    for key in keys:
+        numpy.testing.assert_array_equal(r0[key], r1[key], err_msg='ranks differ: ' + key)
+        eager = 'w100' + key[2:]
+        numpy.testing.assert_array_equal(r0[key], r0[eager], err_msg='replayed != eager: ' + key)
+
+
 def test_dali_shards_cover_the_data_once_and_validation_counts_every_image_once(tmp_path):
     r0, r1 = run_ranks('dali', tmp_path)
     labels = numpy.concatenate([r0['labels'], r1['labels']])

@@ -347,6 +347,12 @@ def test_bad_arguments_are_named():
         TrainStep(model, chainer.optimizers.MomentumSGD().setup(model))
     with pytest.raises(RuntimeError, match='not set up'):
         TrainStep(model, optimizers.MomentumSGD())
+
+    class MultiNodeOptimizer:            # what chainermn.create_multi_node_optimizer returns
+        actual_optimizer = optimizers.MomentumSGD().setup(model)
+    with pytest.raises(TypeError, match=r"given ChainerMN's multi-node optimizer: pass "
+                                        r"chainer_tc's MomentumSGD itself"):
+        TrainStep(model, MultiNodeOptimizer())
     step = TrainStep(model, optimizers.MomentumSGD().setup(model))
     with pytest.raises(TypeError, match='input 1 is list'):
         step(numpy.zeros((1, 3, 8, 8), numpy.float32), [1])

@@ -31,6 +31,7 @@ class TrainStep(step_module.TrainStep):
         super().__init__(model, optimizer, lossfun, reduce_gradients=self.allreduce,
                          **options)
         self._broadcast = False
+        self._broadcast_names = None      # the initialised parameters rank 0 last sent
 
     def __call__(self, *args, **kwargs):
         if not self._broadcast:
@@ -43,4 +44,23 @@ class TrainStep(step_module.TrainStep):
             with chainer.using_config('train', False), chainer.no_backprop_mode():
                 self.lossfun(*args, **kwargs)
         self.communicator.bcast_data(self.optimizer.target)
+        self._broadcast_names = _initialized(self.optimizer.target)
         self._broadcast = True
+
+    def _update(self, grads):
+        """The update of an eager step (warm-up, recorded, checks: the steps that can run a
+        link for the first time). Parameters that came into being since rank 0's were last
+        sent (a lazy link first called in training, such as an auxiliary head the test-mode
+        forward of the first broadcast does not call; a link added, then ``optimizer.setup``
+        again) have values of each rank's own: rank 0's are sent before the update, as
+        ChainerMN's multi-node optimizer sends them when its model changes, so that the
+        averaged update and the momentum are the same on every rank."""
+        names = _initialized(self.optimizer.target)
+        if names != self._broadcast_names:
+            self.communicator.bcast_data(self.optimizer.target)
+            self._broadcast_names = names
+        super()._update(grads)
+
+
+def _initialized(target):
+    return sorted(name for name, p in target.namedparams() if p.array is not None)

@@ -78,8 +78,8 @@ class CapturedStep:
         self.graph = graph
         self.trace = trace               # keeps every array the graph touches referenced
         self.loss = loss.array
-        self.grads = [(e.param, g) for e, g in zip(flat.entries, grads)] + [
-            (p, g) for p, g in trace.untrained_grads]
+        self.grads = [(e.param, g) for e, g in zip(flat.entries, grads)]
+        self.untrained = list(trace.untrained_grads)
         self.marks = [(e.param, e.param._loss_scale) for e in flat.entries]
         self.flat = flat
         self.program = None
@@ -165,7 +165,7 @@ class CapturedStep:
             self.stream.wait_event(caller.record())         # the batch was loaded there
             opt._table.refresh(opt.hyperparam, opt._versions, opt._set_globals)
             self.graph.launch(self.stream)
-            _program.give_grads(self.grads)
+            _program.give_grads(self.grads + _program.reduce_untrained(step, self.untrained))
             if self.hooks:
                 _program.give_marks(self.marks)
                 opt.update()

@@ -339,6 +339,22 @@ def give_grads(pairs):
             param.grad = g
 
 
+def reduce_untrained(step, pairs):
+    """(param, gradient) of the parameters the optimizer does not train, with a gradient
+    reduction and optimizer hooks: their gradients averaged over the ranks too (new arrays),
+    as ChainerMN averages every gradient, so that a hook reading all of them (GradientClipping's
+    norm) computes the same on every rank. One more collective, made only then (usually there
+    are no such parameters)."""
+    opt = step.optimizer
+    if step.reduce_gradients is None or not pairs or not (
+            opt._has_hooks('pre') or opt._has_hooks('post')):
+        return pairs
+    xp = chainer.backend.get_array_module(pairs[0][1])
+    flats = [xp.array(g, copy=True).reshape(-1) for _, g in pairs]
+    step.reduce_gradients(flats)
+    return [(p, f.reshape(g.shape)) for (p, g), f in zip(pairs, flats)]
+
+
 def give_marks(pairs):
     """``param._loss_scale = mark`` for each (param, mark): the loss-scale marks the recorded
     step's backward left on the parameters, for an optimizer update that reads them (with

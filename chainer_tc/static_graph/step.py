@@ -85,6 +85,12 @@ class TrainStep:
 
     def __init__(self, model, optimizer, lossfun=None, warmup=1, max_signatures=4,
                  capture=True, reduce_gradients=None, check_every=100):
+        if hasattr(optimizer, 'actual_optimizer') and isinstance(
+                optimizer.actual_optimizer, momentum_sgd.MomentumSGD):
+            raise TypeError('TrainStep was given ChainerMN\'s multi-node optimizer: pass '
+                            'chainer_tc\'s MomentumSGD itself (optimizer.actual_optimizer); '
+                            'chainer_tc.multinode.TrainStep and TrainStepUpdater average the '
+                            'gradients themselves, with one collective per step')
         if not isinstance(optimizer, momentum_sgd.MomentumSGD):
             raise TypeError('TrainStep replays chainer_tc.optimizers.MomentumSGD (whose '
                             'hyperparameters and loss scale live in device memory); got {}.{}. '
@@ -298,7 +304,8 @@ class TrainStep:
         self.reduce_gradients(buffers)
         # each parameter's grad is its reduced gradient, as after a replay (and as ChainerMN
         # leaves it after its allreduce)
-        _program.give_grads([(e.param, v) for e, v in zip(flat.entries, views)])
+        _program.give_grads([(e.param, v) for e, v in zip(flat.entries, views)] +
+                            _program.reduce_untrained(self, flat.untrained_grads()))
         _apply_update(opt, flat, buffers, views)
 
     def _record(self, entry, inputs):
@@ -486,7 +493,8 @@ class TrainStep:
         """(name, param, array) of each parameter of the model that the optimizer does not
         train (a frozen backbone left out of ``optimizer.setup``): a replay reads its array as
         a constant, so one replaced by the user invalidates the traces. Usually none."""
-        trained = {id(e.param) for e in self.optimizer._flat.entries}
+        flat = self.optimizer._flat
+        trained = {id(e.param) for e in flat.entries} | {id(p) for _, p in flat.waiting}
         return tuple((name.lstrip('/'), p, p.raw_array) for name, p in self.model.namedparams()
                      if id(p) not in trained)
 
@@ -519,8 +527,11 @@ class TrainStep:
                 param.grad = g
         for _, g in trace.untrained_grads:       # (read by hooks: GradientClipping's norm)
             program.pin(g)
+        # a parameter without a gradient in this step: zeros in its view, which a reduction
+        # overwrites with the other ranks' mean, and so refills before each one
+        zeros = [view for g, view in zip(trace.grads, views) if g is None]
         plan = self.optimizer._plan(flat, views, flat_grads=buffers)
-        return _CpuReplay(program, plan, trace, copies, buffers, views)
+        return _CpuReplay(program, plan, trace, copies, buffers, views, zeros)
 
     def _capture(self, entry, inputs):
         from chainer_tc.static_graph import _capture
@@ -563,17 +574,18 @@ class TrainStep:
 
 
 class _CpuReplay:
-    def __init__(self, program, plan, trace, copies, buffers, views):
+    def __init__(self, program, plan, trace, copies, buffers, views, zeros):
         self.program = program
         self.plan = plan
         self.copies = copies
         self.buffers = buffers
+        self.zeros = zeros
+        self.untrained = list(trace.untrained_grads)
         self.grads = [(e.param, g) for e, g in zip(plan.flat.entries, trace.grads)]
         self.marks = [(e.param, m) for e, m in zip(plan.flat.entries, trace.marks)]
         # with a reduction every parameter's gradient is its view (zeros if it has none)
         self.reduced_grads = [(e.param, v) for e, v in zip(plan.flat.entries, views)]
-        self.grads += trace.untrained_grads
-        self.reduced_grads += trace.untrained_grads
+        self.grads += self.untrained
 
     def run(self, step):
         opt = step.optimizer
@@ -582,8 +594,10 @@ class _CpuReplay:
             dst[...] = src
         grads = self.grads
         if step.reduce_gradients is not None:
+            for view in self.zeros:
+                view[...] = 0
             step.reduce_gradients(self.buffers)
-            grads = self.reduced_grads
+            grads = self.reduced_grads + _program.reduce_untrained(step, self.untrained)
         _program.give_grads(grads)     # hooks may read and change them, as in an eager step
         if opt._has_hooks('pre') or opt._has_hooks('post'):
             _program.give_marks(self.marks)

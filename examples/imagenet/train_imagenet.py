@@ -749,7 +749,7 @@ def set_up(args):
         if loaded:
             print('Loaded the model from {} ({})'.format(args.initmodel, loaded))
         if args.resume:
-            resume(trainer, args.resume, args.comm)
+            agreed(args.comm, lambda: resume(trainer, args.resume, args.comm))
             print('Resumed from {} at iteration {}'.format(args.resume,
                                                           trainer.updater.iteration))
     except BaseException:
@@ -757,6 +757,25 @@ def set_up(args):
         val_iter.finalize()
         raise
     return trainer, (train_iter, val_iter)
+
+
+def agreed(comm, work):
+    """``work()``, then with a communicator every rank learns whether any rank failed: a
+    rank that goes on alone would wait forever in the first collective (a missing
+    ``snapshot_iter_N.rank<k>`` on one rank). The failing rank raises its own error, the
+    others a UsageError saying which rank failed."""
+    error = None
+    try:
+        work()
+    except UsageError as e:
+        error = e
+    if comm is not None:
+        failed = comm.mpi_comm.allgather(error is not None)
+        if error is None and any(failed):
+            error = UsageError('rank {} could not set up (its message says why)'.format(
+                failed.index(True)))
+    if error is not None:
+        raise error
 
 
 def fail(message):
