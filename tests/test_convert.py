@@ -188,3 +188,16 @@ def test_per_element_batch_normalization_is_refused_by_name():
     with pytest.raises(TypeError, match=r'size must be the channel count \(an int\) or None; '
                                         r'got \(4, 4, 3\)'):
         TL.BatchNormalization((4, 4, 3))
+
+
+def test_a_refusal_found_late_in_the_model_still_changes_nothing():
+    """The BN that cannot be converted comes after a convolution that can, whose optimizer
+    state a conversion transposes: the refusal is made before any of it."""
+    model = chainer.Sequential(TL.Convolution2D(3, 4, 3), TL.BatchNormAddReLU(4))
+    rule = chainer.optimizers.MomentumSGD().setup(model)
+    x = numpy.ones((1, 5, 5, 3), numpy.float32)
+    rule.update(lambda: F.sum(model(x)))
+    v = model[0].W.update_rule.state['v']
+    with pytest.raises(ValueError, match='fuses BatchNorm, Add and ReLU'):
+        TL.to_nchw(model)
+    assert isinstance(model[0], TL.Convolution2D) and model[0].W.update_rule.state['v'] is v

@@ -79,28 +79,53 @@ class _Converter:
         self.rules = {}          # id(update rule) -> rule, whose state is already converted
 
     def check(self, model):
+        """Every refusal, before anything is changed (a conversion refused half way would leave
+        a model of two layouts, and update rules whose state is already converted)."""
         for path, link in model.namedlinks():
             why = _unconvertible(link, self.to_nhwc)
             if why is not None:
                 raise TypeError('cannot convert the model to {}: {} ({}) is {}; nothing was '
                                 'changed'.format('NHWC' if self.to_nhwc else 'NCHW',
                                                  path or '/', type(link).__name__, why))
+            if self._replaced(link):
+                self._refuse(link)
+
+    def _replaced(self, link):
+        if self.to_nhwc:
+            return type(link) in (L.Convolution2D, L.BatchNormalization)
+        return isinstance(link, (Convolution2D, BatchNormalization))
 
     def replacement(self, link):
-        if self.to_nhwc:
-            if type(link) is L.Convolution2D:
-                return self._conv(link)
-            if type(link) is L.BatchNormalization:
-                return self._bn(link)
-        else:
-            if isinstance(link, Convolution2D):
-                return self._conv(link)
-            if isinstance(link, BatchNormalization):
-                if getattr(link, '_relu', False):
-                    raise ValueError('{} fuses BatchNorm, Add and ReLU; it has no single NCHW '
-                                     'link to become'.format(_name(link)))
-                return self._bn(link)
-        return None
+        if not self._replaced(link):
+            return None
+        return self._conv(link) if isinstance(link, L.Convolution2D) else self._bn(link)
+
+    def _refuse(self, link):
+        """A ValueError naming why ``link``, which this conversion replaces, cannot be."""
+        to_nhwc = self.to_nhwc
+        if isinstance(link, L.Convolution2D):
+            if not to_nhwc and link.W.array is not None:
+                try:            # a pad_channels link becomes the unpadded Chainer link
+                    link.unpadded_W()
+                except ValueError as e:
+                    raise ValueError('cannot convert {} to NCHW: {}'.format(_name(link), e)) \
+                        from None
+            return
+        if getattr(link, '_relu', False):
+            raise ValueError('{} fuses BatchNorm, Add and ReLU; it has no single NCHW link to '
+                             'become'.format(_name(link)))
+        if to_nhwc and link.axis not in (None, (0, 2, 3)):
+            raise ValueError('cannot convert a BatchNormalization over axis {} to NHWC: it must '
+                             'normalise the channels of NCHW input (axis None or (0, 2, 3))'
+                             .format(link.axis))
+        if link.avg_mean is None:
+            raise ValueError('cannot convert {}: its size is not known yet (built with size=None '
+                             'and never called); call the model once first'.format(_name(link)))
+        if link.avg_mean.ndim != 1:
+            raise ValueError('cannot convert {}: it normalises each of {} elements (size={}), '
+                             'not channels; only per-channel BatchNormalization has an NHWC '
+                             'counterpart'.format(_name(link), link.avg_mean.size,
+                                                  link.avg_mean.shape))
 
     def _conv(self, old):
         to_nhwc = self.to_nhwc
@@ -123,12 +148,6 @@ class _Converter:
             def layout(a):
                 return xp.ascontiguousarray(a[..., :unpad].transpose(0, 3, 1, 2))
         if old.W.array is not None:
-            if not to_nhwc:
-                try:            # a pad_channels link becomes the unpadded Chainer link
-                    old.unpadded_W()
-                except ValueError as e:
-                    raise ValueError('cannot convert {} to NCHW: {}'.format(_name(old), e)) \
-                        from None
             new.W.array = layout(old.W.array)
         self._carry(old, new, 'W', layout)
         if old.b is not None:
@@ -138,18 +157,6 @@ class _Converter:
 
     def _bn(self, old):
         to_nhwc = self.to_nhwc
-        if to_nhwc and old.axis not in (None, (0, 2, 3)):
-            raise ValueError('cannot convert a BatchNormalization over axis {} to NHWC: it must '
-                             'normalise the channels of NCHW input (axis None or (0, 2, 3))'
-                             .format(old.axis))
-        if old.avg_mean is None:
-            raise ValueError('cannot convert {}: its size is not known yet (built with size=None '
-                             'and never called); call the model once first'.format(_name(old)))
-        if old.avg_mean.ndim != 1:
-            raise ValueError('cannot convert {}: it normalises each of {} elements (size={}), '
-                             'not channels; only per-channel BatchNormalization has an NHWC '
-                             'counterpart'.format(_name(old), old.avg_mean.size,
-                                                  old.avg_mean.shape))
         dtype = old.avg_mean.dtype
         if to_nhwc and dtype == numpy.float16:   # exact: float32 holds every float16 value
             dtype = numpy.dtype(numpy.float32)
