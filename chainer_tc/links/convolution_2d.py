@@ -184,33 +184,45 @@ class Convolution2D(L.Convolution2D):
                                                           self.in_channels))
 
     def _nchw_to_save(self):
-        """The filter as it is saved: Chainer's layout, on the host, without its padding
-        channels (all of them, with a PaddingWarning, when they are not zero)."""
+        """The filter as it is saved: see :meth:`filter_to_file`, with a PaddingWarning when
+        its padding channels are not zero."""
         w = chainer.backend.CpuDevice().send(self.W.array)
-        if self.pad_channels is not None:
-            if _padding_is_nonzero(w, self.in_channels):
-                warnings.warn('{}: {}: saved with them ({} input channels), which a link '
-                              'without that padding cannot load'.format(
-                                  self.name or type(self).__name__,
-                                  self._nonzero_padding_message(w), w.shape[3]),
-                              PaddingWarning, stacklevel=4)
-            else:
-                w = w[..., :self.in_channels]
+        if self.pad_channels is not None and _padding_is_nonzero(w, self.in_channels):
+            warnings.warn('{}: {}: saved with them ({} input channels), which a link '
+                          'without that padding cannot load'.format(
+                              self.name or type(self).__name__,
+                              self._nonzero_padding_message(w), w.shape[3]),
+                          PaddingWarning, stacklevel=4)
+        return self.filter_to_file(w)
+
+    def filter_to_file(self, array):
+        """An array shaped as this link's filter (the filter itself, or an optimizer's state
+        that follows it) as files hold it: Chainer's (out, in, kh, kw) on the host, without
+        the padding channels when they are all zero (all of them otherwise)."""
+        w = chainer.backend.CpuDevice().send(array)
+        if self.pad_channels is not None and not _padding_is_nonzero(w, self.in_channels):
+            w = w[..., :self.in_channels]
         return numpy.ascontiguousarray(_to_nchw(w))
 
-    def _load_W(self, param, data):
-        """Writes the file's filter ``data`` (Chainer's layout) into ``param``."""
+    def filter_from_file(self, data, what='W'):
+        """The inverse of :meth:`filter_to_file`: ``data`` in Chainer's layout (without the
+        padding channels, which come back as zeros, or with them) as a host array of this
+        link's filter shape. Before the filter has a shape (a lazy link), only transposed.
+        ValueError naming ``what`` when the shape fits neither."""
         w = numpy.asarray(data)
-        have = param.array.shape                            # (out, kh, kw, in)
-        if w.shape == _nchw_shape(have):
-            param.array[...] = param.device.send(numpy.ascontiguousarray(_to_nhwc(w)))
-            return
-        if self.pad_channels is not None and w.shape == _nchw_shape(have[:3]
-                                                                   + (self.in_channels,)):
-            param.array[..., :self.in_channels] = param.device.send(
-                numpy.ascontiguousarray(_to_nhwc(w)))
-            param.array[..., self.in_channels:] = 0
-            return
+        have = self.W.shape if self.W.raw_array is not None else None
+        if have is None and w.ndim == 4:
+            return numpy.ascontiguousarray(_to_nhwc(w))
+        if have is not None and w.shape == _nchw_shape(have):
+            return numpy.ascontiguousarray(_to_nhwc(w))
+        if have is not None and self.pad_channels is not None \
+                and w.shape == _nchw_shape(have[:3] + (self.in_channels,)):
+            out = numpy.zeros(have, w.dtype)
+            out[..., :self.in_channels] = _to_nhwc(w)
+            return out
+        if have is None:
+            raise ValueError('{} in the file has shape {}; a filter (out, in, kh, kw) has 4 axes'
+                             .format(what, w.shape))
         if self.pad_channels is not None:
             need = '{} (or {} with its padding channels)'.format(
                 _nchw_shape(have[:3] + (self.in_channels,)), _nchw_shape(have))
@@ -222,8 +234,8 @@ class Convolution2D(L.Convolution2D):
             why = ('; the file\'s filter has more input channels: a link with pad_channels={} '
                    'saves them all when its padding channels are not zero (a PaddingWarning '
                    'says so), and their weights have no input here'.format(w.shape[1]))
-        raise ValueError('W in the file has shape {} (out, in, kh, kw); this link needs {}{}'
-                         .format(w.shape, need, why))
+        raise ValueError('{} in the file has shape {} (out, in, kh, kw); this link needs {}{}'
+                         .format(what, w.shape, need, why))
 
     def serialize(self, serializer):
         d = self.__dict__
@@ -241,12 +253,12 @@ class Convolution2D(L.Convolution2D):
             data = serializer('W', None)                                 # loading
             if data is None:
                 continue
-            w = numpy.ascontiguousarray(_to_nhwc(numpy.asarray(data)))
+            w = self.filter_from_file(data)
             if param.array is None:             # in the parameter's dtype, as Chainer loads
                 dtype = getattr(param.initializer, 'dtype', None) or chainer.get_dtype()
                 param.array = param.device.send(w.astype(dtype))
-            else:
-                self._load_W(param, data)
+            else:                               # in place: an optimizer's views stay valid
+                param.array[...] = param.device.send(w)
         for name in self._persistent:
             d[name] = serializer(name, d[name])
 

@@ -20,6 +20,7 @@ from chainer import variable
 import chainer.warnings
 
 from chainer_tc import kernels
+from chainer_tc.optimizers import _file_layout
 from chainer_tc.optimizers import _flat
 from chainer_tc.optimizers import _hyper
 from chainer_tc.optimizers import _rule
@@ -385,10 +386,35 @@ class MomentumSGD(chainer_optimizer.GradientMethod):
             if state is not None and state is not sc.state:   # loaded before the first build
                 sc.state[...] = state
         self._clock.forget()
+        layout = self._file_layout(serializer)
+        filters = _file_layout.filters_with_file_layout(self.target)
         with variable._AllowArrayAccessWithNonstandardLayout():
             for name, param in _flat.unique_params(self.target.namedparams()):
-                if param.update_rule is not None:        # (as Chainer's: untrained, skipped)
-                    param.update_rule.serialize(serializer[name])
+                if param.update_rule is None:        # (as Chainer's: untrained, skipped)
+                    continue
+                inner = serializer[name]
+                link = filters.get(id(param))
+                if link is not None and layout is None:
+                    inner = _file_layout.SaveState(inner, link)
+                elif link is not None:
+                    inner = _file_layout.LoadState(inner, link, layout, name)
+                param.update_rule.serialize(inner)
+
+    @staticmethod
+    def _file_layout(serializer):
+        """None when saving (filters' state is written in Chainer's layout, and the file says
+        so); when loading, the layout the file holds it in (see ``_file_layout``)."""
+        if not isinstance(serializer, chainer.serializer.Deserializer):
+            serializer(_file_layout.LAYOUT_KEY, True)
+            return None
+        if _has_key(serializer, _file_layout.LAYOUT_KEY):
+            if not bool(serializer(_file_layout.LAYOUT_KEY, True)):
+                raise ValueError('{} in the file is False: no chainer_tc writes that'
+                                 .format(_file_layout.LAYOUT_KEY))
+            return _file_layout.IN_CHAINER_LAYOUT
+        if _has_key(serializer, 'loss_scaling_mode'):  # an earlier chainer_tc's file
+            return _file_layout.IN_PARAM_LAYOUT
+        return _file_layout.BY_SHAPE                     # Chainer's optimizer's file
 
     def _backup(self):
         sc = self._scaler
