@@ -134,6 +134,24 @@ def test_class_per_directory_tree(data):
         assert by_name[os.path.join(data.root, f)] == cls
 
 
+def test_a_tree_skips_hidden_directories_and_refuses_classes_without_images(data, tmp_path):
+    """A hidden directory (.ipynb_checkpoints) or an empty one (lost+found) sorted among the
+    classes would shift every label after it, and differently in the train and val trees."""
+    import shutil
+    for c in ('cat', 'dog'):
+        os.makedirs(str(tmp_path / 'tree' / c))
+        shutil.copy(os.path.join(data.root, data.files[0]), str(tmp_path / 'tree' / c / 'a.jpg'))
+    os.makedirs(str(tmp_path / 'tree' / '.ipynb_checkpoints'))
+    p = dali.imagenet_pipeline(str(tmp_path / 'tree'), device='cpu', seed=0)
+    assert p.dataset.num_classes == 2
+    assert [(os.path.basename(os.path.dirname(f)), int(t)) for f, t in
+            zip(p.dataset.paths, p.dataset.labels)] == [('cat', 0), ('dog', 1)]
+    os.makedirs(str(tmp_path / 'tree' / 'bird'))
+    with pytest.raises(dali.DatasetError, match=r'bird: a class directory without images .*'
+                                                r'class 0 and shift the labels'):
+        dali.imagenet_pipeline(str(tmp_path / 'tree'), device='cpu', seed=0)
+
+
 # ---- epochs, coverage, shards, resume ------------------------------------------------------------
 
 def test_epoch_accounting_matches_serial_iterator_over_several_epochs(data):
@@ -224,6 +242,35 @@ def test_serialize_and_resume_mid_epoch_continues_where_it_stopped(data, tmp_pat
     with pytest.raises(ValueError, match='29 images in 1 shard.*29 images in 2 shard'):
         serializers.load_npz(path, other)
     for i in (a, b, other):
+        i.finalize()
+
+
+def test_shards_and_resumed_runs_draw_their_own_crops_and_flips(data, tmp_path):
+    """Every entry is one photo, so only the random crops and flips tell samples apart. With one
+    seed on every shard (as the order needs) the k-th image of each batch was cropped and
+    flipped alike on every GPU; and a resumed run drew the run's first crops again."""
+    lst = str(tmp_path / 'same.txt')
+    with open(lst, 'w') as f:
+        f.write(''.join('{} 0\n'.format(data.files[1]) for _ in range(16)))
+    batches = []
+    for shard in (0, 1):
+        it = dali.DaliIterator(pipeline(data, lst, shard_id=shard, num_shards=2), batch_size=4)
+        batches.append([next(it)[0] for _ in range(2)])
+        it.finalize()
+    for a, b in zip(*batches):
+        assert not any(numpy.array_equal(x, y) for x, y in zip(a, b))
+    run = dali.DaliIterator(pipeline(data, lst), batch_size=4)
+    first = [next(run)[0] for _ in range(3)]
+    path = str(tmp_path / 'it.npz')
+    serializers.save_npz(path, run)
+    resumed = dali.DaliIterator(pipeline(data, lst), batch_size=4)
+    serializers.load_npz(path, resumed)
+    again = [next(resumed)[0] for _ in range(3)]
+    assert not any(numpy.array_equal(x, y) for a, b in zip(first, again) for x, y in zip(a, b))
+    resumed.reset()                          # back to the start: the run's first draws
+    for a, b in zip(first, [next(resumed)[0] for _ in range(3)]):
+        assert numpy.array_equal(a, b)
+    for i in (run, resumed):
         i.finalize()
 
 
@@ -372,6 +419,8 @@ def test_empty_image_is_found_up_front(data, tmp_path):
     (dict(prefetch_queue_depth=0), ValueError, 'prefetch_queue_depth must be a positive'),
     (dict(shard_id=2, num_shards=2), ValueError, r'shard_id must be an integer in \[0, num_'),
     (dict(seed=-3), ValueError, r'seed must be an integer in \[0, 2\*\*31\)'),
+    (dict(seed=None, shard_id=1, num_shards=2), ValueError,
+     r'seed=None draws a seed in each process.*num_shards=2 give every shard the same seed'),
     (dict(num_classes=0), ValueError, 'num_classes must be a positive integer or None'),
     (dict(area=(0.5, 0.1)), ValueError, r'area must be a range \(lo, hi\)'),
 ])
@@ -453,6 +502,18 @@ def test_dali_check_decodes_to_find_corrupt_data(data, tmp_path, capsys):
     assert check.main([data.root, lst]) == 1
     assert 'bad_corrupt.jpg: cannot be decoded: ' in capsys.readouterr().out
     os.remove(bad)
+
+
+def test_dali_check_redraws_one_bar_on_a_terminal(monkeypatch):
+    import io
+    import sys
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+    monkeypatch.setattr(sys, 'stderr', Terminal())
+    bar = check._Progress(10)                 # on stderr, as dali-check makes it
+    assert bar.tty
 
 
 def test_dali_check_good_sets_and_missing_paths(data, tmp_path, capsys):

@@ -130,6 +130,14 @@ def test_bad_mean_and_std_name_the_argument(data, kwargs, error, message):
         dali.imagenet_pipeline(data.root, data.ids_list, device='cpu', **kwargs)
 
 
+def test_a_zero_mean_is_taken_for_pixels_in_0_1():
+    """mean=0, std=255: pixels scaled to [0, 1]; a zero mean is no fraction of 255."""
+    from chainer_tc.dali import normalisation
+    assert normalisation.channel_mean((0, 0, 0)) == (0.0, 0.0, 0.0)
+    with pytest.raises(ValueError, match='look like fractions of 255'):
+        normalisation.channel_mean((0, 0.5, 0.5))
+
+
 # ---- (root, list) everywhere --------------------------------------------------------------------
 
 def test_old_argument_order_still_works_with_a_deprecation_warning(data):

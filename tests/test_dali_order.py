@@ -80,14 +80,50 @@ def test_shuffled_epochs_are_permutations_and_differ():
 
 @pytest.mark.parametrize('num_shards', [2, 3, 7])
 @pytest.mark.parametrize('shuffle', [False, True])
-def test_shards_partition_every_epoch(num_shards, shuffle):
+def test_a_pass_partitions_the_data_set(num_shards, shuffle):
+    """repeat=False (validation): every image exactly once over the shards."""
+    parts = [_order.EpochOrder(29, 4, repeat=False, shuffle=shuffle, seed=1, shard_id=k,
+                               num_shards=num_shards).order(0) for k in range(num_shards)]
+    assert sorted(numpy.concatenate(parts).tolist()) == list(range(29))
+    assert max(len(p) for p in parts) - min(len(p) for p in parts) <= 1
+
+
+@pytest.mark.parametrize('num_shards', [2, 3, 7, 29])
+@pytest.mark.parametrize('shuffle', [False, True])
+def test_training_shards_cover_every_epoch_with_epochs_of_one_length(num_shards, shuffle):
+    """repeat=True: the shards' epochs are as long as the longest slice (ranks reach
+    is_new_epoch together); a shorter slice takes one other image, each a different one."""
+    longest = -(-29 // num_shards)
     for epoch in range(3):
         parts = [_order.EpochOrder(29, 4, shuffle=shuffle, seed=1, shard_id=k,
                                    num_shards=num_shards).order(epoch)
                  for k in range(num_shards)]
-        joined = numpy.concatenate(parts)
-        assert sorted(joined.tolist()) == list(range(29))
-        assert max(len(p) for p in parts) - min(len(p) for p in parts) <= 1
+        assert [len(p) for p in parts] == [longest] * num_shards
+        joined = numpy.concatenate(parts).tolist()
+        assert sorted(set(joined)) == list(range(29))
+        repeated = [i for i in set(joined) if joined.count(i) > 1]
+        assert len(joined) - 29 == len(repeated) == num_shards * longest - 29
+        assert all(joined.count(i) == 2 for i in repeated)
+        assert all(len(set(p)) == len(p) for p in parts)
+
+
+@pytest.mark.parametrize('policy', ['fill', 'partial', 'drop'])
+@pytest.mark.parametrize('size,num_shards,batch', [(29, 2, 4), (7, 2, 2), (1281167, 8, 256),
+                                                   (1281167, 8, 128), (30, 7, 3)])
+def test_every_training_shard_starts_its_epochs_at_the_same_iterations(policy, size, num_shards,
+                                                                        batch):
+    """The ranks of a multi-node run see is_new_epoch (and so epoch triggers and an epoch
+    learning-rate schedule) at the same iterations: a shard one image short used to end its
+    epochs earlier and earlier (ImageNet on 8 ranks: 15 of 90 epochs at batch 256)."""
+    orders = [_order.EpochOrder(size, batch, shuffle=False, last_batch=policy, shard_id=k,
+                                num_shards=num_shards) for k in range(num_shards)]
+    assert len({o.epoch_size for o in orders}) == 1
+    if size > 100:                       # ImageNet: the epoch ends, counted, not stepped through
+        return
+    for _ in range(40):
+        news = {(len(o.next_batch()), o.position.is_new_epoch, o.position.epoch,
+                 o.epoch_detail_of(o.position)) for o in orders}
+        assert len(news) == 1, news
 
 
 @pytest.mark.parametrize('policy', ['fill', 'partial', 'drop'])

@@ -3,7 +3,14 @@ of the DALI iterator (epoch size, sharding, shuffling, the last-batch policy, th
 from). No DALI and no Chainer here.
 
 Epoch ``e``'s order is a permutation of the whole data set drawn from ``(seed, e)`` alone (the
-identity when not shuffling); shard ``k`` of ``S`` takes its ``k``-th contiguous slice. An epoch's
+identity when not shuffling); shard ``k`` of ``S`` takes its ``k``-th contiguous slice.
+
+With ``repeat=True`` every shard's epoch has the same length, so that the ranks of a multi-node
+run see their epochs end (``is_new_epoch``, epoch triggers, a learning-rate schedule by epoch,
+a collective Evaluator) at the same iteration: a slice one image shorter than the longest takes
+one more, the first image of the next slice (wrapping around), and with 'drop' every shard
+delivers as many whole batches as the shortest can. With ``repeat=False`` (a pass over the
+data, validation) the slices are delivered as they are: every image exactly once. An epoch's
 order is therefore known from the seed and the epoch number, and a position is three numbers
 (epoch, images of that epoch already delivered, whether the last batch started an epoch): that is
 all a snapshot needs to resume exactly.
@@ -84,13 +91,18 @@ class EpochOrder(object):
         self.shard_id, self.num_shards = int(shard_id), int(num_shards)
         lo, hi = shard_range(self.size, self.shard_id, self.num_shards)
         self.shard_size = hi - lo
+        if self.repeat:                  # every shard alike: the longest, or the shortest's batches
+            longest = -(-self.size // self.num_shards)
+            shortest = self.size // self.num_shards
+        else:
+            longest = shortest = self.shard_size
         if last_batch == 'drop':
-            self.epoch_size = self.shard_size - self.shard_size % self.batch_size
+            self.epoch_size = shortest - shortest % self.batch_size
             if self.epoch_size == 0:
                 raise ValueError("last_batch='drop' with batch_size={} and a shard of {} images "
-                                 "gives no batch at all".format(batch_size, self.shard_size))
+                                 "gives no batch at all".format(batch_size, shortest))
         else:
-            self.epoch_size = self.shard_size
+            self.epoch_size = longest
         self._cached = (None, None)
         self.position = START
 
@@ -113,7 +125,10 @@ class EpochOrder(object):
             else:
                 perm = numpy.arange(self.size)
             lo, hi = shard_range(self.size, self.shard_id, self.num_shards)
-            self._cached = (epoch, perm[lo:hi][:self.epoch_size])
+            part = perm[lo:hi]
+            if len(part) < self.epoch_size:              # one short: the next slice's first
+                part = numpy.append(part, perm[hi % self.size])
+            self._cached = (epoch, part[:self.epoch_size])
         return self._cached[1]
 
     def epoch_detail_of(self, position):

@@ -126,7 +126,7 @@ class _Progress(object):
     def __init__(self, total, stream=None):
         self.total, self.done = total, 0
         self.stream = sys.stderr if stream is None else stream
-        self.tty = getattr(stream, 'isatty', lambda: False)()
+        self.tty = getattr(self.stream, 'isatty', lambda: False)()
         self.start = self.last = time.perf_counter()
         self.decile = -1
 

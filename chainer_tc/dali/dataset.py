@@ -174,21 +174,30 @@ def list_line(raw, number):
 def read_tree(root, num_classes=None):
     """Dataset of the class-per-directory tree under ``root``."""
     _check_dir('root', root)
-    classes = sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d)))
+    # hidden directories (.ipynb_checkpoints, .git) are not classes: each would shift the labels
+    classes = sorted(d for d in os.listdir(root)
+                     if not d.startswith('.') and os.path.isdir(os.path.join(root, d)))
     if not classes:
         raise DatasetError([(root, 'no class directories (expected root/<class>/<image>)')])
     if num_classes is not None and num_classes != len(classes):
         raise DatasetError([(root, '{} class directories, but num_classes={}'
                              .format(len(classes), num_classes))])
-    paths, labels = [], []
+    paths, labels, empty = [], [], []
     for label, c in enumerate(classes):
         d = os.path.join(root, c)
         names = sorted(n for n in os.listdir(d) if n.lower().endswith(IMAGE_EXTENSIONS))
         paths += [os.path.join(d, n) for n in names]
         labels += [label] * len(names)
+        if not names:
+            empty.append(d)
     if not paths:
         raise DatasetError([(root, 'no images ({}) in its {} class directories'
                              .format('/'.join(IMAGE_EXTENSIONS), len(classes)))])
+    if empty:       # a class without images (lost+found, a stray folder) shifts the labels after it
+        raise DatasetError([(d, 'a class directory without images ({}): it would be class {} and '
+                             'shift the labels of the classes after it; remove it, or give a '
+                             'list file'.format('/'.join(IMAGE_EXTENSIONS), classes.index(
+                                 os.path.basename(d)))) for d in empty])
     return Dataset(paths, labels, len(classes), root, root)
 
 

@@ -182,7 +182,11 @@ class DaliIterator(chainer.dataset.Iterator):
         self._shutdown()
         self._order.set_position(self._position)
         self._feeder = _Feeder(self.dataset, self._order)
-        self._pipe = self.pipeline.build(self.batch_size, self._feeder)
+        p = self._position
+        self._pipe = self.pipeline.build(self.batch_size, self._feeder,
+                                         pipeline_module.augmentation_seed(
+                                             self._order.seed, self.pipeline.shard_id, p.epoch,
+                                             p.current_position))
         self._schedule()
 
     def serialize(self, serializer):
@@ -241,9 +245,12 @@ class DaliIterator(chainer.dataset.Iterator):
                                  'labels, or their order: fingerprint {}... in the snapshot, {}... '
                                  'for {})'.format(theirs[:12], ours[:12], self.dataset.source))
             elif key == 'epoch_size' and not {'num_shards', 'shard_id', 'last_batch'} & set(keys):
-                lines.append('epoch_size is {} in the snapshot, {} here (last_batch=\'drop\' '
-                             'with another batch_size leaves out other images)'
-                             .format(theirs, ours))
+                why = ('last_batch=\'drop\' with another batch_size leaves out other images'
+                       if here['last_batch'] == 'drop' else
+                       'the snapshot is from an earlier chainer_tc, whose training shards of '
+                       'unequal size had epochs of unequal length')
+                lines.append('epoch_size is {} in the snapshot, {} here ({})'
+                             .format(theirs, ours, why))
             elif key != 'epoch_size':
                 lines.append('{} is {!r} in the snapshot, {!r} here'.format(key, theirs, ours))
         if 'shard_id' in keys:

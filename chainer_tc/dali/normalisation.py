@@ -46,7 +46,7 @@ def channel_mean(mean):
 
 
 def _not_fractions(a, name, source):
-    if (a < 1).all():
+    if (a < 1).all() and (a > 0).any():      # (a zero mean is a choice: pixels kept as they are)
         raise ValueError('{} is on the 0-255 scale of the pixels; {} gives {}, which look like '
                          'fractions of 255: pass 255 times them (ImageNet\'s are the default)'
                          .format(name, source, a.tolist()))

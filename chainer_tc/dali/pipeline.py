@@ -102,6 +102,17 @@ def imagenet_pipeline(root, list_file=None, train=True, crop=224, resize=None, d
                             pad_channels)
 
 
+def augmentation_seed(seed, shard_id, epoch, current_position):
+    """The seed of DALI's random crops and flips for a pipeline of shard ``shard_id`` that
+    starts at (``epoch``, ``current_position``): the shards of one run draw independently (with
+    one seed they would crop and flip the k-th image of each batch alike on every GPU), and a
+    run resumed from a snapshot draws anew from where it stands, not the run's first draws
+    again. Below 2**31, as DALI wants it."""
+    state = numpy.random.SeedSequence([int(seed), int(shard_id), int(epoch),
+                                       int(current_position)]).generate_state(1)[0]
+    return int(state >> 1)
+
+
 class ImagenetPipeline(object):
     """A checked data set (``dataset``) plus the settings of its DALI pipeline; see
     :func:`imagenet_pipeline` for the arguments. ``build(batch_size, source)`` makes the DALI
@@ -141,6 +152,12 @@ class ImagenetPipeline(object):
             num_threads = len(os.sched_getaffinity(0))
         _positive_int('num_threads', num_threads)
         _positive_int('prefetch_queue_depth', prefetch_queue_depth)
+        if seed is None and not (isinstance(num_shards, (int, numpy.integer))
+                                 and num_shards == 1):
+            raise ValueError('seed=None draws a seed in each process, and shards of different '
+                             'seeds overlap and leave images out (each cuts its own permutation): '
+                             'with num_shards={!r} give every shard the same seed (e.g. rank 0\'s, '
+                             'sent with comm.bcast_obj)'.format(num_shards))
         if seed is None:
             seed = int(numpy.random.SeedSequence().generate_state(1)[0] >> 1)
         if isinstance(seed, bool) or not isinstance(seed, (int, numpy.integer)) \
@@ -169,17 +186,20 @@ class ImagenetPipeline(object):
         self.area, self.aspect_ratio = tuple(area), tuple(aspect_ratio)
         self.mean, self.std = mean, std         # per channel, 0-255 scale
 
-    def build(self, batch_size, source):
+    def build(self, batch_size, source, random_seed=None):
         """A built ``nvidia.dali.Pipeline`` whose outputs are (images, labels). ``source()``
         returns each batch's inputs: a list of file paths as uint8 arrays (UTF-8) and an int32
-        array of labels; it raises StopIteration when there is no more."""
+        array of labels; it raises StopIteration when there is no more. ``random_seed``: the
+        seed of DALI's crops and flips (default ``seed``; the iterator gives each shard and
+        each starting position its own, :func:`augmentation_seed`)."""
         from nvidia.dali import fn
         from nvidia.dali import pipeline
         from nvidia.dali import types
         gpu = self.device == 'gpu'
         pipe = pipeline.Pipeline(
             batch_size=batch_size, num_threads=self.num_threads,
-            device_id=self.device_id if gpu else None, seed=self.seed,
+            device_id=self.device_id if gpu else None,
+            seed=self.seed if random_seed is None else random_seed,
             prefetch_queue_depth=self.prefetch_queue_depth, exec_dynamic=True)
         decoder = {'device': 'mixed', 'device_memory_padding': _DEVICE_MEMORY_PADDING,
                    'host_memory_padding': _HOST_MEMORY_PADDING} if gpu else {'device': 'cpu'}

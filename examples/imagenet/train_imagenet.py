@@ -409,7 +409,8 @@ def make_iterators(args, device, layout, dtype, mean, std, seed):
             its.append(dali.DaliIterator(pipe, batch, repeat=train))
         what = 'DALI, {} pipeline'.format('GPU' if gpu else 'CPU')
         return its[0], its[1], dali.converter, what
-    rng = numpy.random.RandomState(seed)
+    # crops, flips and the shard's shuffling: each rank draws its own (one seed cuts the shards)
+    rng = numpy.random.RandomState(seed if args.comm is None else [seed, args.comm.rank])
     datasets = []
     for name, path, train, _ in lists:
         with _naming(name, path):
@@ -726,6 +727,8 @@ def set_up(args):
     dtype = resolve_dtype(args)
     layout = 'NHWC' if args.nhwc else 'NCHW'
     seed = args.seed if args.seed is not None else int(numpy.random.randint(2 ** 31))
+    if args.comm is not None:               # one seed for all ranks: their shards of one order
+        seed = args.comm.bcast_obj(seed)
     mean, std = normalisation_of(args)
     numpy.random.seed(seed)                 # the initial weights
     # the data first: a bad list file is reported before minutes of model building
