@@ -728,7 +728,7 @@ def set_up(args):
     layout = 'NHWC' if args.nhwc else 'NCHW'
     seed = args.seed if args.seed is not None else int(numpy.random.randint(2 ** 31))
     if args.comm is not None:               # one seed for all ranks: their shards of one order
-        seed = args.comm.bcast_obj(seed)
+        seed = args.comm.bcast_obj(seed if args.comm.rank == 0 else None)
     mean, std = normalisation_of(args)
     numpy.random.seed(seed)                 # the initial weights
     # the data first: a bad list file is reported before minutes of model building
