@@ -54,6 +54,7 @@ extras_require = {
         'scikit-learn',     # DALI tests: the sample photographs the test data set is cut from
         'matplotlib',       # benchmarks/ablation.py's chart (tests/test_ablation_benchmark.py);
                             # the ImageNet example's plots (tests/test_imagenet_example.py)
+        'h5py',             # save_hdf5/load_hdf5 of the optimizer (tests/test_serializers.py)
         'nvidia-cuda-nvdisasm',  # python -m chainer_tc sass, benchmarks/kernel_instructions.py
                                  # (tests/test_sass.py): disassembles NVRTC 12's sm_70-90 cubins
     ] + MPI,                # the 2-rank tests run under mpiexec

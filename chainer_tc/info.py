@@ -7,6 +7,7 @@ The JSON keys are documented in ``docs/info.md``.
 import argparse
 import importlib
 import json
+import os
 import platform
 import shutil
 import sys
@@ -14,15 +15,16 @@ import warnings
 
 SCHEMA_VERSION = 1
 FEATURES = ('nhwc_cudnn_conv', 'fused_bn_add_relu_cudnn', 'cuda_graphs', 'dali_gpu_decode',
-            'cuda_emulator', 'nvrtc_compile_check')
+            'cuda_emulator', 'nvrtc_compile_check', 'multinode_mpi', 'multinode_nccl')
 VERSION_KEYS = ('python', 'chainer', 'numpy', 'cupy', 'cudnn', 'nvrtc', 'dali', 'cuda_runtime',
-                'cuda_driver')
+                'cuda_driver', 'mpi4py')
 TENSOR_CORE_CC = (7, 0)
 
 
 def _error(exc):
-    """One-line description of an exception."""
-    text = str(exc).strip().splitlines()
+    """One-line description of an exception: its first line that says something (CuPy's
+    import error opens with a banner of '=')."""
+    text = [line.strip() for line in str(exc).splitlines() if any(c.isalnum() for c in line)]
     return '%s: %s' % (type(exc).__name__, text[0]) if text else type(exc).__name__
 
 
@@ -102,6 +104,8 @@ def collect():
         chainer = probe.module('chainer', 'chainer')
         nvrtc_lib = probe.module('nvrtc', 'cupy_backends.cuda.libs.nvrtc')
         dali = probe.module('dali', 'nvidia.dali')
+        chainermn = probe.module('chainermn', 'chainermn')
+        versions['mpi4py'] = probe.run('mpi4py', lambda: _distribution_version('mpi4py'))
 
         versions['numpy'] = getattr(numpy, '__version__', None)
         versions['cupy'] = getattr(cupy, '__version__', None)
@@ -152,6 +156,14 @@ def collect():
     compiler = shutil.which('g++')
     nvrtc_ok = versions['nvrtc'] is not None
 
+    # without importing mpi4py.MPI, which would start MPI in this process
+    mpi = (chainermn is not None and versions['mpi4py'] is not None and _mpiexec() is not None,
+           'ChainerMN not importable: %s' % probe.errors.get('chainermn') if chainermn is None
+           else 'mpi4py not installed (pip install -e \'.[mpi]\')' if versions['mpi4py'] is None
+           else 'no mpiexec on PATH or in %s' % os.path.join(sys.prefix, 'bin'))
+    nccl = probe.run('nccl', lambda: bool(importlib.import_module('cupy.cuda.nccl').available),
+                     False) if cupy is not None else False
+
     features = {
         # chainer_tc's cuDNN binding (8.9 or 9, every function it calls) serves both
         'nhwc_cudnn_conv': _feature(has_cupy, has_cudnn, has_gpu, tensor_cores),
@@ -164,6 +176,11 @@ def collect():
         'cuda_emulator': _feature((compiler is not None, 'no C++ compiler (g++) on PATH')),
         'nvrtc_compile_check': _feature(
             (nvrtc_ok, 'NVRTC not loadable: %s' % probe.errors.get('nvrtc'))),
+        # chainer_tc.multinode and the example's mpiexec runs: ChainerMN over MPI (CPU too)
+        'multinode_mpi': _feature(mpi),
+        # ChainerMN's GPU communicators (pure_nccl, the example's default on GPUs)
+        'multinode_nccl': _feature(mpi, has_cupy, (nccl, 'CuPy has no NCCL: %s' % (
+            probe.errors.get('nccl') or 'cupy.cuda.nccl.available is False')), has_gpu),
     }
 
     return {
@@ -194,6 +211,21 @@ def _binding_loads(module, library):
     except Exception as e:
         return False, 'the capture-safe {} binding (chainer_tc.cuda.{}) does not load: {}'.format(
             library, module, e)
+
+
+def _distribution_version(name):
+    """The installed version of distribution ``name`` (None when it is not installed)."""
+    from importlib import metadata
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _mpiexec():
+    """mpiexec on PATH, or in this environment's bin (where the mpi extra installs it)."""
+    here = os.path.join(sys.prefix, 'bin', 'mpiexec')
+    return shutil.which('mpiexec') or (here if os.access(here, os.X_OK) else None)
 
 
 def _chainer_tc_version():

@@ -86,7 +86,8 @@ def test_no_gpu_is_a_normal_answer(report):
         assert all({'name', 'compute_capability'} <= set(g) for g in report['gpus'])
         return
     assert 'gpus' in report['errors']
-    for name in ('nhwc_cudnn_conv', 'fused_bn_add_relu_cudnn', 'cuda_graphs', 'dali_gpu_decode'):
+    for name in ('nhwc_cudnn_conv', 'fused_bn_add_relu_cudnn', 'cuda_graphs', 'dali_gpu_decode',
+                 'multinode_nccl'):
         feature = report['features'][name]
         assert feature['available'] is False
         assert feature['reason'].startswith('no CUDA GPU found'), feature
@@ -197,6 +198,30 @@ def test_no_usable_cudnn_is_reported_with_what_was_tried():
     assert reason.startswith('cuDNN not loadable: CuDNNUnavailable: no usable cuDNN: '
                              'CHAINER_TC_CUDNN_LIBRARY (/nonexistent/libcudnn.so.9): '), reason
     assert r['features']['cuda_graphs']['reason'] == reason
+
+
+def test_multinode_is_reported_without_starting_mpi(report):
+    """make test installs the mpi extra: ChainerMN and mpiexec are there, NCCL needs a GPU."""
+    assert report['versions']['mpi4py'] is not None
+    assert report['features']['multinode_mpi'] == {'available': True, 'reason': None}
+    p = run_python('import sys, chainer_tc.info\nchainer_tc.info.collect()\n'
+                   'print("mpi4py.MPI" in sys.modules)')
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip().splitlines()[-1] == 'False'
+
+
+def test_multinode_missing_is_named():
+    r = collect_in_subprocess("import sys; sys.modules['chainermn'] = None")
+    check_shape(r)
+    assert r['features']['multinode_mpi']['reason'].startswith('ChainerMN not importable: ')
+    assert r['features']['multinode_nccl']['reason'] == r['features']['multinode_mpi']['reason']
+
+
+def test_an_error_banner_is_not_the_message():
+    """CuPy's import error starts with a line of '='; the report gives its first real line."""
+    e = ImportError('\n' + '=' * 64 + '\nFailed to import CuPy.\n\nmore\n' + '=' * 64)
+    assert info._error(e) == 'ImportError: Failed to import CuPy.'
+    assert info._error(ValueError('')) == 'ValueError'
 
 
 def test_version_strings():

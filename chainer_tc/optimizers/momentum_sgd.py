@@ -377,7 +377,8 @@ class MomentumSGD(chainer_optimizer.GradientMethod):
         self.t = serializer('t', self.t)
         self.epoch = serializer('epoch', self.epoch)
         sc = self._scaler
-        if _has_key(serializer, 'loss_scaling_mode'):   # none in a Chainer optimizer's file
+        saving = not isinstance(serializer, chainer.serializer.Deserializer)
+        if saving or _has_key(serializer, 'loss_scaling_mode'):  # none in Chainer's files
             sc.mode = int(serializer('loss_scaling_mode', sc.mode))
             sc.interval = int(serializer('loss_scaling_interval', sc.interval))
             sc.min_scale = float(serializer('loss_scaling_min', sc.min_scale))
@@ -453,6 +454,8 @@ class MomentumSGD(chainer_optimizer.GradientMethod):
 def _has_key(serializer, key):
     """Whether a deserializer's file holds ``key`` (Chainer's deserializers raise KeyError for
     a missing key only when strict; ours asks first so that a load is all or nothing)."""
+    if not isinstance(serializer, chainer.serializer.Deserializer):
+        raise TypeError('_has_key reads a file: {} writes one'.format(type(serializer).__name__))
     npz = getattr(serializer, 'npz', None)
     if npz is not None:
         return serializer.path + key in npz
