@@ -165,7 +165,7 @@ class TinyStep:
         every = 0 if self.step is None else self.step.check_every
         if not every:
             return ms
-        return ms + (self.ms_per_check() - ms) / every
+        return with_checks(ms, self.ms_per_check(), every)
 
     def ms_per_replay(self):
         """Median host ms of the timed iterations: for a TrainStep, replays only."""
@@ -197,6 +197,32 @@ class TinyStep:
     def replayed_ops(self):
         """Array computations one CPU replay runs, or None when the step is not replayed."""
         return None if self.step is None else self.step.replayed_ops
+
+
+def with_checks(ms_per_replay, ms_per_check, every):
+    """ms per iteration of a TrainStep with its periodic check averaged in: one step in
+    ``every`` (its ``check_every``; 0: never) is a check, the others replays."""
+    if not every:
+        return ms_per_replay
+    return ms_per_replay + (ms_per_check - ms_per_replay) / every
+
+
+def gpu_check_ms(train_step, run, n=3):
+    """Wall ms of one of ``train_step``'s checks on a GPU (median of ``n``, each between two
+    device-wide synchronisations): ``run()`` calls it with ``check_every`` set to 1."""
+    import cupy
+    every, times = train_step.check_every, []
+    train_step.check_every = 1
+    try:
+        for _ in range(n):
+            cupy.cuda.runtime.deviceSynchronize()
+            s = time.perf_counter()
+            run()
+            cupy.cuda.runtime.deviceSynchronize()
+            times.append(time.perf_counter() - s)
+    finally:
+        train_step.check_every = every
+    return 1e3 * float(numpy.median(times))
 
 
 def interleave(steps, iters, warmup):

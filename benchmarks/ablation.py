@@ -491,6 +491,14 @@ def gpu_run(config, batch, mode, args, data, device):
     if train_step is not None:
         out['replays'], out['eager_steps'] = train_step.replays, train_step.eager_steps
         out['checks'] = train_step.checks
+        # a repeat holding the one check of check_every steps is the median's outlier: the
+        # check is timed apart and averaged in, as on the CPU
+        check = _common.gpu_check_ms(train_step, step)
+        replay_ms = 1e3 * batch / out['images_per_s']
+        out.update(images_per_s_replays=out['images_per_s'], check_ms=check,
+                   check_every=train_step.check_every,
+                   images_per_s=1e3 * batch / _common.with_checks(replay_ms, check,
+                                                                  train_step.check_every))
     return out
 
 

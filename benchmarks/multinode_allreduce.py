@@ -3,7 +3,7 @@ one collective on one buffer against ChainerMN's paths, measured in one run.
 
     .venv/bin/python benchmarks/multinode_allreduce.py [--repeat 5] [--out results.json]
 
-(it starts itself under ``mpiexec -n 2``). Per step, with the 161 gradients of
+(it starts itself under ``mpiexec -n 2``). Per step, with the 162 gradients of
 ``chainer.links.ResNet50Layers`` (25.6M float32 elements) on each rank:
 - chainermn naive: ``communicator.multi_node_mean_grad(model)`` (ChainerMN's default on CPUs: one
   MPI Allreduce per parameter) + chainer_tc's MomentumSGD update;
@@ -52,32 +52,42 @@ def _worker(args):
             variants.append((variant,) + _ours(comm, opt, multinode))
         else:
             variants.append((variant,) + _chainermn(comm, model, opt, chainermn))
-    for _, step, _ in variants:
-        step()                                             # warm-up
-    times = {name: [] for name, _, _ in variants}
-    before = {name: collectives() for name, _, collectives in variants}
+    params = list(model.params())
+    for _, reduce, update, _ in variants:                   # warm-up
+        reduce()
+        update()
+    times = {name: ([], []) for name, _, _, _ in variants}
+    before = {name: calls() for name, _, _, calls in variants}
     for _ in range(args.repeat):                           # interleaved: load hits both alike
-        for name, step, _ in variants:
-            comm.mpi_comm.Barrier()
-            t = time.perf_counter()
-            step()
-            times[name].append(time.perf_counter() - t)
-    rows = [{'variant': name, 'ms_per_step': 1e3 * float(numpy.median(times[name])),
-             'collectives_per_step': (collectives() - before[name]) / args.repeat}
-            for name, _, collectives in variants]
+        for name, reduce, update, _ in variants:
+            for part, fn in zip(times[name], (reduce, update)):
+                comm.mpi_comm.Barrier()
+                t = time.perf_counter()
+                fn()
+                part.append(time.perf_counter() - t)
+    rows = []
+    for name, _, _, calls in variants:
+        reduce_ms, update_ms = (1e3 * float(numpy.median(t)) for t in times[name])
+        rows.append({'variant': name, 'allreduce_ms': reduce_ms, 'update_ms': update_ms,
+                     'ms_per_step': reduce_ms + update_ms,
+                     'collective_calls_per_step': (calls() - before[name]) / args.repeat})
     if comm.rank != 0:
         return 0
-    base = rows[0]['ms_per_step']
-    print('{:>16} {:>10} {:>8} {:>12}'.format('variant', 'ms/step', 'speedup', 'collectives'))
+    base = rows[0]
+    print('{:>16} {:>12} {:>10} {:>10} {:>9} {:>9} {:>17}'.format(
+        'variant', 'allreduce ms', 'update ms', 'ms/step', 'allreduce', 'step', 'collective calls'))
     for r in rows:
-        r['speedup'] = base / r['ms_per_step']
-        print('{:>16} {:>10.1f} {:>7.2f}x {:>12.0f}'.format(
-            r['variant'], r['ms_per_step'], r['speedup'], r['collectives_per_step']))
+        r['allreduce_speedup'] = base['allreduce_ms'] / r['allreduce_ms']
+        r['speedup'] = base['ms_per_step'] / r['ms_per_step']
+        print('{:>16} {:>12.1f} {:>10.1f} {:>10.1f} {:>8.2f}x {:>8.2f}x {:>17.0f}'.format(
+            r['variant'], r['allreduce_ms'], r['update_ms'], r['ms_per_step'],
+            r['allreduce_speedup'], r['speedup'], r['collective_calls_per_step']))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, 'w') as f:
         json.dump({'benchmark': 'multinode_allreduce', 'ranks': comm.size,
                    'machine': platform.platform(), 'cpus': os.cpu_count(),
-                   'parameters': 161, 'elements': 25557032, 'rows': rows}, f, indent=1)
+                   'parameters': len(params), 'elements': sum(p.size for p in params),
+                   'rows': rows}, f, indent=1)
     print('wrote', args.out)
     return 0
 
@@ -91,10 +101,7 @@ def _ours(comm, opt, multinode):
     reduce = multinode.GradientAllreduce(comm)
     plan = opt._plan(flat, views, flat_grads=buffers)
 
-    def step():
-        reduce(buffers)
-        opt._step(plan)
-    return step, lambda: reduce.collectives
+    return (lambda: reduce(buffers)), (lambda: opt._step(plan)), lambda: reduce.calls
 
 
 def _chainermn(comm, model, opt, chainermn):
@@ -113,14 +120,13 @@ def _chainermn(comm, model, opt, chainermn):
             return real.Allreduce(*a, **k)
     counting = Counting()
 
-    def step():
+    def reduce():
         comm.mpi_comm = counting
         try:
             comm.multi_node_mean_grad(model)
         finally:
             comm.mpi_comm = real
-        opt.update()
-    return step, lambda: count[0]
+    return reduce, opt.update, lambda: count[0]
 
 
 def main(argv=None):

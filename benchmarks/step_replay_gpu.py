@@ -10,7 +10,9 @@ depth can grow without its arithmetic hiding the framework (each block is ~15 ke
 and backward). For each (dtype, blocks, batch): eager Chainer steps with chainer_tc's
 MomentumSGD, then TrainStep (warm-up, capture, replay), each timed over ``--iters`` iterations
 after a synchronize, the GPU synchronized at the end: samples/s, and host ms per iteration (the
-time until the Python call returns, which for a replay is the launch). The ResNet-50 rows of
+time until the Python call returns, which for a replay is the launch). TrainStep's figures
+average in its periodic check (one recorded eager step compared with the trace in every
+``check_every``, default 100), timed apart; the JSON has the replays alone too. The ResNet-50 rows of
 docs/performance.md need cuDNN (benchmarks/ablation.py). Prints a table, writes JSON; exits with
 a message where there is no GPU.
 """
@@ -80,6 +82,14 @@ def measure(blocks, batch, dtype, iters, captured):
            'wall_ms': 1e3 * wall / iters}
     if captured:
         out['traces'], out['replays'] = step.traces, step.replays
+        # --iters calls never reach the periodic check (one eager step and a comparison in
+        # check_every): timed apart, and averaged in
+        check = _common.gpu_check_ms(step, run)
+        wall_ms = _common.with_checks(out['wall_ms'], check, step.check_every)
+        out.update(check_ms=check, check_every=step.check_every, wall_ms_replays=out['wall_ms'],
+                   host_ms_replays=out['host_ms'], samples_per_s_replays=out['samples_per_s'],
+                   wall_ms=wall_ms, samples_per_s=1e3 * batch / wall_ms,
+                   host_ms=_common.with_checks(out['host_ms'], check, step.check_every))
     return out
 
 

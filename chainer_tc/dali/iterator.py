@@ -62,6 +62,12 @@ class DaliIterator(chainer.dataset.Iterator):
         self.repeat = bool(repeat)
         self.shuffle = self.repeat if shuffle is None else bool(shuffle)
         self.last_batch = last_batch
+        if self.shuffle and pipeline.num_shards > 1 and getattr(pipeline, 'seed_drawn', False):
+            raise ValueError('the pipeline\'s seed was drawn (seed=None), in each process its '
+                             'own, and shuffled shards of different seeds overlap and leave images '
+                             'out (each cuts its own permutation): with num_shards={} give every '
+                             'shard the same seed (e.g. rank 0\'s, sent with comm.bcast_obj)'
+                             .format(pipeline.num_shards))
         self._order = self._make_order(pipeline.seed)
         self._position = _order.START
         self._feeder = None

@@ -152,12 +152,7 @@ class ImagenetPipeline(object):
             num_threads = len(os.sched_getaffinity(0))
         _positive_int('num_threads', num_threads)
         _positive_int('prefetch_queue_depth', prefetch_queue_depth)
-        if seed is None and not (isinstance(num_shards, (int, numpy.integer))
-                                 and num_shards == 1):
-            raise ValueError('seed=None draws a seed in each process, and shards of different '
-                             'seeds overlap and leave images out (each cuts its own permutation): '
-                             'with num_shards={!r} give every shard the same seed (e.g. rank 0\'s, '
-                             'sent with comm.bcast_obj)'.format(num_shards))
+        self.seed_drawn = seed is None          # (a shuffling DaliIterator of shards refuses it)
         if seed is None:
             seed = int(numpy.random.SeedSequence().generate_state(1)[0] >> 1)
         if isinstance(seed, bool) or not isinstance(seed, (int, numpy.integer)) \
