@@ -1,7 +1,8 @@
 """chainer_tc: make Chainer train ResNet-50 in fp16 on Tensor Cores as fast as the hardware allows.
 
 Importing this package is cheap: it only makes pip-installed CUDA libraries visible to CuPy (see
-``chainer_tc._cuda_libs``); no compilation and no device query happen at import. Import it before
+``chainer_tc._cuda_libs``); no compilation and no device query happen at import (but under
+``CHAINER_TC_EMULATE=1``, where the CPU emulator's allocation tracker starts). Import it before
 ``chainer``: Chainer decides whether CUDA is available when it is first imported.
 """
 import sys
@@ -23,5 +24,17 @@ def _warn_if_chainer_came_first():
 
 
 _warn_if_chainer_came_first()
+
+
+def _track_allocations_for_the_emulator():
+    """Under CHAINER_TC_EMULATE=1 kernels run in the CPU emulator, which must know every NumPy
+    allocation a kernel's pointer table points into (the optimizer's gradients): its tracker
+    starts here, before the user's arrays exist (one cached g++ build the first time)."""
+    import os
+    if os.environ.get('CHAINER_TC_EMULATE') == '1':
+        from chainer_tc.testing import emulator  # noqa: F401  (installs the tracker)
+
+
+_track_allocations_for_the_emulator()
 
 __version__ = '0.1.0'

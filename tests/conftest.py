@@ -8,6 +8,10 @@ os.environ.setdefault('NVIDIA_TF32_OVERRIDE', '0')
 import numpy  # noqa: E402
 import pytest  # noqa: E402
 
+# The CPU emulator must know every NumPy allocation a kernel's pointer table points into (the
+# optimizer's gradients): its allocation tracker starts before any test makes an array.
+import chainer_tc.testing.emulator  # noqa: E402,F401
+
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
 

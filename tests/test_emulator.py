@@ -840,6 +840,46 @@ def test_lanes_in_different_collectives_are_reported(buggy):
         buggy.get_function('mismatched_collectives')((1,), (32,), (out,))
 
 
+def test_an_address_passed_as_an_integer_is_memory_the_launch_does_not_hold(buggy):
+    """A GPU kernel given a host address (or a device allocation it was not given) reads
+    whatever is there: the emulator refuses any access outside what the launch gave it."""
+    host = numpy.arange(32, dtype=numpy.float32)
+    out = numpy.zeros(32, numpy.float32)
+    with pytest.raises(KernelLaunchError, match=r"kernel 'through_an_integer': a read of 4 bytes "
+                                                r"at address 0x[0-9a-f]+ in thread \(0,0,0\) .*"
+                                                r"memory the launch did not give the kernel"):
+        buggy.get_function('through_an_integer')((1,), (32,), (numpy.uint64(host.ctypes.data),
+                                                              out))
+    assert (out == 0).all()
+
+
+def test_a_volatile_read_modify_write_loses_updates_under_a_random_schedule(buggy):
+    count = numpy.zeros(1, numpy.uint32)
+    buggy.get_function('volatile_count')((4,), (64,), (count,))     # one thread at a time
+    assert count[0] == 256
+    with emulator.checking(race=True, schedules=['forward', 'random:1']):
+        with pytest.raises(KernelLaunchError, match=r"kernel 'volatile_count': the result depends "
+                                                    r"on the order in which threads run"):
+            buggy.get_function('volatile_count')((4,), (64,), (numpy.zeros(1, numpy.uint32),))
+
+
+def test_an_uninitialised_local_is_not_zero(buggy):
+    """Fresh fiber stacks are zero, which made an uninitialised accumulator sum right: locals
+    start as 0xFE bytes (-1.7e38 as a float), as garbage would on a GPU."""
+    x = numpy.ones((32, 5), numpy.float32)
+    out = numpy.zeros(32, numpy.float32)
+    buggy.get_function('uninitialised_accumulator')((1,), (32,), (x, out, numpy.int32(5)))
+    assert (numpy.abs(out) > 1e37).all(), out
+
+
+def test_a_local_array_overrun_through_a_pointer_is_reported(buggy):
+    x = numpy.arange(4, dtype=numpy.float32)
+    out = numpy.zeros(32, numpy.float32)
+    with pytest.raises(KernelLaunchError, match=r"past the end of its object \(a local or static "
+                                                r"array reached through a pointer\)"):
+        buggy.get_function('local_array_overrun')((1,), (32,), (x, out))
+
+
 def test_blocks_and_barriers_are_fast(mod):
     import time
     x = numpy.zeros(1024 * 100, numpy.float32)

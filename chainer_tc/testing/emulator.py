@@ -62,7 +62,7 @@ from chainer_tc.testing.access_counts import recording  # NOQA: emulator.recordi
 HERE = os.path.dirname(os.path.abspath(__file__))
 INCLUDE_DIR = os.path.join(HERE, 'include')
 RUNTIME_DIR = os.path.join(HERE, 'runtime')
-_EMULATOR_VERSION = '5'        # part of the cache key: bump when the g++ commands change
+_EMULATOR_VERSION = '6'        # part of the cache key: bump when the g++ commands change
 _ERR_LEN = 2048
 _SCALAR = 2 ** 64 - 1
 _ALIGN = 64            # by-value arguments are copied to addresses aligned to this (__align__(16) ...)
@@ -428,10 +428,15 @@ _RUNTIME_FLAGS = ('-std=c++17', '-O2', '-fPIC', '-fvisibility=hidden', '-fno-str
 # a copy of a vector type one access (a float2 load is one 8-byte read, as NVVM makes it one
 # ld.v2), where scalar replacement would split it into its members: emulator.recording() counts
 # accesses by width, and the tests read a kernel's vector path from them (no slower here).
+# object-size: an access through a pointer past the end of a local or static array (which
+# -fsanitize=bounds sees only when indexed as an array). -ftrivial-auto-var-init=pattern (GCC 12):
+# a local read before it is written holds 0xFE bytes (-1.7e38 as a float), not the zero of a fresh
+# fiber stack that would make an uninitialised accumulator look right.
 _KERNEL_FLAGS = ('-std=c++17', '-O1', '-fno-tree-sra', '-g1', '-gdwarf-4', '-fPIC', '-fno-strict-aliasing', '-fvisibility=hidden',
                  '-U_FORTIFY_SOURCE', '-fsanitize=thread',
                  '--param=tsan-instrument-func-entry-exit=0', '--param=tsan-distinguish-volatile=1',
-                 '-fsanitize=bounds,alignment,integer-divide-by-zero', '-fno-sanitize-recover=all')
+                 '-fsanitize=bounds,alignment,integer-divide-by-zero,object-size',
+                 '-fno-sanitize-recover=all', '-ftrivial-auto-var-init=pattern')
 
 
 def _runtime_object(cxx, cxx_id, name):

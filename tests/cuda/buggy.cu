@@ -434,3 +434,42 @@ extern "C" __global__ void write_after_reads_on_two_lines(float* out) {
     if (threadIdx.x == 16) s = 3.0f;
   }
 }
+
+// Reads through an address passed as an integer (a host pointer, or a device pointer of an
+// allocation the kernel was not given): memory the launch does not hold.
+extern "C" __global__ void through_an_integer(unsigned long long address, float* out) {
+  out[threadIdx.x] = reinterpret_cast<const float*>(address)[threadIdx.x];
+}
+
+// Counts the threads through a volatile read-modify-write: volatile orders nothing between
+// threads, so a GPU loses updates (it needs atomicAdd).
+extern "C" __global__ void volatile_count(unsigned* count) {
+  volatile unsigned* c = count;
+  *c = *c + 1;
+}
+
+// Sums a row into an accumulator never initialised: on a GPU it starts with whatever the
+// register held.
+__device__ __noinline__ float row_sum_uninitialised(const float* x, int n) {
+  float acc;
+  for (int i = 0; i < n; ++i) acc += x[i];
+  return acc;
+}
+
+extern "C" __global__ void uninitialised_accumulator(const float* x, float* out, int n) {
+  out[threadIdx.x] = row_sum_uninitialised(x + threadIdx.x * n, n);
+}
+
+// A helper that fills three elements of the two-element local array it is given by pointer.
+__device__ __forceinline__ void load_three(const float* p, float* v) {
+  v[0] = p[0];
+  v[1] = p[1];
+  v[2] = p[2];
+}
+
+extern "C" __global__ void local_array_overrun(const float* x, float* out) {
+  float keep = x[3];
+  float v[2];
+  load_three(x, v);
+  out[threadIdx.x] = v[0] + v[1] + keep;
+}

@@ -460,7 +460,10 @@ static inline T& shared_ref(const char* name) {
                                      __PRETTY_FUNCTION__));
 }
 
+// The launch's glue reads the launcher's own memory (the argument values, this Body): not
+// instrumented, so that kernel code is the only code held to the memory the launch gives it.
 template <typename... A, usize... I>
+__attribute__((no_sanitize("thread")))
 static inline void call_kernel(void (*k)(A...), void** args, std::index_sequence<I...>) {
   k(*reinterpret_cast<std::remove_cv_t<std::remove_reference_t<A>>*>(args[I])...);
 }
@@ -469,7 +472,7 @@ template <typename... A>
 struct Body {
   void (*k)(A...);
   void** args;
-  static void run(void* self) {
+  __attribute__((no_sanitize("thread"))) static void run(void* self) {
     Body* b = (Body*)self;
     call_kernel(b->k, b->args, std::index_sequence_for<A...>{});
   }

@@ -34,6 +34,7 @@
 #include "chainer_tc_emu_abi.h"
 
 #include <dlfcn.h>
+#include <link.h>
 #include <pthread.h>
 #include <setjmp.h>
 #include <signal.h>
@@ -926,8 +927,61 @@ __attribute__((noinline)) void checked_access(char* a, size_t n, int flags, uint
   if (rt.race && rt.running) race_access(r, a, n, flags, pc);
 }
 
+// Memory outside the arena that instrumented code may touch: the module's own image (its
+// __device__/__constant__ variables, the emulation header's globals), the blocks' fiber stacks
+// (locals, by-value arguments) and their threads (threadIdx, blockIdx). Anything else is memory a GPU kernel would not have
+// been given: a host address passed as an integer, or a pointer-table word the emulator did not
+// translate (an allocation it does not know).
+struct Span { uintptr_t lo, hi; };
+std::vector<Span> image_spans;
+
+int add_image_span(struct dl_phdr_info* info, size_t, void*) {
+  if (info->dlpi_addr != module_base()) return 0;
+  for (int i = 0; i < info->dlpi_phnum; ++i) {
+    const ElfW(Phdr)& ph = info->dlpi_phdr[i];
+    if (ph.p_type == PT_LOAD || ph.p_type == PT_TLS)
+      image_spans.push_back({info->dlpi_addr + ph.p_vaddr, info->dlpi_addr + ph.p_vaddr + ph.p_memsz});
+  }
+  return 1;
+}
+
+bool own_memory(uintptr_t a) {
+  for (unsigned s = 0; s < kMaxSlots; ++s) {
+    const Block& b = rt.slots[s];
+    if (b.stacks && a - (uintptr_t)b.stacks < b.stacks_len) return true;
+    if (b.fibers && a - (uintptr_t)b.fibers < b.cap * sizeof(Fiber)) return true;   // threadIdx
+  }
+  if (image_spans.empty()) dl_iterate_phdr(add_image_span, nullptr);
+  for (const Span& sp : image_spans)
+    if (a >= sp.lo && a < sp.hi) return true;
+  return false;
+}
+
+__attribute__((noinline)) void foreign_access(char* a, size_t n, int flags, uint64_t pc) {
+  if (!rt.running || own_memory((uintptr_t)a)) return;
+  char w[128], tag[48];
+  where(w, sizeof w);
+  pc_tag(tag, sizeof tag, pc);
+  fail("kernel '%s': %s of %zu bytes at address %p in %s%s: memory the launch did not give the "
+       "kernel (not an argument, an allocation a pointer table points into, shared memory, a "
+       "local or a module variable): an address passed as an integer, a pointer computed far "
+       "out of an array, or a pointer-table word the emulator did not translate (an allocation "
+       "made before chainer_tc.testing.emulator was imported is not known to it)",
+       rt.kernel_name, flags & kAtomic ? "an atomic access" : flags & kWrite ? "a write" : "a read",
+       n, (void*)a, w, tag);
+}
+
+void yield();
+
 inline void access(void* p, size_t n, int flags, void* pc) {
-  if ((size_t)((char*)p - rt.arena) >= rt.arena_size) return;    // not kernel memory
+  if ((size_t)((char*)p - rt.arena) >= rt.arena_size) {          // not kernel memory
+    foreign_access((char*)p, n, flags, (uint64_t)pc);
+    return;
+  }
+  // The random schedules let other threads run before a volatile access, as before an atomic:
+  // volatile orders nothing between threads, so a read-modify-write through it (a counter, a
+  // flag and data without a fence) loses updates on a GPU, and here under some schedule.
+  if ((flags & kVolatile) && rt.yield_atomics && rt.running) yield();
   checked_access((char*)p, n, flags, (uint64_t)pc);
 }
 
@@ -1885,10 +1939,14 @@ const char* const kCheckKinds[] = {"load of", "store to", "reference binding to"
   if (!p)
     snprintf(msg, sizeof msg, "%s a null pointer of type %s at %s:%u", kind, d->type->name,
              d->loc.file, d->loc.line);
-  else
+  else if (p & ((1u << d->log_alignment) - 1))
     snprintf(msg, sizeof msg, "misaligned %s address %p for type %s, which needs %u-byte alignment "
              "(a GPU faults: misaligned address) at %s:%u", kind, (void*)p, d->type->name,
              1u << d->log_alignment, d->loc.file, d->loc.line);
+  else                          // -fsanitize=object-size
+    snprintf(msg, sizeof msg, "%s address %p past the end of its object (a local or static array "
+             "reached through a pointer) for type %s (a GPU reads or overwrites another variable) "
+             "at %s:%u", kind, (void*)p, d->type->name, d->loc.file, d->loc.line);
   ctemu::fail_here(msg);
 }
 }  // namespace
