@@ -67,7 +67,9 @@ def emulated():
     """``CHAINER_TC_EMULATE=1`` inside the block: NumPy arrays go through the emulated CUDA
     kernels, whose launches ``chainer_tc.kernels.count_launches`` counts. Objects that chose their
     path outside the block (an optimizer's prepared step, a traced replay) keep it: build them
-    inside."""
+    inside (the emulator's allocation tracker starts here: it knows only the arrays made after
+    it, and refuses a pointer table into an older one)."""
+    from chainer_tc.testing import emulator  # noqa: F401  (starts the allocation tracker)
     old = os.environ.get(kernels.ENV_EMULATE)
     os.environ[kernels.ENV_EMULATE] = '1'
     try:

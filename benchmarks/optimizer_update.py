@@ -152,12 +152,12 @@ def chainer_host_syncs(n_params, loss_scaling=False):
 
 def ours_launches(n_params, fp16):
     """Count through the emulator, with the same number of (tiny) parameters."""
-    model = chainer.Link()
-    with model.init_scope():
-        for i in range(n_params):
-            setattr(model, 'p{}'.format(i),
-                    chainer.Parameter(numpy.zeros(3, numpy.float16 if fp16 else numpy.float32)))
-    with _common.emulated():
+    with _common.emulated():             # the arrays made inside: the emulator knows them
+        model = chainer.Link()
+        with model.init_scope():
+            for i in range(n_params):
+                setattr(model, 'p{}'.format(i), chainer.Parameter(
+                    numpy.zeros(3, numpy.float16 if fp16 else numpy.float32)))
         opt = ours_optimizer(model, fp16)
         set_grads(model, numpy)
         opt.update()

@@ -163,7 +163,8 @@ PADDED = {
 def test_pad_channels(tiny, tmp_path, name, pad):
     """--pad-channels: the DALI pipeline pads (the PIL input is padded by the model); conv1's
     filter has the extra input channels, zero after training; its file is the unpadded
-    model's (3 input channels) and its optimizer state has the padded shape."""
+    model's (3 input channels), and so is its optimizer state in the snapshot with chainer_tc's
+    optimizer (Chainer's keeps the padded shape)."""
     flags = PADDED[name] + ['--pad-channels', pad]
     status, out, err, caught = run(tiny_args(tiny, tmp_path, '--iterations', 4, *flags),
                                    plots=False)
@@ -180,13 +181,17 @@ def test_pad_channels(tiny, tmp_path, name, pad):
              if k.startswith('updater/optimizer:main/predictor/conv1/W/') and a.ndim == 4}
     assert 'v' in state and ('master' in state) == ('float16' in flags)   # fp32 master weights
     for name, a in state.items():
-        assert a.shape == (1, 7, 7, pad) and not a[..., 3:].any(), name
+        if '--batched-update' in flags:     # ours saves it as the filter: Chainer's, unpadded
+            assert a.shape == (1, 3, 7, 7), name
+        else:                               # Chainer's optimizer as it holds it
+            assert a.shape == (1, 7, 7, pad) and not a[..., 3:].any(), name
     assert not [w for w in caught if 'padding channels' in w]       # they stayed zero
 
 
 def test_pad_channels_initmodel_and_resume(tiny, tmp_path):
-    """An unpadded run's model file starts a padded run (--initmodel: zeros appended); its
-    snapshot cannot resume one: the optimizer state of conv1 has another shape, named."""
+    """An unpadded run's model file starts a padded run (--initmodel: zeros appended), and its
+    snapshot resumes one (weights and optimizer state are saved unpadded); a snapshot whose
+    state has the padded shape (an earlier chainer_tc's) is refused by an unpadded run, named."""
     plain = tmp_path / 'plain'
     assert run(tiny_args(tiny, plain, '--iterations', 2, '--nhwc', '--batched-update'),
                plots=False)[0] == 0
@@ -200,9 +205,20 @@ def test_pad_channels_initmodel_and_resume(tiny, tmp_path):
     status, out, err, _ = run(tiny_args(tiny, tmp_path / 'resumed', '--iterations', 4,
                                         '--nhwc', '--batched-update', '--pad-channels', 4,
                                         '-r', str(plain / 'snapshot_iter_2')), plots=False)
+    assert status == 0, err
+    resumed = serializers.read_npz(str(tmp_path / 'resumed' / 'model_iter_4'))
+    assert resumed['conv1/W'].shape == (1, 3, 7, 7) and numpy.isfinite(resumed['conv1/W']).all()
+    old = dict(serializers.read_npz(str(plain / 'snapshot_iter_2')))
+    key = [k for k in old if k.endswith('predictor/conv1/W/v')][0]
+    old[key] = numpy.zeros((1, 7, 7, 4), old[key].dtype)   # as an earlier chainer_tc saved it
+    old.pop('updater/optimizer:main/filter_state_in_chainer_layout')
+    numpy.savez(str(tmp_path / 'earlier.npz'), **old)
+    status, out, err, _ = run(tiny_args(tiny, tmp_path / 'refused', '--iterations', 4,
+                                        '--nhwc', '--batched-update',
+                                        '-r', str(tmp_path / 'earlier.npz')), plots=False)
     assert status == 2
-    assert re.search(r'does not match this run: updater/optimizer:main/\S*conv1/W\S* has shape '
-                     r'\(1, 7, 7, 3\) in the snapshot, \(1, 7, 7, 4\) here \(resume with the '
+    assert re.search(r'does not match this run: updater/optimizer:main/\S*conv1/W/v has shape '
+                     r'\(1, 7, 7, 4\) in the snapshot, \(1, 3, 7, 7\) here \(resume with the '
                      r'flags', err), err
 
 
