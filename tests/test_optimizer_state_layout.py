@@ -17,16 +17,16 @@ class Net(chainer.Chain):
     """A 3x3 convolution on 3 channels: its NCHW and NHWC filter shapes coincide, so only the
     layout, not a shape error, tells a transposed momentum from a right one."""
 
-    def __init__(self, nhwc, pad_channels=None, dtype=numpy.float32):
+    def __init__(self, nhwc, pad_channels=None):
         super().__init__()
         r = numpy.random.RandomState(0)
-        w = (r.randn(4, 3, 3, 3) * 0.3).astype(dtype)
+        w = r.randn(4, 3, 3, 3) * 0.3           # in the config's dtype, as Chainer casts it
         with self.init_scope():
             if nhwc:
                 self.conv = TL.Convolution2D(3, 4, 3, pad=1, initialW=w, pad_channels=pad_channels)
             else:
                 self.conv = L.Convolution2D(3, 4, 3, pad=1, initialW=w)
-            self.fc = L.Linear(4 * 5 * 5, 5, initialW=(r.randn(5, 100) * 0.1).astype(dtype))
+            self.fc = L.Linear(4 * 5 * 5, 5, initialW=r.randn(5, 100) * 0.1)
         self.nhwc = nhwc
 
     def forward(self, x, t):
@@ -60,28 +60,26 @@ def train(model, opt, steps):
         opt.update(model, *batch(step))
 
 
-def resumed(tmp_path, write, read, dtype=numpy.float32):
+def resumed(tmp_path, write, read):
     """Two steps in layout/optimizer ``write``, saved, loaded into ``read``, two more steps."""
     (w_layout, w_opt, w_pad), (r_layout, r_opt, r_pad) = write, read
-    with chainer.using_config('dtype', dtype):
-        model = Net(w_layout == 'NHWC', w_pad, dtype)
-        opt = make_optimizer(w_opt, model)
-        train(model, opt, range(2))
-        chainer.serializers.save_npz(str(tmp_path / 'model.npz'), model)
-        chainer.serializers.save_npz(str(tmp_path / 'opt.npz'), opt)
-        model = Net(r_layout == 'NHWC', r_pad, dtype)
-        opt = make_optimizer(r_opt, model)
-        chainer.serializers.load_npz(str(tmp_path / 'model.npz'), model)
-        chainer.serializers.load_npz(str(tmp_path / 'opt.npz'), opt)
-        train(model, opt, range(2, 4))
+    model = Net(w_layout == 'NHWC', w_pad)
+    opt = make_optimizer(w_opt, model)
+    train(model, opt, range(2))
+    chainer.serializers.save_npz(str(tmp_path / 'model.npz'), model)
+    chainer.serializers.save_npz(str(tmp_path / 'opt.npz'), opt)
+    model = Net(r_layout == 'NHWC', r_pad)
+    opt = make_optimizer(r_opt, model)
+    chainer.serializers.load_npz(str(tmp_path / 'model.npz'), model)
+    chainer.serializers.load_npz(str(tmp_path / 'opt.npz'), opt)
+    train(model, opt, range(2, 4))
     return nchw_filter(model), model.fc.W.array.copy()
 
 
-def uninterrupted(kind='chainer_tc', dtype=numpy.float32):
-    with chainer.using_config('dtype', dtype):
-        model = Net(False, dtype=dtype)
-        opt = make_optimizer(kind, model)
-        train(model, opt, range(4))
+def uninterrupted():
+    model = Net(False)
+    opt = make_optimizer('chainer_tc', model)
+    train(model, opt, range(4))
     return nchw_filter(model), model.fc.W.array.copy()
 
 
@@ -183,3 +181,26 @@ def test_before_the_first_update_the_state_waits_in_the_parameters_layout(tmp_pa
         train(other, again, range(2, 4))
         got.append(nchw_filter(other))
     numpy.testing.assert_array_equal(got[0], got[1])
+
+
+def test_chainers_optimizer_file_of_an_nhwc_model_is_read_in_the_parameters_layout():
+    """Chainer's MomentumSGD saves our NHWC filter's momentum as it holds it: where that shape
+    is not Chainer's layout's (in != kh), it is read as it is, and the run goes on as with
+    Chainer's optimizer."""
+    x = numpy.random.RandomState(1).randn(2, 5, 5, 4).astype(numpy.float32)
+    convs = []
+    for _ in range(2):
+        conv = TL.Convolution2D(4, 2, 3)
+        conv.W.array[...] = numpy.random.RandomState(0).randn(*conv.W.shape)
+        opt = chainer.optimizers.MomentumSGD(lr=0.01).setup(conv)
+        opt.update(lambda: F.sum(conv(x) ** 2))
+        convs.append((conv, opt))
+    (a, chainers), (b, _) = convs
+    saved = {}
+    chainer.serializers.DictionarySerializer(saved).save(chainers)
+    assert saved['W/v'].shape == (2, 3, 3, 4)
+    ours = optimizers.MomentumSGD(lr=0.01).setup(b)
+    ours.serialize(chainer.serializers.NpzDeserializer(saved))
+    chainers.update(lambda: F.sum(a(x) ** 2))
+    ours.update(lambda: F.sum(b(x) ** 2))
+    numpy.testing.assert_allclose(b.W.array, a.W.array, rtol=1e-5, atol=1e-6)

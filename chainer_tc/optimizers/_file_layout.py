@@ -87,14 +87,9 @@ class LoadState(serializer_module.Deserializer):
                     'earlier chainer_tc, which saved it in the parameter\'s layout)'.format(
                         what, data.shape, have))
             return data
-        if self.layout == BY_SHAPE and have is not None and data.shape == have \
-                and not self._fits_chainer_layout(data):
-            return data
+        if self.layout == BY_SHAPE and have is not None and data.shape == have:
+            try:                          # Chainer's layout where the shape fits it (a file of
+                return self.link.filter_from_file(data, what)   # Chainer's conv), else as is
+            except ValueError:
+                return data
         return self.link.filter_from_file(data, what)
-
-    def _fits_chainer_layout(self, data):
-        try:
-            self.link.filter_from_file(data)
-        except ValueError:
-            return False
-        return True

@@ -387,7 +387,7 @@ class MomentumSGD(chainer_optimizer.GradientMethod):
             if state is not None and state is not sc.state:   # loaded before the first build
                 sc.state[...] = state
         self._clock.forget()
-        layout = self._file_layout(serializer)
+        layout = self._filter_state_layout(serializer)
         filters = _file_layout.filters_with_file_layout(self.target)
         with variable._AllowArrayAccessWithNonstandardLayout():
             for name, param in _flat.unique_params(self.target.namedparams()):
@@ -402,7 +402,7 @@ class MomentumSGD(chainer_optimizer.GradientMethod):
                 param.update_rule.serialize(inner)
 
     @staticmethod
-    def _file_layout(serializer):
+    def _filter_state_layout(serializer):
         """None when saving (filters' state is written in Chainer's layout, and the file says
         so); when loading, the layout the file holds it in (see ``_file_layout``)."""
         if not isinstance(serializer, chainer.serializer.Deserializer):
