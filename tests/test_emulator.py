@@ -806,7 +806,7 @@ def test_fault_handlers_are_restored_after_each_launch(mod, buggy):
         buggy.get_function('recurse')((1,), (2,), (numpy.zeros(2, numpy.int32),))
     assert sigsegv_state() == before
     with pytest.raises(KernelLaunchError, match=r'INT_MIN / -1\): SIGFPE'):     # the trap itself
-        buggy.get_function('divide')((1,), (1,), (numpy.array([-2 ** 31], numpy.int32),
+        buggy.get_function('divide_trap')((1,), (1,), (numpy.array([-2 ** 31], numpy.int32),
                                                   numpy.array([-1], numpy.int32),
                                                   numpy.zeros(1, numpy.int32)))
     assert sigsegv_state() == before
@@ -941,6 +941,8 @@ import numpy
 from chainer_tc.testing import emulator
 code = """extern "C" __global__ void k(int* out) {
   __shared__ volatile int flag;
+  if (threadIdx.x == 0) flag = 0;       // shared memory starts as the previous block left it
+  __syncthreads();
   if (threadIdx.x == 0) {
     while (flag != 7) __nanosleep(100);
     out[0] = flag;
@@ -1025,3 +1027,68 @@ def test_runtime_works_under_a_fortifying_compiler(tmp_path):
                           cwd=os.path.dirname(os.path.abspath(__file__)), timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert float(proc.stdout.split()[-1]) == float(numpy.arange(1000).sum())
+
+
+def test_a_read_of_shared_memory_no_thread_wrote_is_reported(buggy):
+    """Slots 4-31 of the warp maxima were never written: the 0xff bytes the emulator fills them
+    with are a NaN that fmaxf drops, so the values came out right; a GPU's slots hold what the
+    previous block left there."""
+    x = numpy.arange(2 * 128, dtype=numpy.float32)
+    out = numpy.zeros(2, numpy.float32)
+    with pytest.raises(KernelLaunchError, match=r"kernel 'max_over_unwritten_slots': a read of 4 "
+                                                r"bytes at offset 16 of __shared__ variable 'part' "
+                                                r".* in thread \(4,0,0\) of block \(0,0,0\).* "
+                                                r"reads byte 16, which no thread of this block "
+                                                r"wrote"):
+        buggy.get_function('max_over_unwritten_slots')((2,), (128,), (x, out))
+    out = numpy.zeros(1, numpy.float32)        # a full block of 32 warps writes every slot
+    buggy.get_function('max_over_unwritten_slots')((1,), (1024,), (x.repeat(4), out))
+    assert out[0] == 255
+
+
+def test_threads_at_two_different_barriers_are_reported(buggy):
+    x = numpy.ones(40, numpy.float32)
+    out = numpy.zeros(32, numpy.float32)
+    with pytest.raises(KernelLaunchError, match=r"kernel 'barrier_in_an_uneven_loop': threads of "
+                                                r"one block wait at two different __syncthreads\(\)"
+                                                r": this thread at .*buggy.cu:(\d+), thread "
+                                                r"\(\d+,0,0\) of block \(0,0,0\) at .*buggy.cu:"
+                                                r"(?!\1)\d+"):
+        buggy.get_function('barrier_in_an_uneven_loop')((1,), (32,), (x, out, numpy.int32(40)))
+    x = numpy.ones(64, numpy.float32)                  # two rounds for every thread
+    buggy.get_function('barrier_in_an_uneven_loop')((1,), (32,), (x, out, numpy.int32(64)))
+    assert (out == 64).all()
+
+
+def test_signed_overflow_in_index_arithmetic_is_reported(buggy):
+    x = numpy.ones(32, numpy.float32)
+    out = numpy.zeros(32, numpy.float32)
+    buggy.get_function('offset_in_int')((1,), (32,), (x, out, numpy.int32(256), numpy.int32(64),
+                                                      numpy.int32(112 * 112)))
+    assert (out == 1).all()
+    with pytest.raises(KernelLaunchError, match=r"signed integer overflow: 65472 \* 50176 does not "
+                                                r"fit type 'int' at .*buggy.cu:\d+"):
+        buggy.get_function('offset_in_int')((1,), (32,), (x, out, numpy.int32(1024),
+                                                          numpy.int32(64), numpy.int32(224 * 224)))
+
+
+def test_a_shift_by_the_type_width_is_reported(buggy):
+    out = numpy.zeros(32, numpy.uint32)
+    buggy.get_function('shift_by_width')((1,), (32,), (numpy.arange(32, dtype=numpy.uint32), out))
+    assert (out == 1 << numpy.arange(32, dtype=numpy.uint64)).all()
+    with pytest.raises(KernelLaunchError, match=r"shift exponent 32 is out of range for the 32-bit "
+                                                r"type 'unsigned int'"):
+        buggy.get_function('shift_by_width')((1,), (32,), (numpy.full(32, 32, numpy.uint32), out))
+
+
+@pytest.mark.parametrize('value', [3e9, float('nan'), -3e9])
+def test_a_float_to_int_cast_out_of_range_is_reported(buggy, value):
+    x = numpy.full(32, 7.5, numpy.float32)
+    out = numpy.zeros(32, numpy.int32)
+    buggy.get_function('cast_out_of_range')((1,), (32,), (x, out))
+    assert (out == 7).all()
+    x[5] = value
+    with pytest.raises(KernelLaunchError, match=r"(3e\+09|nan|-3e\+09) is outside the range of "
+                                                r"'int', converted from 'float' .*buggy.cu:\d+ .*"
+                                                r"in thread \(5,0,0\)"):
+        buggy.get_function('cast_out_of_range')((1,), (32,), (x, out))

@@ -240,9 +240,13 @@ def test_integer_division_by_zero_raises(buggy):
         buggy.get_function('divide')((1,), (4,), (a, d, out))
     a[0], d[2] = numpy.iinfo(numpy.int32).min, 3
     d[0] = -1
+    with pytest.raises(KernelLaunchError, match=r"kernel 'divide': integer division overflow "
+                                                r"\(INT_MIN / -1\) of type 'int' at .*buggy.cu:\d+ "
+                                                r"in thread \(0,0,0\)"):
+        buggy.get_function('divide')((1,), (4,), (a, d, out))
     with pytest.raises(KernelLaunchError, match=r'integer division by zero or overflow \(INT_MIN / '
                                                 r'-1\): SIGFPE in thread \(0,0,0\)'):
-        buggy.get_function('divide')((1,), (4,), (a, d, out))
+        buggy.get_function('divide_trap')((1,), (4,), (a, d, out))     # the trap, unchecked
     d[0] = 1
     buggy.get_function('divide')((1,), (4,), (a, d, out))
     assert out[1] == 4
@@ -328,17 +332,24 @@ def test_static_plus_dynamic_shared_memory_limit():
 
 
 def test_static_shared_memory_is_garbage_in_every_block():
-    # a GPU gives a block whatever the shared memory held: the emulator fills it with 0xff bytes
-    # for every block (NaN for floats), not with the previous block's values or zeros
-    code = '''extern "C" __global__ void k(float* out) {
+    # a GPU gives a block whatever the shared memory held: reading bytes no thread of the block
+    # wrote is an error, in every block (the record of what was written starts anew per block,
+    # as the contents do: 0xff bytes, NaN for floats, not the previous block's values or zeros)
+    code = '''extern "C" __global__ void k(float* out, int write_in_block) {
       __shared__ float s[4];
-      if (threadIdx.x == 0) out[blockIdx.x] = s[blockIdx.x % 4];
+      if (threadIdx.x == 0 && blockIdx.x == write_in_block) s[0] = 2.0f;
       __syncthreads();
-      s[threadIdx.x] = 1.0f;
+      if (threadIdx.x == 0) out[blockIdx.x] = s[0];
     }'''
     out = numpy.zeros(3, numpy.float32)
-    emulator.RawModule(code=code).get_function('k')((3,), (4,), (out,))
-    assert numpy.isnan(out).all()
+    k = emulator.RawModule(code=code).get_function('k')
+    with pytest.raises(KernelLaunchError, match=r"offset 0 of __shared__ variable 's' .* in thread "
+                                                r"\(0,0,0\) of block \(1,0,0\) .*which no thread "
+                                                r"of this block wrote"):
+        k((3,), (4,), (out, numpy.int32(0)))
+    with pytest.raises(KernelLaunchError, match=r"block \(0,0,0\) .*which no thread of this "
+                                                r"block wrote"):
+        k((3,), (4,), (out, numpy.int32(2)))
 
 
 def test_compiler_time_limit(monkeypatch):
@@ -739,6 +750,8 @@ def test_atomics_and_volatile_reads_of_a_counter_are_race_free(selftest):
 def test_spin_wait_on_a_volatile_flag_is_race_free():
     code = '''extern "C" __global__ void k(int* out) {
       __shared__ volatile int flag;
+      if (threadIdx.x == 0) flag = 0;     // shared memory starts as the previous block left it
+      __syncthreads();
       if (threadIdx.x == 1) { flag = 7; __threadfence_block(); }
       if (threadIdx.x == 0) {
         while (flag != 7) __nanosleep(100);

@@ -62,7 +62,7 @@ from chainer_tc.testing.access_counts import recording  # NOQA: emulator.recordi
 HERE = os.path.dirname(os.path.abspath(__file__))
 INCLUDE_DIR = os.path.join(HERE, 'include')
 RUNTIME_DIR = os.path.join(HERE, 'runtime')
-_EMULATOR_VERSION = '6'        # part of the cache key: bump when the g++ commands change
+_EMULATOR_VERSION = '7'        # part of the cache key: bump when the g++ commands change
 _ERR_LEN = 2048
 _SCALAR = 2 ** 64 - 1
 _ALIGN = 64            # by-value arguments are copied to addresses aligned to this (__align__(16) ...)
@@ -231,7 +231,8 @@ def _rewrite_shared(code):
     memory, ``#undef``'d where the enclosing block ends. ``__shared__ T a[N], b;`` (static) becomes
     ``auto& a = ::ctemu::shared_ref<T[N], id>("a"); ...`` in a function body, a macro at
     namespace scope: storage per block, filled with 0xff bytes when the block starts (as a GPU
-    gives garbage), bounds-checked and seen by the race detector, so blocks may run interleaved.
+    gives garbage; a read of a byte no thread of the block wrote is an error), bounds-checked and
+    seen by the race detector, so blocks may run interleaved.
     ``#line`` keeps compiler messages on the original line numbers.
     """
     plain = _blank(code, literals=True)
@@ -431,11 +432,15 @@ _RUNTIME_FLAGS = ('-std=c++17', '-O2', '-fPIC', '-fvisibility=hidden', '-fno-str
 # object-size: an access through a pointer past the end of a local or static array (which
 # -fsanitize=bounds sees only when indexed as an array). -ftrivial-auto-var-init=pattern (GCC 12):
 # a local read before it is written holds 0xFE bytes (-1.7e38 as a float), not the zero of a fresh
-# fiber stack that would make an uninitialised accumulator look right.
+# fiber stack that would make an uninitialised accumulator look right. signed-integer-overflow (an
+# NCHW offset in int), shift (a count of the type's width: a GPU clamps, x86 takes it mod 32) and
+# float-cast-overflow (a GPU saturates a float converted to int, x86 does not) are undefined in
+# CUDA C++ as in C++, and the CPU's result is not a GPU's.
 _KERNEL_FLAGS = ('-std=c++17', '-O1', '-fno-tree-sra', '-g1', '-gdwarf-4', '-fPIC', '-fno-strict-aliasing', '-fvisibility=hidden',
                  '-U_FORTIFY_SOURCE', '-fsanitize=thread',
                  '--param=tsan-instrument-func-entry-exit=0', '--param=tsan-distinguish-volatile=1',
                  '-fsanitize=bounds,alignment,integer-divide-by-zero,object-size',
+                 '-fsanitize=signed-integer-overflow,shift,float-cast-overflow',
                  '-fno-sanitize-recover=all', '-ftrivial-auto-var-init=pattern')
 
 

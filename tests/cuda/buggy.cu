@@ -126,6 +126,15 @@ extern "C" __global__ void divide(const int* a, const int* d, int* out) {
   out[threadIdx.x] = a[threadIdx.x] / d[threadIdx.x];
 }
 
+// The same division without the sanitizer's checks: INT_MIN / -1 traps (SIGFPE), which the
+// emulator's fault handler reports.
+__attribute__((no_sanitize("signed-integer-overflow", "integer-divide-by-zero")))
+__device__ __noinline__ int divide_unchecked(int a, int d) { return a / d; }
+
+extern "C" __global__ void divide_trap(const int* a, const int* d, int* out) {
+  out[threadIdx.x] = divide_unchecked(a[threadIdx.x], d[threadIdx.x]);
+}
+
 // A float4 load from x + 1: misaligned (a GPU faults).
 extern "C" __global__ void misaligned_float4(const float* x, float* out) {
   const float4 v = reinterpret_cast<const float4*>(x + 1)[0];
@@ -472,4 +481,51 @@ extern "C" __global__ void local_array_overrun(const float* x, float* out) {
   float v[2];
   load_three(x, v);
   out[threadIdx.x] = v[0] + v[1] + keep;
+}
+
+// A block maximum over warp maxima that reads all 32 slots, of which only blockDim.x / 32 were
+// written: the emulator's 0xff bytes are a NaN that fmaxf drops (the right answer); a GPU's
+// leftover bytes from the previous block are not.
+extern "C" __global__ void max_over_unwritten_slots(const float* x, float* out) {
+  __shared__ float part[32];
+  float v = x[blockIdx.x * blockDim.x + threadIdx.x];
+  for (int d = 16; d; d >>= 1) v = fmaxf(v, __shfl_down_sync(0xffffffffu, v, d));
+  if ((threadIdx.x & 31) == 0) part[threadIdx.x / 32] = v;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    float m = part[threadIdx.x];
+    for (int d = 16; d; d >>= 1) m = fmaxf(m, __shfl_down_sync(0xffffffffu, m, d));
+    if (threadIdx.x == 0) out[blockIdx.x] = m;
+  }
+}
+
+// A barrier inside a loop whose trip count differs between threads, then one after it: in the
+// second round some threads wait inside the loop and others after it.
+extern "C" __global__ void barrier_in_an_uneven_loop(const float* x, float* out, int n) {
+  __shared__ float total;
+  if (threadIdx.x == 0) total = 0.0f;
+  __syncthreads();
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    atomicAdd(&total, x[i]);
+    __syncthreads();
+  }
+  __syncthreads();
+  out[threadIdx.x] = total;
+}
+
+// An NCHW offset computed in int: n * c * hw passes 2^31 for a large tensor.
+extern "C" __global__ void offset_in_int(const float* x, float* out, int n, int c, int hw) {
+  int last = (n - 1) * c * hw;
+  out[threadIdx.x] = x[threadIdx.x] + (float)(last & 1);
+}
+
+// 1u << 32: a GPU's shift clamps (gives 0), x86's takes the count mod 32 (gives 1).
+extern "C" __global__ void shift_by_width(const unsigned* s, unsigned* out) {
+  out[threadIdx.x] = 1u << s[threadIdx.x];
+}
+
+// A float cast to int with no clamp: a GPU saturates 3e9 to 2147483647 and turns NaN into 0;
+// x86 gives -2147483648 for both.
+extern "C" __global__ void cast_out_of_range(const float* x, int* out) {
+  out[threadIdx.x] = (int)x[threadIdx.x];
 }

@@ -306,13 +306,17 @@ static inline unsigned long long ullmax(unsigned long long a, unsigned long long
 
 // ---------------------------------------------------------------------------------------------
 // Synchronisation and warp intrinsics
-static inline void __syncthreads() { ::ctemu::block_barrier(0); }
-static inline int __syncthreads_count(int p) { return ::ctemu::block_barrier(p); }
-static inline int __syncthreads_or(int p) { return ::ctemu::block_barrier(p) != 0; }
-static inline int __syncthreads_and(int p) {
-  int yes = ::ctemu::block_barrier(p);
+// The default arguments are the caller's file and line: threads of a block waiting at two
+// different barriers are reported.
+#define CTEMU_AT const char* ctemu_file_ = __builtin_FILE(), unsigned ctemu_line_ = __builtin_LINE()
+static inline void __syncthreads(CTEMU_AT) { ::ctemu::block_barrier(0, ctemu_file_, ctemu_line_); }
+static inline int __syncthreads_count(int p, CTEMU_AT) { return ::ctemu::block_barrier(p, ctemu_file_, ctemu_line_); }
+static inline int __syncthreads_or(int p, CTEMU_AT) { return ::ctemu::block_barrier(p, ctemu_file_, ctemu_line_) != 0; }
+static inline int __syncthreads_and(int p, CTEMU_AT) {
+  int yes = ::ctemu::block_barrier(p, ctemu_file_, ctemu_line_);
   return yes == ::ctemu::barrier_total();     // every thread that took part, not those left now
 }
+#undef CTEMU_AT
 static inline void __syncwarp(unsigned mask = 0xffffffffu) {
   ::ctemu::warp_collective(::ctemu::kSync, mask, 0, 0);
 }
@@ -451,8 +455,8 @@ template <typename T> struct Code { static const char* get() { return nullptr; }
 namespace ctemu {
 
 // A `__shared__ T name;` becomes `auto& name = ::ctemu::shared_ref<T, ID>("name");`: per
-// block storage the runtime provides (filled with 0xff bytes when the block starts, bounds
-// checked, seen by the race detector). The slot is per module and per instantiation.
+// block storage the runtime provides (filled with 0xff bytes when the block starts, a read of a
+// byte no thread of the block wrote is an error, bounds checked, seen by the race detector). The slot is per module and per instantiation.
 template <typename T, int ID>
 static inline T& shared_ref(const char* name) {
   static int slot = -1;

@@ -75,7 +75,9 @@ int run_launch(const char* name, const LaunchArgs* la, int nparams, const usize*
 [[noreturn]] void fail_here(const char* what);
 void yield_now();                 // fences and __nanosleep: let other threads run
 void fence(int device_scope);     // __threadfence (1) or __threadfence_block (0)
-int block_barrier(int pred);      // __syncthreads*: how many threads that took part passed pred
+// __syncthreads*: how many threads that took part passed pred; file and line of the call (threads
+// at two different barriers are an error)
+int block_barrier(int pred, const char* file, unsigned line);
 int barrier_total();              // threads that took part in the last barrier
 u64 warp_collective(unsigned char op, unsigned mask, u64 value, int src);
 unsigned active_mask();

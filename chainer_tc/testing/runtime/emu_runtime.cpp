@@ -189,6 +189,7 @@ struct Region {
   Cell* shadow;            // race detector: one cell per byte of `span`
   size_t shadow_len;
   ReadSets* read_sets;      // race detector: the read sets its cells point to
+  unsigned char* written;  // shared memory: 1 per byte some thread of the block wrote
   u64 count[kCounts];      // accesses counted (emulator.recording): see count_access
 };
 
@@ -203,6 +204,8 @@ struct Block {
   unsigned live;
   unsigned bar_arrived, bar_gen;
   int bar_acc, bar_count, bar_total;
+  const char* bar_file;            // where the first thread of this barrier called it
+  unsigned bar_line, bar_tid;
   Warp warps[kMaxWarps];
   int dyn;                         // region of dynamic shared memory, or -1
   std::vector<int> svar;           // region per static __shared__ variable, or -1
@@ -407,6 +410,7 @@ void reserve_arena(size_t regions, size_t largest) {
 void release_arena() {
   for (Region& r : rt.regions) {
     if (r.shadow) munmap(r.shadow, r.shadow_len);
+    free(r.written);
     if (r.read_sets)
       for (ReadSet* x : r.read_sets->all) delete x;
     delete r.read_sets;
@@ -464,6 +468,10 @@ int new_region(size_t nbytes, size_t itemsize, int kind, int index, int slot, si
   r.slot = slot;
   fill_slack(r);
   if (rt.race) alloc_shadow(r);
+  if (kind == kShared || kind == kDyn) {
+    r.written = (unsigned char*)calloc(nbytes ? nbytes : 1, 1);
+    if (!r.written) fail("emulator: cannot allocate %zu bytes for shared memory's written map", nbytes);
+  }
   rt.regions.push_back(r);
   return (int)rt.regions.size() - 1;
 }
@@ -918,11 +926,37 @@ void report_counts(const LaunchArgs* la) {
     if (r.kind == kShared || r.kind == kDyn) add(out + (size_t)(la->nargs + la->ntargets) * kCounts, r);
 }
 
+// A read of shared memory that no thread of the block wrote: on a GPU it holds what the SM's
+// previous block left there (here 0xff bytes, which a max or min can hide). Reported even where
+// the value is then discarded: read under the condition that makes it valid instead.
+__attribute__((noinline)) void unwritten_shared(const Region& r, char* a, size_t n, int flags, uint64_t pc) {
+  char w[128], tag[48], what[160];
+  where(w, sizeof w);
+  pc_tag(tag, sizeof tag, pc);
+  describe_region(what, sizeof what, r);
+  size_t off = (size_t)(a - r.data), k = 0;
+  while (k < n && r.written[off + k]) ++k;
+  fail("kernel '%s': %s of %zu bytes at offset %zu of %s in %s%s reads byte %zu, which no thread "
+       "of this block wrote (shared memory starts with whatever the previous block left there; "
+       "a write by another thread with no __syncthreads() before this read does not count)",
+       rt.kernel_name, flags & kAtomic ? "an atomic access" : "a read", n, off, what, w, tag, off + k);
+}
+
+inline void track_shared_write(const Region& r, char* a, size_t n, int flags, uint64_t pc) {
+  unsigned char* m = r.written + (a - r.data);
+  if (!(flags & kWrite) || (flags & kAtomic)) {          // reads, and atomics (they read first)
+    for (size_t k = 0; k < n; ++k)
+      if (!m[k]) unwritten_shared(r, a, n, flags, pc);
+  }
+  if (flags & kWrite) memset(m, 1, n);
+}
+
 __attribute__((noinline)) void checked_access(char* a, size_t n, int flags, uint64_t pc) {
   int id = region_at(a);
   if (id < 0) out_of_bounds(a, n, flags, pc, "SIGSEGV");
   Region& r = rt.regions[id];
   if (a < r.data || a + n > r.data + r.nbytes) out_of_bounds(a, n, flags, pc, "SIGSEGV");
+  if (r.written && rt.running) track_shared_write(r, a, n, flags, pc);
   if (rt.counting) count_access(r, n, flags);
   if (rt.race && rt.running) race_access(r, a, n, flags, pc);
 }
@@ -1146,12 +1180,14 @@ void fill_shared(Block& b) {
   if (b.dyn >= 0) {
     Region& r = rt.regions[b.dyn];
     memset(r.data, kUninit, r.nbytes);
+    memset(r.written, 0, r.nbytes);
     reset_shadow(r);
   }
   for (int id : b.svar) {
     if (id < 0) continue;
     Region& r = rt.regions[id];
     memset(r.data, kUninit, r.nbytes);
+    memset(r.written, 0, r.nbytes);
     reset_shadow(r);
   }
 }
@@ -1596,9 +1632,28 @@ void atomic_access(void* p, usize size) {
   }
 }
 
-int block_barrier(int pred) {
+// Threads of one block at two different __syncthreads() (by source line): the condition around a
+// barrier differed between them, which CUDA leaves undefined (a GPU may let them pass each other
+// or hang); here the barrier would simply have matched them up.
+[[noreturn]] void divergent_barrier(const Block* b, const char* file, unsigned line) {
+  char first[128], msg[768];
+  thread_of(first, sizeof first, b->seq, b->bar_tid);
+  snprintf(msg, sizeof msg, "threads of one block wait at two different __syncthreads(): this "
+           "thread at %s:%u, %s at %s:%u (a barrier in divergent code: every thread of the block "
+           "must reach the same one, or none)", file, line, first, b->bar_file, b->bar_line);
+  fail_here(msg);
+}
+
+int block_barrier(int pred, const char* file, unsigned line) {
   Fiber* f = rt.running;
   Block* b = f->blk;
+  if (!b->bar_arrived) {
+    b->bar_file = file;
+    b->bar_line = line;
+    b->bar_tid = f->linear;
+  } else if (line != b->bar_line || (file != b->bar_file && strcmp(file, b->bar_file) != 0)) {
+    divergent_barrier(b, file, line);
+  }
   b->bar_acc += pred ? 1 : 0;
   if (++b->bar_arrived >= b->live) {
     release_block_barrier(b);
@@ -1890,13 +1945,18 @@ CTEMU_TSAN_ATOMIC(64, unsigned long long)
 CTEMU_EXPORT void __tsan_atomic_thread_fence(int) { ctemu::fence(1); }
 CTEMU_EXPORT void __tsan_atomic_signal_fence(int) {}
 
-// ---- UndefinedBehaviorSanitizer callbacks (bounds, alignment, integer division by zero) ---------
+// ---- UndefinedBehaviorSanitizer callbacks ---------------------------------------------------------
+// bounds, alignment, object size, integer division by zero, signed overflow, shifts, float to
+// integer conversions out of range.
 namespace {
 struct SourceLocation { const char* file; uint32_t line, column; };
 struct TypeDescriptor { uint16_t kind, info; char name[1]; };
 struct OutOfBoundsData { SourceLocation loc; const TypeDescriptor* array; const TypeDescriptor* index; };
 struct OverflowData { SourceLocation loc; const TypeDescriptor* type; };
 struct TypeMismatchData { SourceLocation loc; const TypeDescriptor* type; unsigned char log_alignment, kind; };
+struct ShiftData { SourceLocation loc; const TypeDescriptor* lhs; const TypeDescriptor* rhs; };
+struct FloatCastData { SourceLocation loc; const TypeDescriptor* from; const TypeDescriptor* to; };
+enum { kTypeInteger = 0, kTypeFloat = 1 };
 
 // An integer value as UBSan passes it (inline when it fits a pointer).
 void int_value(char* buf, size_t n, const TypeDescriptor* t, uintptr_t v) {
@@ -1909,6 +1969,59 @@ void int_value(char* buf, size_t n, const TypeDescriptor* t, uintptr_t v) {
   } else {
     snprintf(buf, n, "%llu", bits >= 64 ? (unsigned long long)v : (unsigned long long)(v & ((1ull << bits) - 1)));
   }
+}
+
+// A floating-point value as UBSan passes it: inline when it fits a pointer (info: its bit width).
+double float_value(const TypeDescriptor* t, uintptr_t v) {
+  if (t->info == 32) { float f; uint32_t b = (uint32_t)v; memcpy(&f, &b, 4); return f; }
+  if (t->info == 64) { double d; memcpy(&d, &v, 8); return d; }
+  if (t->info == 16) {                                   // _Float16, never in kernel code here
+    return 0.0;
+  }
+  return (double)*(const long double*)v;
+}
+
+[[noreturn]] void ubsan_overflow(OverflowData* d, const char* op, uintptr_t l, uintptr_t r) {
+  char a[32], b[32], msg[384];
+  int_value(a, sizeof a, d->type, l);
+  int_value(b, sizeof b, d->type, r);
+  snprintf(msg, sizeof msg, "signed integer overflow: %s %s %s does not fit type %s at %s:%u (a "
+           "GPU's compiler may assume it cannot happen: widen the index to 64 bits or use unsigned)",
+           a, op, b, d->type->name, d->loc.file, d->loc.line);
+  ctemu::fail_here(msg);
+}
+
+[[noreturn]] void ubsan_negate(OverflowData* d, uintptr_t v) {
+  char a[32], msg[256];
+  int_value(a, sizeof a, d->type, v);
+  snprintf(msg, sizeof msg, "signed integer overflow: -(%s) does not fit type %s at %s:%u", a,
+           d->type->name, d->loc.file, d->loc.line);
+  ctemu::fail_here(msg);
+}
+
+[[noreturn]] void ubsan_shift(ShiftData* d, uintptr_t l, uintptr_t r) {
+  char a[32], b[32], msg[384];
+  int_value(a, sizeof a, d->lhs, l);
+  int_value(b, sizeof b, d->rhs, r);
+  unsigned bits = 1u << (d->lhs->info >> 1);
+  bool rhs_signed = d->rhs->info & 1;
+  if ((rhs_signed && b[0] == '-') || strtoull(b, nullptr, 10) >= bits)
+    snprintf(msg, sizeof msg, "shift exponent %s is out of range for the %u-bit type %s at %s:%u "
+             "(a GPU clamps the shift; C++ leaves it undefined)", b, bits, d->lhs->name,
+             d->loc.file, d->loc.line);
+  else
+    snprintf(msg, sizeof msg, "left shift of %s by %s places does not fit type %s at %s:%u", a, b,
+             d->lhs->name, d->loc.file, d->loc.line);
+  ctemu::fail_here(msg);
+}
+
+[[noreturn]] void ubsan_float_cast(FloatCastData* d, uintptr_t v) {
+  char msg[384];
+  double x = d->from->kind == kTypeFloat ? float_value(d->from, v) : 0.0;
+  snprintf(msg, sizeof msg, "%g is outside the range of %s, converted from %s at %s:%u (a GPU "
+           "saturates and turns NaN into 0, a CPU does not: clamp first, or use __float2int_rz "
+           "and its kin)", x, d->to->name, d->from->name, d->loc.file, d->loc.line);
+  ctemu::fail_here(msg);
 }
 
 [[noreturn]] void ubsan_out_of_bounds(OutOfBoundsData* d, uintptr_t index) {
@@ -1955,5 +2068,17 @@ CTEMU_EXPORT void __ubsan_handle_out_of_bounds(OutOfBoundsData* d, uintptr_t i) 
 CTEMU_EXPORT void __ubsan_handle_out_of_bounds_abort(OutOfBoundsData* d, uintptr_t i) { ubsan_out_of_bounds(d, i); }
 CTEMU_EXPORT void __ubsan_handle_divrem_overflow(OverflowData* d, uintptr_t l, uintptr_t r) { ubsan_divrem(d, l, r); }
 CTEMU_EXPORT void __ubsan_handle_divrem_overflow_abort(OverflowData* d, uintptr_t l, uintptr_t r) { ubsan_divrem(d, l, r); }
+CTEMU_EXPORT void __ubsan_handle_add_overflow(OverflowData* d, uintptr_t l, uintptr_t r) { ubsan_overflow(d, "+", l, r); }
+CTEMU_EXPORT void __ubsan_handle_add_overflow_abort(OverflowData* d, uintptr_t l, uintptr_t r) { ubsan_overflow(d, "+", l, r); }
+CTEMU_EXPORT void __ubsan_handle_sub_overflow(OverflowData* d, uintptr_t l, uintptr_t r) { ubsan_overflow(d, "-", l, r); }
+CTEMU_EXPORT void __ubsan_handle_sub_overflow_abort(OverflowData* d, uintptr_t l, uintptr_t r) { ubsan_overflow(d, "-", l, r); }
+CTEMU_EXPORT void __ubsan_handle_mul_overflow(OverflowData* d, uintptr_t l, uintptr_t r) { ubsan_overflow(d, "*", l, r); }
+CTEMU_EXPORT void __ubsan_handle_mul_overflow_abort(OverflowData* d, uintptr_t l, uintptr_t r) { ubsan_overflow(d, "*", l, r); }
+CTEMU_EXPORT void __ubsan_handle_negate_overflow(OverflowData* d, uintptr_t v) { ubsan_negate(d, v); }
+CTEMU_EXPORT void __ubsan_handle_negate_overflow_abort(OverflowData* d, uintptr_t v) { ubsan_negate(d, v); }
+CTEMU_EXPORT void __ubsan_handle_shift_out_of_bounds(ShiftData* d, uintptr_t l, uintptr_t r) { ubsan_shift(d, l, r); }
+CTEMU_EXPORT void __ubsan_handle_shift_out_of_bounds_abort(ShiftData* d, uintptr_t l, uintptr_t r) { ubsan_shift(d, l, r); }
+CTEMU_EXPORT void __ubsan_handle_float_cast_overflow(FloatCastData* d, uintptr_t v) { ubsan_float_cast(d, v); }
+CTEMU_EXPORT void __ubsan_handle_float_cast_overflow_abort(FloatCastData* d, uintptr_t v) { ubsan_float_cast(d, v); }
 CTEMU_EXPORT void __ubsan_handle_type_mismatch_v1(TypeMismatchData* d, uintptr_t p) { ubsan_mismatch(d, p); }
 CTEMU_EXPORT void __ubsan_handle_type_mismatch_v1_abort(TypeMismatchData* d, uintptr_t p) { ubsan_mismatch(d, p); }
