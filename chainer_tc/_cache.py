@@ -37,6 +37,10 @@ _DIGEST = 32
 
 _lock = threading.Lock()
 _unusable = {}          # cache root -> why it is not used (this process no longer tries it)
+_unwritable = {}        # cache root -> why this process no longer writes to it (it still reads)
+# write errors after which a cache's entries are still worth reading: a read-only directory or
+# file system, a full disk or quota
+_STILL_READ = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT}
 _private = []           # [the private temporary root] once made
 _warned = set()
 
@@ -121,21 +125,24 @@ def _why(e):
     return '{}: {}'.format(type(e).__name__, e)
 
 
-def _give_up(root, error):
-    """``root`` is not used again by this process; one warning says why."""
+def _give_up(root, error, reads_too=True):
+    """``root`` is not used again by this process (``reads_too=False``: not written to again,
+    its entries still read: a read-only or full cache); one warning says why."""
     why = _why(error)
     with _lock:
-        _unusable[root] = why
+        (_unusable if reads_too else _unwritable)[root] = why
     if _private and root == _private[0]:
         _warn_once(('private', root), 'chainer_tc: the private temporary compile cache {} failed '
                    'too ({}): compiled kernels are not cached at all (slower, not wrong)'
                    .format(root, why))
         return
     _warn_once(('root', root), (
-        'chainer_tc: the compile cache {} cannot be used ({}); compiled kernels are kept in a '
+        'chainer_tc: the compile cache {} cannot be {} ({}); {}compiled kernels are kept in a '
         'private temporary directory for this process instead, so every new process rebuilds '
         'them (slower, not wrong). To cache them again, make {} a writable directory of your own '
-        '(mode 700) or set CHAINER_TC_CACHE_DIR to one.').format(root, why, root))
+        '(mode 700) or set CHAINER_TC_CACHE_DIR to one.').format(
+            root, 'used' if reads_too else 'written', why,
+            '' if reads_too else 'the kernels it holds are still read; newly ', root))
 
 
 def _private_root():
@@ -158,12 +165,13 @@ def _private_root():
     return None
 
 
-def _roots():
-    """Where to look and write, in order: the configured root unless given up, then the private
-    one once it exists (``load``) or is needed (``store``)."""
+def _roots(writing=False):
+    """Where to look (or write), in order: the configured root unless given up (for writing:
+    or no longer written), then the private one once it exists (``load``) or is needed
+    (``store``)."""
     root = configured_dir()
     with _lock:
-        usable = root not in _unusable
+        usable = root not in _unusable and not (writing and root in _unwritable)
         private = _private[0] if _private and _private[0] not in _unusable else None
     return ([root] if usable else []), private
 
@@ -246,7 +254,7 @@ def store(kind, key, payload):
     cannot be written, in the process's private temporary one (one ``CacheWarning`` says why).
     Never raises for the state of the cache."""
     _check_key(kind, key)
-    primary, _ = _roots()
+    primary, _ = _roots(writing=True)
     for root in primary + [None]:
         if root is None:
             root = _private_root()
@@ -255,8 +263,10 @@ def store(kind, key, payload):
         try:
             _write_entry(root, kind, key, payload)
             return
-        except (CacheDirError, OSError) as e:
+        except CacheDirError as e:          # not safe: neither read nor written again
             _give_up(root, e)
+        except OSError as e:                # read-only, full: what it holds is still read
+            _give_up(root, e, reads_too=root in _private or e.errno not in _STILL_READ)
 
 
 def _write_entry(root, kind, key, payload):

@@ -48,13 +48,18 @@ def check_chainer():
 def check_nvrtc():
     from cupy_backends.cuda.libs import nvrtc
 
+    from chainer_tc import _cubin
     from chainer_tc import kernels
     from chainer_tc import nvrtc_check
     major, minor = nvrtc.getVersion()
     if major != 12:
         raise CheckFailed('NVRTC %d.%d, need 12.x' % (major, minor))
-    # a real project kernel, for the oldest architecture we support
-    cubin, log = nvrtc_check.compile_source(kernels.source('layout'), 'kernels/layout.cu', 'sm_70')
+    # a real project kernel, for the oldest architecture we support, compiled now (not read
+    # from the compile cache: an install whose NVRTC loads but cannot compile, e.g. without
+    # libnvrtc-builtins, must fail here)
+    program = _cubin.compile_program(kernels.source('layout'), 'kernels/layout.cu',
+                                     nvrtc_check.compile_options('sm_70'))
+    cubin, log = program.binary, program.log
     if 'batched_transpose_f32_f16' not in nvrtc_check.parse_ptxas_log(log):
         raise CheckFailed('NVRTC compiled kernels/layout.cu without its kernels')
     return 'NVRTC %d.%d compiled kernels/layout.cu for sm_70 (%d-byte cubin)' % (

@@ -22,6 +22,7 @@ compiles, cache hits, modules loaded, functions looked up): after warm-up it sta
 """
 import collections
 import contextlib
+import numbers
 import os
 import re
 import threading
@@ -84,7 +85,11 @@ def source_path(family):
     return path
 
 
-_INCLUDE_RE = re.compile(r'^[ \t]*#[ \t]*include[ \t]+"([^"]+)"[ \t]*$', re.M)
+# an #include "x.cuh" line, a comment after it allowed; one this does not take is refused (it
+# would reach NVRTC, which has no -I for kernels/, and stay out of the cache keys)
+_INCLUDE_RE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"[ \t]*(?://[^\n]*|/\*.*?\*/[ \t]*)?$',
+                         re.M)
+_ANY_INCLUDE_RE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"[^\n]*$', re.M)
 
 
 def source(family):
@@ -99,6 +104,13 @@ def source(family):
 
 def _inline(text, name, seen):
     shown = _shown(name).replace('\\', '/').replace('"', '').replace('\n', ' ')
+    taken = {m.start() for m in _INCLUDE_RE.finditer(text)}
+    for m in _ANY_INCLUDE_RE.finditer(text):
+        if m.start() not in taken:
+            raise ValueError('{} line {}: {!r} is not an include this loader can inline (#include '
+                             '"header.cuh", optionally followed by a comment)'.format(
+                                 _shown(name), text.count('\n', 0, m.start()) + 1,
+                                 m.group(0).strip()))
     out, pos = ['#line 1 "{}"\n'.format(shown)], 0
     for m in _INCLUDE_RE.finditer(text):
         header = m.group(1)
@@ -150,8 +162,14 @@ def _define_options(defines):
     if not defines:
         return ()
     hit = _options.get(id(defines))
-    if hit is not None and hit[0] is defines and hit[1] == defines:
+    if hit is not None and hit[0] is defines and hit[1] == defines and \
+            all(type(v) is type(hit[1][k]) for k, v in defines.items()):    # 32 == 32.0 == True
         return hit[2]
+    for k, v in defines.items():
+        if not isinstance(k, str) or not k.isidentifier() or isinstance(v, bool) or \
+                not isinstance(v, (numbers.Integral, str)):
+            raise TypeError('defines must map macro names to ints or strings; got {!r}: {!r} '
+                            '(-D{}={} would not be what the kernel expects)'.format(k, v, k, v))
     options = tuple('-D{}={}'.format(k, v) for k, v in sorted(defines.items()))
     if len(_options) >= 64:        # callers' throwaway dicts must not pile up
         _options.clear()
@@ -216,6 +234,9 @@ def get_function(family, name, xp, defines=None, name_expressions=()):
     name expressions, backend, device): asking again costs a dictionary lookup.
     """
     options = _define_options(defines)
+    if isinstance(name_expressions, str):
+        raise TypeError('name_expressions must be a list of strings (template instantiations '
+                        'such as "k<float>"), not the string {!r}'.format(name_expressions))
     name_expressions = tuple(name_expressions)
     path = backend(xp)
     device = xp.cuda.runtime.getDevice() if path == 'cuda' else None

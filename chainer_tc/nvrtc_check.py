@@ -38,14 +38,23 @@ _USED = re.compile(r"Used (\d+) registers")
 _SMEM = re.compile(r"(\d+) bytes smem")
 
 
+def compile_options(arch, options=()):
+    """NVRTC's options for the check: ``arch``, ptxas's report, CuPy's ``-ftz=true``, the CUDA
+    headers' directories, then ``options``."""
+    return ('--gpu-architecture=' + arch, '--ptxas-options=-v', '--std=c++17', '-ftz=true') + \
+        tuple('-I' + d for d in kernels.cuda_include_dirs()) + tuple(options)
+
+
 def compile_source(code, name, arch, options=()):
     """NVRTC-compile ``code`` for ``arch``; returns (cubin bytes, ptxas log). Cached. With
     ``-ftz=true``, which CuPy adds to every RawModule (``_cubin.compile_options``): the code
     checked is the code loaded (flushing subnormals changes instruction selection)."""
-    opts = ('--gpu-architecture=' + arch, '--ptxas-options=-v', '--std=c++17', '-ftz=true') + \
-        tuple('-I' + d for d in kernels.cuda_include_dirs()) + tuple(options)
-    version = '{}.{}'.format(*_cubin.nvrtc_version())
-    key = _cache.key_of('nvrtc-2', version, '\0'.join(opts), code)   # 2: whole cubins
+    opts = compile_options(arch, options)
+    # NVRTC's identity (a patch release or another build of one minor version compiles
+    # differently) and the headers of the -I directories (an upgraded cuda_fp16.h), as the
+    # loader's cubin cache keys (_cubin.cache_key)
+    key = _cache.key_of('nvrtc-3', _cubin.nvrtc_identity(), _cubin.include_fingerprint(opts),
+                        '\0'.join(opts), code)
     hit = _cache.load('nvrtc', key)
     if hit is not None:
         entry = json.loads(hit.decode())

@@ -145,21 +145,42 @@ def test_gradient_check_float64(path, with_z, train):
     gradient_check.check_backward(f, inputs, gy, eps=1e-6, atol=1e-7, rtol=1e-6)
 
 
-def test_gradient_check_float32(path):
-    """float32 finite differences with eps 1e-2 carry ~1e-4 relative error from rounding of
-    sums over 48 elements; atol/rtol 1e-2 as Chainer's own float32 BN tests."""
-    x, gamma, beta, z = data((2, 2, 3, 4), numpy.float32, numpy.float32, seed=7)
-    z += 4.0
+@pytest.mark.parametrize('with_z', [True, False])
+@pytest.mark.parametrize('train', [True, False])
+def test_gradient_check_float32(path, with_z, train):
+    """float32 analytic gradients against float64 central differences (``dtype=float64``: the
+    finite differences are taken in float64, so their own error is the truncation, about
+    eps**2 = 1e-6 relative). The analytic side rounds in float32 (2**-24 relative) through
+    sums of 12 rows per channel whose terms are up to |gy| * |xhat| ~ 10 where the result may
+    cancel to near zero: at most ~1e-5 absolute. atol 1e-4 and rtol 1e-3 cover both with room;
+    a gradient off by 1% fails."""
+    x, gamma, beta, z = data((2, 2, 3, 4), numpy.float32, numpy.float32, seed=7, with_z=with_z)
+    if with_z:
+        z += 4.0            # keep BN(x) + z away from the ReLU kink: finite differences
     gy = numpy.random.RandomState(8).randn(*x.shape).astype(numpy.float32)
-    gradient_check.check_backward(
-        lambda x, g, b, z: TF.batch_normalization_add_relu(x, z, g, b), (x, gamma, beta, z), gy,
-        eps=1e-2, atol=1e-2, rtol=1e-2, dtype=numpy.float64)
+    mean = numpy.full(4, 0.3, numpy.float32)
+    var = numpy.full(4, 1.7, numpy.float32)
+
+    def f(x, gamma, beta, *z):
+        zz = z[0] if z else None
+        m, v = mean.astype(x.dtype), var.astype(x.dtype)
+        if train:
+            return TF.batch_normalization_add_relu(x, zz, gamma, beta) if with_z else \
+                TF.batch_normalization(x, gamma, beta)
+        return TF.fixed_batch_normalization_add_relu(x, zz, gamma, beta, m, v) if with_z \
+            else TF.fixed_batch_normalization(x, gamma, beta, m, v)
+    inputs = (x, gamma, beta) + ((z,) if with_z else ())
+    gradient_check.check_backward(f, inputs, gy, eps=1e-3, atol=1e-4, rtol=1e-3,
+                                  dtype=numpy.float64)
 
 
 @pytest.mark.parametrize('pdtype', [numpy.float16, numpy.float32])
 def test_float16_gradients_follow_float64(path, pdtype):
-    """float16 data: the analytic gradients equal the float64 ones up to float16 rounding of the
-    inputs and outputs (11 bits, |values| < 8: atol 2e-2) since the kernels accumulate in fp32."""
+    """float16 data: the analytic gradients equal the float64 ones on the same (float16-exact)
+    inputs up to the rounding of each result to float16 (2**-11 relative: rtol 1e-3) and the
+    float32 accumulation of 96 rows per channel (~1e-6 of the largest term: atol 1e-4 of the
+    gradient's scale, which also covers float16's subnormal spacing). z + 4 keeps every output
+    far from the ReLU kink, so the masks agree. A gradient off by 0.3% fails."""
     x, gamma, beta, z = data((2, 3, 4, 8), numpy.float16, pdtype, seed=9)
     z += numpy.float16(4)
     gy = numpy.random.RandomState(10).randn(*x.shape).astype(numpy.float16)
@@ -173,7 +194,7 @@ def test_float16_gradients_follow_float64(path, pdtype):
         grads.append([v.grad.astype(numpy.float64) for v in vs])
     for name, a, b in zip(('x', 'gamma', 'beta', 'z'), *grads):
         scale = max(1.0, numpy.abs(b).max())
-        numpy.testing.assert_allclose(a, b, atol=2e-2 * scale, rtol=2e-2, err_msg=name)
+        numpy.testing.assert_allclose(a, b, atol=1e-4 * scale, rtol=1e-3, err_msg=name)
 
 
 # ---- the emulated kernels against the NumPy path, awkward shapes ---------------------------------
@@ -210,6 +231,76 @@ def test_emulated_kernels_equal_numpy_path(monkeypatch, rows, C, dtype, pdtype):
         scale = max(1.0, float(numpy.abs(b.astype('f8')).max()))
         numpy.testing.assert_allclose(a.astype('f8'), b.astype('f8'), atol=t['atol'] * scale * 4,
                                       rtol=t['rtol'] * 4, err_msg=name)
+
+
+def test_fixed_statistics_are_checked(path):
+    """fixed_batch_normalization's mean and var: arrays of shape (C,), floating, in x's dtype or
+    its accumulation dtype. A missing one used to mean batch statistics (silently), a (1,) mean
+    broadcast on NumPy and read past its end in the kernels, an integer mean was accepted."""
+    x, gamma, beta, _ = data((3, 2, 2, 16), numpy.float32, numpy.float32)
+    good = numpy.zeros(16, numpy.float32), numpy.ones(16, numpy.float32)
+    for mean, var, error, message in [
+            (None, good[1], TypeError, r'^mean must be an array of shape \(C,\)'),
+            (good[0], None, TypeError, r'^var must be an array of shape \(C,\)'),
+            (None, None, TypeError, r'^mean must be an array'),
+            (numpy.zeros(1, numpy.float32), good[1], ValueError,
+             r'^mean must have shape \(16,\), one value per channel of x; got \(1,\)'),
+            (good[0], numpy.float32(1), ValueError, r'^var must have shape \(16,\)'),
+            (numpy.zeros(16, numpy.int32), good[1], TypeError,
+             r'^mean must be a floating-point array of shape \(16,\); got dtype int32'),
+            (good[0], numpy.ones(16, numpy.float64), TypeError,
+             r'^var is float64 but x is float32: the statistics must be float32')]:
+        with pytest.raises(error, match=message):
+            TF.fixed_batch_normalization(x, gamma, beta, mean, var)
+        with pytest.raises(error, match=message):
+            TF.fixed_batch_normalization_add_relu(x, None, gamma, beta, mean, var)
+    x16 = x.astype(numpy.float16)          # float32 statistics for float16 data, or float16
+    for m, v in (good, (good[0].astype(numpy.float16), good[1].astype(numpy.float16))):
+        y = TF.fixed_batch_normalization(x16, gamma, beta, m, v)
+        assert y.dtype == numpy.float16
+
+
+def test_argument_names_in_type_errors(path):
+    x, gamma, beta, z = data((2, 3, 3, 4), numpy.float32, numpy.float32)
+    with pytest.raises(chainer.utils.type_check.InvalidType, match=r'z\.shape == x\.shape'):
+        TF.batch_normalization_add_relu(x, z[:1], gamma, beta)
+    with pytest.raises(chainer.utils.type_check.InvalidType, match=r'gamma\.shape\[0\]'):
+        TF.batch_normalization(x, gamma[:3], beta[:3])
+
+
+@pytest.mark.parametrize('fixed', [False, True])
+def test_strided_parameters_and_statistics(path, fixed):
+    """gamma, beta and the running statistics as strided views into bigger buffers (a flat
+    parameter store): the kernels and cuDNN take raw pointers, so they are given contiguous
+    copies, and the updated running statistics are written back into the views. The results
+    equal those of contiguous arrays, and the buffers' other elements are untouched."""
+    x, gamma, beta, z = data((3, 2, 2, 6), numpy.float32, numpy.float32, seed=3)
+    gy = numpy.random.RandomState(4).randn(*x.shape).astype(numpy.float32)
+    params = numpy.full(24, 7.0, numpy.float32)
+    params[0::4], params[1::4] = gamma, beta
+    stats = numpy.full(24, 5.0, numpy.float32)
+    stats[0::4], stats[1::4] = 0.25, 2.0
+    runs = []
+    for strided in (True, False):
+        g, b = (params[0::4], params[1::4]) if strided else (gamma.copy(), beta.copy())
+        rm, rv = (stats[0::4], stats[1::4]) if strided else (numpy.full(6, 0.25, 'f'),
+                                                              numpy.full(6, 2.0, 'f'))
+        vs = [chainer.Variable(a) for a in (x, g, b, z)]
+        if fixed:
+            y = TF.fixed_batch_normalization_add_relu(vs[0], vs[3], vs[1], vs[2], rm, rv)
+        else:
+            y = TF.batch_normalization_add_relu(vs[0], vs[3], vs[1], vs[2], running_mean=rm,
+                                                running_var=rv)
+        y.grad = gy
+        y.backward()
+        runs.append([y.array, rm.copy(), rv.copy()] + [v.grad for v in vs])
+    for name, a, b in zip(('y', 'running_mean', 'running_var', 'gx', 'ggamma', 'gbeta', 'gz'),
+                          *runs):
+        numpy.testing.assert_array_equal(a, b, err_msg=name)
+    if not fixed:
+        assert (stats[0::4] != 0.25).all() and (stats[1::4] != 2.0).all(), 'not written back'
+    assert (stats[2::4] == 5).all() and (stats[3::4] == 5).all()
+    assert (params[2::4] == 7).all() and (params[3::4] == 7).all()
 
 
 def test_fixed_mode_launches(monkeypatch):

@@ -6,6 +6,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import warnings
 
 import numpy
 import pytest
@@ -106,6 +107,7 @@ def test_emulator_uses_the_cache_and_rebuilds_a_planted_module(cache):
 def fresh(monkeypatch):
     """Forget what this process learnt about unusable caches (each test starts clean)."""
     monkeypatch.setattr(_cache, '_unusable', {})
+    monkeypatch.setattr(_cache, '_unwritable', {})
     monkeypatch.setattr(_cache, '_private', [])
     monkeypatch.setattr(_cache, '_warned', set())
 
@@ -146,6 +148,31 @@ def test_read_only_cache_or_home(cache, fresh, monkeypatch, err):
         assert _store_and_load('unit', 'aa', b'second') == b'second'
     assert len(w) == 1, 'warned once'
     assert errno.errorcode[err] in str(w[0].message) and str(cache) in str(w[0].message)
+
+
+@pytest.mark.parametrize('err', [errno.EACCES, errno.EROFS, errno.ENOSPC])
+def test_a_cache_that_cannot_be_written_is_still_read(cache, fresh, monkeypatch, err):
+    """A pre-filled read-only cache (a container image's), or a full disk: the first miss
+    cannot be stored, and every later load must still find what the cache holds (it used to
+    stop reading it, so every family was rebuilt). New entries go to the private directory."""
+    _cache.store('unit', 'ab', b'kept')
+    real = tempfile.mkstemp
+
+    def mkstemp(*args, dir=None, **kwargs):
+        if str(dir).startswith(str(cache)):
+            raise OSError(err, os.strerror(err), str(dir))
+        return real(*args, dir=dir, **kwargs)
+    monkeypatch.setattr(tempfile, 'mkstemp', mkstemp)
+    with pytest.warns(_cache.CacheWarning, match=r'cannot be written .*the kernels it holds are '
+                                                 r'still read'):
+        _cache.store('unit', 'cd', b'new')
+    assert _cache.load('unit', 'ab') == b'kept'
+    assert _cache.load('unit', 'cd') == b'new'              # from the private directory
+    assert not (cache / 'unit' / 'cd').exists()
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        _cache.store('unit', 'ef', b'later')                  # no retry, no second warning
+    assert _cache.load('unit', 'ab') == b'kept' and _cache.load('unit', 'ef') == b'later'
 
 
 @pytest.mark.skipif(os.getuid() == 0, reason='root writes to read-only directories')

@@ -381,6 +381,26 @@ def test_bn_forward_passes_what_cupy_passes(routed, param_dtype):
 
 
 @needs_cudnn
+def test_bn_forward_casts_each_vector_on_its_own(routed):
+    """F.batch_normalization without running statistics: Chainer makes float16 dummies (x's
+    dtype) next to float32 gamma. CuPy 13.6 casts only when gamma's dtype differs, so cuDNN
+    would write float32 statistics into 16-byte-per-8 buffers; ours casts each vector whose
+    dtype is not cuDNN's and writes the statistics back."""
+    fake, module = routed
+    x = Array((4, 8, 3, 3), numpy.float16)
+    gamma, beta = Array((8,), numpy.float32), Array((8,), numpy.float32)
+    mean, var = Array((8,), numpy.float16), Array((8,), numpy.float16)
+    module.batch_normalization_forward_training_ex(
+        x, gamma, beta, mean, var, None, None, 1e-5, 0.9, True, api.CUDNN_BATCHNORM_SPATIAL,
+        False, NCHW)
+    a = [a for n, a in lib_calls(fake) if n == 'cudnnBatchNormalizationForwardTrainingEx'][0]
+    gp, bp, rm, rv = a[12], a[13], a[15], a[16]
+    assert (gp, bp) == (gamma.data.ptr, beta.data.ptr), 'float32 already: passed as they are'
+    assert rm != mean.data.ptr and rv != var.data.ptr, 'float16 statistics: float32 copies'
+    assert mean.copied_from.data.ptr == rm and var.copied_from.data.ptr == rv, 'written back'
+
+
+@needs_cudnn
 def test_bn_fast_nhwc_mode_gets_cudnns_workspace_and_reserve_and_backward_reads_it(routed):
     fake, module = routed
     fake.sizes = {'cudnnGetBatchNormalizationForwardTrainingExWorkspaceSize': 512,

@@ -119,6 +119,9 @@ def test_from_a_trainer_snapshot_with_path(tmp_path):
     with pytest.raises(ValueError, match="path='updater/model:main/'"):
         load_chainer_example(str(tmp_path / 'snapshot'), ours)
     load_chainer_example(str(tmp_path / 'snapshot'), ours, path='updater/model:main/')
+    again = ResNet50('NHWC', n_classes=CLASSES, width=WIDTH, version='1')
+    load_chainer_example(str(tmp_path / 'snapshot'), again, path='updater/model:main')
+    numpy.testing.assert_array_equal(again.conv1.W.array, ours.conv1.W.array)   # no slash: same
     with chainer.using_config('train', False):
         numpy.testing.assert_allclose(ours(_images('NHWC')).array,
                                       example(_images('NCHW')).array, rtol=1e-4, atol=1e-4)
@@ -162,6 +165,13 @@ def test_refusals(tmp_path):
         load_chainer_example(str(tmp_path / 'odd.npz'),
                              ResNet50(n_classes=CLASSES, width=WIDTH, version='1'))
     del arrays['res6/0/conv1/W']
+    arrays['res2/00/conv1/W'] = arrays['res2/0/conv1/W']      # '00' is no index of the example
+    numpy.savez(str(tmp_path / 'odd.npz'), **arrays)
+    with pytest.raises(ValueError, match="not parameters of Chainer's example's ResNet50: "
+                                         "res2/00/conv1/W"):
+        load_chainer_example(str(tmp_path / 'odd.npz'),
+                             ResNet50(n_classes=CLASSES, width=WIDTH, version='1'))
+    del arrays['res2/00/conv1/W']
     numpy.savez(str(tmp_path / 'odd.npz'), **arrays)
     with pytest.raises(ValueError, match='lacks 1 array.*blocks/12/bn2/avg_var'):
         load_chainer_example(str(tmp_path / 'odd.npz'),

@@ -117,6 +117,48 @@ def test_bad_input():
         TF.convolution_2d(x, numpy.zeros((6, 7, 7, 4), numpy.float32))
 
 
+def test_arguments_in_chainers_order_and_types():
+    """The sixth positional argument is cover_all, as in F.convolution_2d (True is refused,
+    not taken for dilate); dilate and groups are keyword-only; a float or a bool is refused
+    naming the argument, where int() would truncate it."""
+    x = numpy.random.RandomState(0).randn(1, 7, 7, 4).astype(numpy.float32)
+    W = numpy.random.RandomState(1).randn(6, 3, 3, 4).astype(numpy.float32)
+    y = TF.convolution_2d(x, W, None, 2, 0, False)
+    ref = F.convolution_2d(nchw(x), nchw(W), None, 2, 0, False)
+    numpy.testing.assert_allclose(y.array, nhwc(ref.array), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r'cover_all=True is not supported'):
+        TF.convolution_2d(x, W, None, 2, 0, True)
+    with pytest.raises(TypeError):
+        TF.convolution_2d(x, W, None, 1, 0, False, 2)             # dilate is keyword-only
+    for kwargs, name in [(dict(stride=1.9), 'stride'), (dict(stride=(1.9, 1.9)), 'stride'),
+                         (dict(stride=True), 'stride'), (dict(pad=(1.5, 1.5)), 'pad'),
+                         (dict(dilate=numpy.float64(2)), 'dilate'), (dict(groups=1.9), 'groups'),
+                         (dict(groups=True), 'groups')]:
+        with pytest.raises(TypeError, match=r'^{} must be an int'.format(name)):
+            TF.convolution_2d(x, W, **kwargs)
+    with pytest.raises(TypeError, match=r'^ksize must be an int'):
+        TF.max_pooling_2d(x, True)
+    y = TF.convolution_2d(x, W, stride=numpy.int64(2), pad=(numpy.int32(1), 1))    # NumPy ints
+    assert y.shape == (1, 4, 4, 6)
+
+
+@pytest.mark.parametrize('backend', ['numpy', 'emulator'])
+def test_float16_bias_gradient_is_accumulated_in_float32(monkeypatch, backend):
+    """8192 rows of gradient near 1 per channel: a float16 running total stalls at 4096 (each
+    row adds less than half its spacing); summed in float32 and rounded once, the bias gradient
+    is within float16's rounding (2**-11) of the exact sum, as Chainer's (NCHW, pairwise)."""
+    monkeypatch.setenv('CHAINER_TC_EMULATE', '1' if backend == 'emulator' else '0')
+    r = numpy.random.RandomState(0)
+    x = r.randn(8, 32, 32, 8).astype(numpy.float16)
+    W = (r.randn(8, 1, 1, 8) * 0.1).astype(numpy.float16)
+    b = numpy.zeros(8, numpy.float16)
+    gy = (r.rand(8, 32, 32, 8) + 0.5).astype(numpy.float16)
+    gb = grads(lambda x, W, b: TF.convolution_2d(x, W, b), (x, W, b), gy)[3]
+    exact = gy.astype(numpy.float64).reshape(-1, 8).sum(axis=0)
+    assert gb.dtype == numpy.float16
+    numpy.testing.assert_allclose(gb.astype(numpy.float64), exact, rtol=2 ** -11, atol=0)
+
+
 # ---- the link --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize('kwargs', [dict(ksize=3, pad=1), dict(ksize=1, stride=2, nobias=True),

@@ -653,6 +653,12 @@ def test_operands_are_checked(fake):
         conv.forward(FakeArray(x.shape, x.dtype, 1, contiguous=False), W, y, g, SETTINGS)
     with pytest.raises(TypeError, match='operand w is float32 on device 0, expected float16'):
         conv.forward(x, FakeArray(W.shape, numpy.float32, 2), y, g, SETTINGS)
+    conv.forward(x, W, y, g, SETTINGS)                  # the plan exists: still checked
+    with pytest.raises(TypeError, match='operand x is float32 on device 0, expected float16'):
+        conv.forward(FakeArray(x.shape, numpy.float32, 1), W, y, g, SETTINGS)
+    with pytest.raises(TypeError, match='operand x is float16 on device 1, expected float16 on '
+                                        'device 0'):
+        conv.forward(FakeArray(x.shape, x.dtype, 1, device=1), W, y, g, SETTINGS)
 
 
 # ---- plans and keys ------------------------------------------------------------------------------
@@ -726,6 +732,29 @@ def test_slower_choices_warn_once_with_the_reason(fake):
     with warnings.catch_warnings():
         warnings.simplefilter('error')
         conv.forward(x, W, y, g, SETTINGS)                     # the plan exists: silent
+
+
+@needs_cudnn
+def test_the_queried_workspace_must_fit_the_limit_too(fake):
+    """cudnnGetConvolution*Algorithm_v7's memory is an estimate; the size allocated at every
+    call is the workspace query's. An algorithm whose queried size exceeds the limit is skipped
+    like one whose estimate does, and the warning names the queried size."""
+    fake.perfs = [perf(6, 100), perf(1, 50, math_type=0)]
+    fake.sizes = {6: 64 << 20, 1: 50}
+    conv.set_workspace_limit(1 << 20)
+    try:
+        x, W, y, g = problem()
+        with pytest.warns(chainer_tc.cuda.PerformanceWarning,
+                          match=r'prefers algorithm 6 \(67108864 bytes of workspace\) but the '
+                                r'workspace limit is 1048576 bytes, so algorithm 1 runs'):
+            conv.forward(x, W, y, g, SETTINGS)
+        plan, = conv._plans.values()
+        assert (plan.algo, plan.workspace_size) == (1, 50)
+    finally:
+        conv.set_workspace_limit(conv.DEFAULT_WORKSPACE_LIMIT)
+    chosen, skipped = conv.choose([api.AlgoPerf(algo=2, memory=10), api.AlgoPerf(algo=3)], 100,
+                                  False, workspace=lambda p: 1000 if p.algo == 2 else 0)
+    assert chosen.algo == 3 and [(p.algo, p.memory) for p in skipped] == [(2, 1000)]
 
 
 def test_arguments_are_validated():

@@ -1,6 +1,8 @@
 """chainer_tc.gpu_stack: the GPU install check passes here and fails on a broken install."""
 import re
 
+import pytest
+
 from chainer_tc import gpu_stack
 
 from fresh_python import run_python
@@ -56,3 +58,18 @@ def test_a_failing_check_is_reported_and_makes_main_fail(monkeypatch, capsys):
                    'PASS  fine    ok',
                    'FAIL  wrong   bad',
                    '1/3 checks passed']
+
+
+def test_the_nvrtc_check_compiles_every_time(monkeypatch):
+    """With the kernel in the compile cache already, the check must still run NVRTC: an
+    install whose libnvrtc loads but cannot compile (libnvrtc-builtins missing) used to pass
+    from the cache."""
+    from chainer_tc import _cubin
+    gpu_stack.check_nvrtc()                         # fills the cache, if it was not
+
+    def broken(*args, **kwargs):
+        raise RuntimeError('NVRTC_ERROR_BUILTIN_OPERATION_FAILURE: libnvrtc-builtins.so.12.9: '
+                           'cannot open shared object file')
+    monkeypatch.setattr(_cubin, 'compile_program', broken)
+    with pytest.raises(RuntimeError, match='libnvrtc-builtins'):
+        gpu_stack.check_nvrtc()

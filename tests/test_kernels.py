@@ -1,4 +1,5 @@
 """The kernel loader: sources, backend selection, launch counting."""
+import re
 import subprocess
 import sys
 
@@ -97,3 +98,34 @@ def test_shared_headers_are_inlined_with_line_markers(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match='{} includes "missing.cuh"'.format(
             tmp_path / 'bad.cu')):
         kernels.source('bad')
+
+
+def test_an_include_with_a_comment_is_inlined_and_an_odd_one_refused(tmp_path, monkeypatch):
+    """A comment after the header's name used to leave the line to NVRTC, which has no -I for
+    kernels/ ("cannot open source file"), and the header out of the cache keys."""
+    (tmp_path / 'common.cuh').write_text('#define TWICE(x) (2 * (x))\n')
+    (tmp_path / 'fam.cu').write_text('#include "common.cuh"  // TWICE\n'
+                                     '# include"common.cuh" /* again */\n'
+                                     'extern "C" __global__ void k(int* x) { x[0] = TWICE(21); }\n')
+    monkeypatch.setenv('CHAINER_TC_KERNEL_DIR', str(tmp_path))
+    text = kernels.source('fam')
+    assert text.count('#define TWICE') == 1 and not re.search(r'#\s*include', text)
+    (tmp_path / 'odd.cu').write_text('\n#include "common.cuh" TWICE\n')
+    with pytest.raises(ValueError, match=r'odd.cu line 2: \'#include "common.cuh" TWICE\' is not '
+                                         r'an include this loader can inline'):
+        kernels.source('odd')
+
+
+def test_define_values_and_name_expressions_are_checked(monkeypatch):
+    monkeypatch.setenv('CHAINER_TC_EMULATE', '1')
+    for defines in ({'LAYOUT_TILE': 32.0}, {'LAYOUT_TILE': True}, {'LAYOUT TILE': 32}):
+        with pytest.raises(TypeError, match=r'defines must map macro names to ints or strings'):
+            kernels.get_function('layout', 'batched_transpose_f32_f32', numpy, defines)
+    defines = {'LAYOUT_TILE': 32}
+    assert kernels._define_options(defines) == ('-DLAYOUT_TILE=32',)
+    defines['LAYOUT_TILE'] = 32.0            # equal, another type: not the memo's answer
+    with pytest.raises(TypeError, match=r"'LAYOUT_TILE': 32.0"):
+        kernels._define_options(defines)
+    with pytest.raises(TypeError, match=r"name_expressions must be a list of strings .* not the "
+                                        r"string 'k<float>'"):
+        kernels.get_function('layout', 'k<float>', numpy, name_expressions='k<float>')

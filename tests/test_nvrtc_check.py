@@ -2,6 +2,7 @@
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -93,3 +94,28 @@ def test_cli_json():
     rows = json.loads(out)
     assert rows and all(r['arch'] == 'sm_90' for r in rows)
     assert all(list(r) == list(nvrtc_check.FIELDS) for r in rows)
+
+
+def test_the_report_cache_keys_on_nvrtcs_build_and_the_headers(monkeypatch):
+    """A patch release of NVRTC, another build of one minor version, or an upgraded
+    cuda_fp16.h compiles differently: the registers and spills reported must not come from an
+    older build's cache entry (the key used to hold only major.minor)."""
+    from chainer_tc import _cubin
+    code = ('extern "C" __global__ void k(float* x) { x[threadIdx.x] *= 2.0f; }  // '
+            + str(time.time_ns()))             # a source no earlier run cached
+    compiled = []
+    real = _cubin.compile_program
+
+    def counting(*args, **kwargs):
+        compiled.append(1)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(_cubin, 'compile_program', counting)
+    nvrtc_check.compile_source(code, 'probe.cu', 'sm_70')
+    nvrtc_check.compile_source(code, 'probe.cu', 'sm_70')
+    assert len(compiled) == 1, 'cached'
+    monkeypatch.setattr(_cubin, 'nvrtc_identity', lambda: '12.9 another build')
+    nvrtc_check.compile_source(code, 'probe.cu', 'sm_70')
+    assert len(compiled) == 2
+    monkeypatch.setattr(_cubin, 'include_fingerprint', lambda options: 'a newer cuda_fp16.h')
+    nvrtc_check.compile_source(code, 'probe.cu', 'sm_70')
+    assert len(compiled) == 3

@@ -448,3 +448,26 @@ def test_a_number_handed_over_inside_a_container_is_compared_as_a_constant(vary_
         assert len(warned) == 1 and "its attribute 'scale'[0] differs between steps" in warned[0]
     else:
         assert warned == [] and step.replays == 9
+
+
+def test_a_capture_that_fails_as_it_ends_is_not_replayable():
+    """cudaStreamEndCapture reports an invalidated capture (an unjoined side stream, a call on
+    the legacy stream) and instantiation fails only there: that too is NotReplayable, which
+    TrainStep turns into an eager step with a warning, not a crash of the training run."""
+    from chainer_tc.static_graph import _capture
+    from chainer_tc.static_graph import _program
+
+    class Stream:
+        def __init__(self):
+            self.ends = 0
+
+        def end_capture(self):
+            self.ends += 1
+            raise RuntimeError('cudaErrorStreamCaptureInvalidated: operation failed due to a '
+                               'previous error during capture')
+    stream = Stream()
+    with pytest.raises(_program.NotReplayable, match=r'^ending the capture of the step '
+                                                     r'\(instantiating its CUDA graph\) failed: '
+                                                     r'RuntimeError: cudaErrorStreamCapture'):
+        _capture._end_capture(stream)
+    assert stream.ends == 2, 'abandoned: the stream is not left capturing'

@@ -32,6 +32,7 @@ although they were asked for, a :class:`~chainer_tc.cuda.PerformanceWarning` say
 plan.
 """
 import collections
+import copy
 import warnings
 
 import numpy
@@ -181,11 +182,17 @@ class Plan:
 
 def _run(direction, operands, shapes, geometry, settings, layout):
     a, b, out = operands
+    dtype, device_id = out.dtype, out.data.device_id
     for name, arr in zip(direction.operands, operands):
         if not arr.flags.c_contiguous:
             raise ValueError('cuDNN convolution {}: operand {} must be C-contiguous'.format(
                 direction.name, name))
-    key = plan_key(direction, out.data.device_id, shapes, out.dtype, layout, geometry, settings,
+        if arr.dtype != dtype or arr.data.device_id != device_id:    # every call: the plan's
+            raise TypeError('cuDNN convolution {}: operand {} is {} on device {}, expected {} '
+                            'on device {} (as the output)'.format(    # key has out's only
+                                direction.name, name, arr.dtype, arr.data.device_id, dtype,
+                                device_id))
+    key = plan_key(direction, device_id, shapes, dtype, layout, geometry, settings,
                    get_workspace_limit())
     plan = _plans.get(key)
     if plan is None:
@@ -215,10 +222,6 @@ def _make_plan(direction, key, operands, shapes, geometry, settings, layout):
     out = operands[2]
     dtype, device_id, limit = out.dtype, key[1], key[-1]
     what = _describe(direction, shapes, dtype, layout, geometry, settings)
-    for name, arr in zip(direction.operands, operands):
-        if arr.dtype != dtype or arr.data.device_id != device_id:
-            raise TypeError('{}: operand {} is {} on device {}, expected {} on device {}'.format(
-                what, name, arr.dtype, arr.data.device_id, dtype, device_id))
     runtime.refuse_capture(what)
     lib = cudnn.binding()
     x_shape, w_shape, y_shape = shapes
@@ -232,7 +235,15 @@ def _make_plan(direction, key, operands, shapes, geometry, settings, layout):
     handle = runtime.handle(device_id)
     perfs = _query(direction, lib, handle, descs, conv_desc, operands, settings.auto_tune, limit,
                    what)
-    chosen, skipped = choose(perfs, limit, settings.deterministic, what)
+    sizes = {}
+
+    def workspace(perf):        # what the call will need with this algorithm and math type
+        descriptors.set_math_type(conv_desc, perf.mathType)
+        _counters.add('workspace_queries')
+        sizes[perf.algo] = lib.size(direction.size, handle, descs[0].value, descs[1].value,
+                                    conv_desc.value, descs[2].value, perf.algo)
+        return sizes[perf.algo]
+    chosen, skipped = choose(perfs, limit, settings.deterministic, what, workspace)
     if skipped:
         warnings.warn(
             '{}: cuDNN prefers algorithm {} ({} bytes of workspace) but the workspace limit is {} '
@@ -245,9 +256,7 @@ def _make_plan(direction, key, operands, shapes, geometry, settings, layout):
                       'not use them (math type {})'.format(what, chosen.algo, chosen.mathType),
                       PerformanceWarning, stacklevel=4)
     descriptors.set_math_type(conv_desc, chosen.mathType)
-    _counters.add('workspace_queries')
-    size = lib.size(direction.size, handle, descs[0].value, descs[1].value, conv_desc.value,
-                    descs[2].value, chosen.algo)
+    size = sizes[chosen.algo]
     plan = Plan()
     plan.what = what
     plan.descs = tuple(d.value for d in descs)
@@ -277,11 +286,14 @@ def _query(direction, lib, handle, descs, conv_desc, operands, auto_tune, limit,
                                limit)
 
 
-def choose(perfs, limit, deterministic, what='cuDNN convolution'):
+def choose(perfs, limit, deterministic, what='cuDNN convolution', workspace=None):
     """(the chosen result, the better-ranked results skipped only for their workspace).
 
     The first of cuDNN's ranked ``perfs`` whose status is CUDNN_STATUS_SUCCESS, that is
-    deterministic if ``deterministic``, and whose workspace fits ``limit``.
+    deterministic if ``deterministic``, and whose workspace fits ``limit``: its ``memory`` and,
+    given ``workspace(perf)``, the size that query returns (the one allocated at every call;
+    the heuristics' ``memory`` is an estimate). A result skipped for the queried size is listed
+    with that size as its ``memory``.
     """
     skipped = []
     for perf in perfs:
@@ -290,6 +302,13 @@ def choose(perfs, limit, deterministic, what='cuDNN convolution'):
         if perf.memory > limit:
             skipped.append(perf)
             continue
+        if workspace is not None:
+            size = workspace(perf)
+            if size > limit:
+                perf = copy.copy(perf)
+                perf.memory = size
+                skipped.append(perf)
+                continue
         return perf, skipped
     raise RuntimeError(
         '{}: no algorithm {}fits the workspace limit of {} bytes (cuDNN returned {}); raise '

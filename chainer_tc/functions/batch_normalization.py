@@ -93,6 +93,24 @@ def _check_running(mean, var, channels):
                         .format(mean.dtype, var.dtype))
 
 
+def _check_statistics(mean, var, x):
+    """fixed_batch_normalization's ``mean`` and ``var``: floating arrays of shape (C,), in x's
+    dtype or its accumulation dtype (float32 statistics for float16 data), as Chainer's type
+    check asks (it refuses a (1,) or scalar mean that NumPy would broadcast, and integers)."""
+    channels = x.shape[-1]
+    for name, a in (('mean', mean), ('var', var)):
+        if a.dtype.kind != 'f':
+            raise TypeError('{} must be a floating-point array of shape ({},); got dtype {}'
+                            .format(name, channels, a.dtype))
+        if tuple(a.shape) != (channels,):
+            raise ValueError('{} must have shape ({},), one value per channel of x; got {}'
+                             .format(name, channels, tuple(a.shape)))
+        if a.dtype not in (x.dtype, numpy.dtype(_bn_numpy.acc_dtype(x.dtype))):
+            raise TypeError('{} is {} but x is {}: the statistics must be {}'.format(
+                name, a.dtype, x.dtype, ' or '.join(sorted({x.dtype.name, numpy.dtype(
+                    _bn_numpy.acc_dtype(x.dtype)).name}))))
+
+
 def _check_rows(shape):
     """Batch statistics need a row; one row per channel is legal but almost always a mistake.
     Checked before any path is chosen, so cuDNN, the kernels and NumPy refuse and warn alike."""
@@ -117,23 +135,29 @@ class BatchNormAddAct(function_node.FunctionNode):
     """
 
     def __init__(self, eps, relu, has_z, decay=0.9, running_mean=None, running_var=None,
-                 mean=None, var=None):
+                 mean=None, var=None, fixed=False):
         eps = check_eps(eps)
         if running_mean is not None:        # decay weighs the running statistics
             decay = _check_decay(decay)
         self.eps, self.relu, self.has_z, self.decay = eps, bool(relu), bool(has_z), decay
         self.running_mean, self.running_var = running_mean, running_var
-        self.fixed = mean is not None
-        for name, v in (('mean', mean), ('var', var)):
-            if isinstance(v, chainer.Variable):
-                raise TypeError('{} is a Variable: the NHWC fixed_batch_normalization takes the '
-                                'statistics as arrays and gives them no gradient; pass {}.array'
-                                .format(name, name))
+        self.fixed = bool(fixed)
+        if self.fixed:
+            for name, v in (('mean', mean), ('var', var)):
+                if isinstance(v, chainer.Variable):
+                    raise TypeError('{} is a Variable: the NHWC fixed_batch_normalization takes '
+                                    'the statistics as arrays and gives them no gradient; pass '
+                                    '{}.array'.format(name, name))
+                if getattr(v, 'dtype', None) is None or getattr(v, 'ndim', None) is None:
+                    raise TypeError('{} must be an array of shape (C,) (the statistics to '
+                                    'normalise with); got {}'.format(name, type(v).__name__))
+        elif mean is not None or var is not None:
+            raise ValueError('mean and var are the statistics of fixed batch normalization: '
+                             'use fixed_batch_normalization')
         self.fixed_mean, self.fixed_var = mean, var
 
     def check_type_forward(self, in_types):
-        n = 4 if self.has_z else 3
-        type_check.expect(in_types.size() == n)
+        type_check._argname(in_types, ('x', 'gamma', 'beta') + (('z',) if self.has_z else ()))
         x_type, gamma_type, beta_type = in_types[:3]
         type_check.expect(
             x_type.dtype.kind == 'f',
@@ -168,20 +192,28 @@ class BatchNormAddAct(function_node.FunctionNode):
                             'float32 data and float64 for float64 data'.format(
                                 self.running_mean.dtype, x.dtype, x.dtype,
                                 numpy.dtype(_bn_numpy.acc_dtype(x.dtype)).name))
-        if not self.fixed:
+        if self.fixed:
+            _check_statistics(self.fixed_mean, self.fixed_var, x)
+        else:
             _check_rows(x.shape)
         xp = _xp(x)
         running_dtype = None if self.running_mean is None else self.running_mean.dtype
         use_cudnn, self.cudnn_reason = _bn_cudnn.eligibility(
             xp.__name__ == 'cupy', x.dtype, x.shape, gamma.dtype, running_dtype, self.relu,
             self.eps, self.fixed)
+        rm, rv = self.running_mean, self.running_var
+        if use_cudnn or _backend(x) != 'numpy':     # raw pointers: contiguous (C,) vectors
+            gamma, beta = xp.ascontiguousarray(gamma), xp.ascontiguousarray(beta)
+            if rm is not None and not (rm.flags.c_contiguous and rv.flags.c_contiguous):
+                rm, rv = xp.ascontiguousarray(rm), xp.ascontiguousarray(rv)   # written back below
         if use_cudnn:
             self._path = 'cudnn'
             self.retain_inputs((0, 1, 2))
             x = xp.ascontiguousarray(x)
             self._fused = _bn_cudnn.FusedBatchNorm(x, self.has_z, self.relu)
             y = self._fused.forward(x, None if z is None else xp.ascontiguousarray(z), gamma, beta,
-                                    self.eps, self.decay, self.running_mean, self.running_var)
+                                    self.eps, self.decay, rm, rv)
+            self._write_back(rm, rv)
             self.retain_outputs((0,))
             return y,
         self._path = _backend(x)
@@ -194,7 +226,7 @@ class BatchNormAddAct(function_node.FunctionNode):
         a = _bn_numpy.acc_dtype(x.dtype)
         centered = None
         if self.fixed:
-            self.mean = xp.asarray(self.fixed_mean, a)
+            self.mean = xp.ascontiguousarray(self.fixed_mean, a)
             self.invstd = xp.reciprocal(xp.sqrt(xp.asarray(self.fixed_var, a) + a(self.eps)))
         elif self._path == 'numpy':
             self.mean, self.invstd, var, centered = _bn_numpy.statistics(x2, self.eps, True)
@@ -202,8 +234,8 @@ class BatchNormAddAct(function_node.FunctionNode):
                 _bn_numpy.update_running(self.running_mean, self.running_var, self.mean, var,
                                          x2.shape[0], self.decay)
         else:
-            self.mean, self.invstd = _bn_kernels.statistics(
-                x2, self.eps, self.decay, self.running_mean, self.running_var, xp)
+            self.mean, self.invstd = _bn_kernels.statistics(x2, self.eps, self.decay, rm, rv, xp)
+            self._write_back(rm, rv)
         if self._path == 'numpy':
             # xhat kept for backward (not recomputed from x there; x is not retained: in float32
             # and float64 xhat takes x's place, for float16 data it is float32, twice x's size);
@@ -215,6 +247,13 @@ class BatchNormAddAct(function_node.FunctionNode):
             y = _bn_kernels.forward(x2, z2, gamma, beta, self.mean, self.invstd, self.relu, xp)
         self.retain_outputs((0,))
         return y.reshape(x.shape),
+
+    def _write_back(self, rm, rv):
+        """Strided running statistics (views into a bigger buffer) were updated in contiguous
+        copies: the results go back into the caller's arrays."""
+        if rm is not self.running_mean:
+            self.running_mean[...] = rm
+            self.running_var[...] = rv
 
     def backward(self, indexes, grad_outputs):
         y, = self.get_retained_outputs()
@@ -238,6 +277,9 @@ class BatchNormAddActGrad(function_node.FunctionNode):
         x, gamma, beta, y, gy = inputs
         f = self.f
         x2, y2, gy2 = _rows(x), _rows(y), _rows(gy)
+        if f._path != 'numpy':                  # raw pointers, as in forward
+            xp = chainer.backend.get_array_module(x)
+            gamma, beta = xp.ascontiguousarray(gamma), xp.ascontiguousarray(beta)
         if f._path == 'cudnn':
             xp = chainer.backend.get_array_module(x)
             gx, ggamma, gbeta, g = f._fused.backward(
@@ -279,10 +321,12 @@ def batch_normalization_add_relu(x, z, gamma, beta, eps=2e-5, running_mean=None,
 
 def fixed_batch_normalization(x, gamma, beta, mean, var, eps=2e-5):
     """BatchNormalization with given statistics (inference); no gradient for mean and var."""
-    return BatchNormAddAct(eps, False, False, mean=mean, var=var).apply((x, gamma, beta))[0]
+    return BatchNormAddAct(eps, False, False, mean=mean, var=var, fixed=True).apply(
+        (x, gamma, beta))[0]
 
 
 def fixed_batch_normalization_add_relu(x, z, gamma, beta, mean, var, eps=2e-5):
     """relu(fixed BN(x) + z) (``z=None``: relu(fixed BN(x)))."""
     inputs = (x, gamma, beta) if z is None else (x, gamma, beta, z)
-    return BatchNormAddAct(eps, True, z is not None, mean=mean, var=var).apply(inputs)[0]
+    return BatchNormAddAct(eps, True, z is not None, mean=mean, var=var, fixed=True).apply(
+        inputs)[0]

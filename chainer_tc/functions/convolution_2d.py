@@ -34,7 +34,7 @@ class Convolution2DNHWC(function_node.FunctionNode):
         self.sy, self.sx = _util.pair(stride, 'stride')
         self.ph, self.pw = _util.pair(pad, 'pad')
         self.dy, self.dx = _util.pair(dilate, 'dilate')
-        self.groups = int(groups)
+        self.groups = _util.integer(groups, 'groups')
         if min(self.sy, self.sx, self.dy, self.dx, self.groups) < 1 or min(self.ph, self.pw) < 0:
             raise ValueError('stride, dilate and groups must be >= 1 and pad >= 0; got stride {}, '
                              'dilate {}, groups {}, pad {}'.format(
@@ -99,6 +99,17 @@ class Convolution2DNHWC(function_node.FunctionNode):
         return _Convolution2DNHWCGrad(self, indexes).apply((x, W, gy))
 
 
+def _bias_grad(gy):
+    """gy summed over every axis but the channels, float16 accumulated in float32 (as CuPy's
+    sum does; NumPy's float16 running total stops growing at 2048-4096 where the rows add about
+    1 each), then rounded to gy's dtype. float16 with loss scaling overflows to inf now and then:
+    expected, the optimizer skips that step."""
+    rows = gy.reshape(-1, gy.shape[-1])
+    acc = numpy.float32 if gy.dtype == numpy.float16 else gy.dtype
+    with numpy.errstate(over='ignore'):
+        return rows.sum(axis=0, dtype=acc).astype(gy.dtype, copy=False)
+
+
 class _Convolution2DNHWCGrad(function_node.FunctionNode):
     """The gradients of Convolution2DNHWC asked for: ``indexes`` among 0 (gx), 1 (gW), 2 (gb),
     in that order. Nothing else is computed: no gx for an input that needs none (a network's
@@ -110,9 +121,8 @@ class _Convolution2DNHWCGrad(function_node.FunctionNode):
     def forward(self, inputs):
         x, W, gy = inputs
         grads = self._cpu(x, W, gy) if isinstance(x, numpy.ndarray) else self._cudnn(x, W, gy)
-        if 2 in self.indexes:           # (float16 with loss scaling: inf is expected now
-            with numpy.errstate(over='ignore'):        # and then, the optimizer skips it)
-                grads[2] = gy.reshape(-1, gy.shape[-1]).sum(axis=0)
+        if 2 in self.indexes:
+            grads[2] = _bias_grad(gy)
         return tuple(grads[i] for i in self.indexes)
 
     def _cpu(self, x, W, gy):
@@ -140,7 +150,14 @@ class _Convolution2DNHWCGrad(function_node.FunctionNode):
                                   'not supported')
 
 
-def convolution_2d(x, W, b=None, stride=1, pad=0, dilate=1, groups=1):
-    """Convolution of NHWC ``x`` with ``W`` of shape (out, kh, kw, in/groups); ``b`` (out,)."""
+def convolution_2d(x, W, b=None, stride=1, pad=0, cover_all=False, *, dilate=1, groups=1):
+    """Convolution of NHWC ``x`` with ``W`` of shape (out, kh, kw, in/groups); ``b`` (out,).
+
+    The arguments of ``chainer.functions.convolution_2d``, in its order (``dilate`` and
+    ``groups`` by keyword); ``cover_all=True`` is refused (cuDNN has no asymmetric padding, and
+    Chainer's own cuDNN path does not take it either)."""
+    if cover_all:
+        raise ValueError('cover_all=True is not supported by the NHWC convolution (it needs '
+                         'extra padding on one side only); got cover_all={!r}'.format(cover_all))
     inputs = (x, W) if b is None else (x, W, b)
     return Convolution2DNHWC(stride, pad, dilate, groups).apply(inputs)[0]

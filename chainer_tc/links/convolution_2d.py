@@ -139,8 +139,8 @@ class Convolution2D(L.Convolution2D):
             raise _messages.not_channels_last(self, in_channels, x.shape,
                                               unpadded=self.in_channels
                                               if self.pad_channels is not None else None)
-        return TF.convolution_2d(x, self.W, self.b, self.stride, self.pad, self.dilate,
-                                 self.groups)
+        return TF.convolution_2d(x, self.W, self.b, self.stride, self.pad, dilate=self.dilate,
+                                 groups=self.groups)
 
     def copyparams(self, link, copy_persistent=True):
         """``Link.copyparams``. From Chainer's (NCHW) ``L.Convolution2D`` (a pretrained model's

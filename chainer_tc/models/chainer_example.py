@@ -27,7 +27,7 @@ from chainer_tc import links
 from chainer_tc import serializers
 from chainer_tc.models import resnet50
 
-_BLOCK = re.compile(r'^res([2-5])/(\d+)/(conv|bn)([1-4])/(.+)$')
+_BLOCK = re.compile(r'^res([2-5])/(0|[1-9]\d*)/(conv|bn)([1-4])/(.+)$')   # 'a', '00': unknown
 _TOP = ('conv1/W', 'bn1/gamma', 'bn1/beta', 'bn1/avg_mean', 'bn1/avg_var', 'bn1/N', 'fc/W',
         'fc/b')
 
@@ -69,6 +69,8 @@ def load_chainer_example(file, model, path=''):
         raise ValueError("Chainer's example's ResNet50 is ResNet-50 v1 (stride on the first 1x1 "
                          "convolution of a block): build the model with version='1' to load it; "
                          "got version={!r}".format(model.version))
+    if path and not path.endswith('/'):
+        path += '/'                 # 'updater/model:main' names the same group
     arrays = {k[len(path):]: v for k, v in serializers.read_npz(file).items()
               if k.startswith(path)}
     if not arrays:
@@ -85,6 +87,9 @@ def load_chainer_example(file, model, path=''):
             raise ValueError('{} is None in the file (an uninitialised parameter): the model '
                              'was saved before its first forward pass'.format(path + key))
         if mine is not None:
+            if mine in ours:
+                raise ValueError('{} and {} of the file are both {} of the model'.format(
+                    origin[mine], path + key, mine))
             ours[mine], origin[mine] = value, path + key
     if unknown:
         raise ValueError("{} array(s) of the file are not parameters of Chainer's example's "

@@ -54,7 +54,10 @@ class CapturedStep:
             # are copied into flat buffers made before the capture, reduced, and updated from
             reduce = step.reduce_gradients
             buffers, views = flat.grad_buffers() if reduce is not None else (None, None)
-            self.stream = cupy.cuda.Stream(non_blocking=False)
+            # non-blocking: while a blocking stream captures, any use of the legacy default
+            # stream (by any thread: a data loader's copy) would synchronise with it and
+            # invalidate the capture; every order this step needs is an explicit event wait
+            self.stream = cupy.cuda.Stream(non_blocking=True)
             opt._table.refresh(opt.hyperparam, opt._versions, opt._set_globals)
             caller = cupy.cuda.get_current_stream()
             with self.stream, cupy.cuda.using_allocator(self.pool.malloc):
@@ -123,7 +126,7 @@ class CapturedStep:
                     type(e).__name__, e, '' if self.cublas_problem is None else
                     " (no cuBLAS handle for the capture's matrix products: {})"
                     .format(self.cublas_problem), _cudnn_note(e))) from e
-        return self.stream.end_capture(), rec, loss, recorded_grads, grads
+        return _end_capture(self.stream), rec, loss, recorded_grads, grads
 
     def _cublas_handle(self, cupy):
         """The device's capture cuBLAS handle, and this capture's workspace for it from the
@@ -214,6 +217,19 @@ def _cudnn_note(error):
     why = _chainer_cudnn.problem()
     return '' if why is None else (" (Chainer's cuDNN calls could not go through chainer_tc's "
                                    'binding: {})'.format(why))
+
+
+def _end_capture(stream):
+    """The captured graph, instantiated. Some failures show only here (a capture invalidated
+    by an unjoined side stream or a legacy-stream call, an instantiation the driver refuses):
+    they are NotReplayable too, so the step runs eagerly with one warning instead of stopping."""
+    try:
+        return stream.end_capture()
+    except Exception as e:
+        _abandon(stream)
+        raise _program.NotReplayable(
+            'ending the capture of the step (instantiating its CUDA graph) failed: {}: {}'
+            .format(type(e).__name__, e)) from e
 
 
 def _abandon(stream):

@@ -61,6 +61,12 @@ def _contiguous(a):
     return a if a.flags.c_contiguous else _xp(a).ascontiguousarray(a)
 
 
+def _as_param(a, dtype):
+    """``a`` as cuDNN reads and writes a batch-norm parameter vector: contiguous, in ``dtype``
+    (a copy where it is not; a caller writes running statistics back from the copy)."""
+    return _contiguous(a) if a.dtype == dtype else a.astype(dtype)
+
+
 def _layout(d_layout, w_layout=None):
     """'NCHW' or 'NHWC' from cudnnTensorFormat_t values (None where we do not take them)."""
     names = {api.CUDNN_TENSOR_NCHW: 'NCHW', api.CUDNN_TENSOR_NHWC: 'NHWC'}
@@ -221,12 +227,11 @@ def batch_normalization_forward_training_ex(x, gamma, beta, running_mean, runnin
     x = _contiguous(x)
     p = _bn_plan(x, is_for_conv2d, cudnn_mode, d_layout)
     dtype = _param_dtype(x.dtype)
-    if gamma.dtype != dtype:
-        gamma, beta = gamma.astype(dtype), beta.astype(dtype)
-        mean_tmp, var_tmp = running_mean.astype(dtype), running_var.astype(dtype)
-    else:
-        gamma, beta = _contiguous(gamma), _contiguous(beta)
-        mean_tmp, var_tmp = running_mean, running_var
+    # each vector in cuDNN's parameter dtype, contiguous, on its own: Chainer's dummy running
+    # statistics are in x's dtype (float16) next to float32 gamma, and cuDNN would write float32
+    # statistics into them (CuPy 13.6's wrapper looks at gamma's dtype only)
+    gamma, beta, mean_tmp, var_tmp = (_as_param(a, dtype) for a in
+                                      (gamma, beta, running_mean, running_var))
     y = runtime.empty(x.shape, x.dtype)
     if mean is None:
         save_mean, save_inv_std = runtime.empty(gamma.shape, dtype), runtime.empty(gamma.shape,
