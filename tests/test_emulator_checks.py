@@ -344,10 +344,10 @@ def test_static_shared_memory_is_garbage_in_every_block():
     out = numpy.zeros(3, numpy.float32)
     k = emulator.RawModule(code=code).get_function('k')
     with pytest.raises(KernelLaunchError, match=r"offset 0 of __shared__ variable 's' .* in thread "
-                                                r"\(0,0,0\) of block \(1,0,0\) .*which no thread "
-                                                r"of this block wrote"):
+                                                r"\(0,0,0\) of block \(1,0,0\) .*reads bytes no "
+                                                r"thread of this block wrote"):
         k((3,), (4,), (out, numpy.int32(0)))
-    with pytest.raises(KernelLaunchError, match=r"block \(0,0,0\) .*which no thread of this "
+    with pytest.raises(KernelLaunchError, match=r"block \(0,0,0\) .*reads bytes no thread of this "
                                                 r"block wrote"):
         k((3,), (4,), (out, numpy.int32(2)))
 
@@ -762,3 +762,102 @@ def test_spin_wait_on_a_volatile_flag_is_race_free():
     with emulator.checking(race=True, schedules=['forward', 'random:5']):
         emulator.RawModule(code=code).get_function('k')((1,), (2,), (out,))
     assert out[0] == 7
+
+
+# ---- what the unwritten-shared, barrier and UBSan checks must not report ----------------------
+
+VALID = r'''
+struct Best { double v; int i; };          // 4 bytes of tail padding, never written
+
+extern "C" __global__ void argmax(const double* x, double* v, int* at) {
+  __shared__ Best s[64];
+  s[threadIdx.x].v = x[threadIdx.x];
+  s[threadIdx.x].i = threadIdx.x;
+  __syncthreads();
+  for (int d = 32; d; d >>= 1) {
+    if (threadIdx.x < d) {
+      Best o = s[threadIdx.x + d];         // a whole-struct copy reads the padding
+      if (o.v > s[threadIdx.x].v) s[threadIdx.x] = o;
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) { v[0] = s[0].v; at[0] = s[0].i; }
+}
+
+extern "C" __global__ void cleared_then_counted(const int* bins, int* out) {
+  __shared__ int counts[64];
+  __shared__ unsigned flag;
+  if (threadIdx.x == 0) { memset(counts, 0, sizeof counts); atomicExch(&flag, 5u); }
+  __syncthreads();
+  atomicAdd(&counts[bins[threadIdx.x]], 1);
+  __syncthreads();
+  int copy[2];
+  if (threadIdx.x == 0) memcpy(copy, counts, sizeof copy);
+  if (threadIdx.x == 0) out[64] = copy[0] + copy[1] + (int)flag;
+  out[threadIdx.x] = counts[threadIdx.x];
+}
+
+extern "C" __global__ void gpu_arithmetic(const int* a, int* out) {
+  int w = a[0];
+  atomicAdd(&out[0], w);                   // wraps, as on a GPU
+  out[1] = __mul24(a[1], a[2]);
+  out[2] = (int)__umul24((unsigned)a[1], (unsigned)a[2]);
+  out[3] = a[3] << 3;                      // a negative value shifted left: C++20 and GPUs agree
+}
+
+extern "C" __global__ void counts_unwritten(int* out) {
+  __shared__ int n;
+  atomicAdd(&n, 1);                        // n was never set
+  __syncthreads();
+  out[threadIdx.x] = n;
+}
+'''
+
+
+@pytest.fixture(scope='module')
+def valid():
+    return emulator.RawModule(code=VALID)
+
+
+def test_a_struct_copy_reads_its_unwritten_padding_without_complaint(valid):
+    x = numpy.random.RandomState(0).randn(64)
+    v, at = numpy.zeros(1), numpy.zeros(1, numpy.int32)
+    with emulator.checking(race=True, schedules=['forward', 'random:3']):
+        valid.get_function('argmax')((1,), (64,), (x, v, at))
+    assert v[0] == x.max() and at[0] == x.argmax()
+
+
+def test_memset_memcpy_and_atomic_exchange_count_as_writes(valid):
+    bins = numpy.arange(64, dtype=numpy.int32) % 8
+    out = numpy.zeros(65, numpy.int32)
+    valid.get_function('cleared_then_counted')((2,), (64,), (bins, out))
+    assert (out[:8] == 8).all() and (out[8:64] == 0).all() and out[64] == 16 + 5
+
+
+def test_gpu_arithmetic_is_not_reported(valid):
+    a = numpy.array([2 ** 31 - 1, 0x7fffff, -3, -1], numpy.int32)
+    out = numpy.array([2 ** 31 - 1, 0, 0, 0], numpy.int32)
+    valid.get_function('gpu_arithmetic')((1,), (1,), (a, out))
+    assert out[0] == -2                                     # 2**31 - 1 twice, wrapped
+    assert out[1] == numpy.int32(numpy.int64(0x7fffff) * -3 & 0xffffffff)     # 24-bit operands
+    a[2] = 0x1000003                                        # bit 24 and above are ignored
+    valid.get_function('gpu_arithmetic')((1,), (1,), (a, out))
+    assert out[1] == 0x7fffff * 3 and out[2] == 0x7fffff * 3 and out[3] == -8
+
+
+def test_an_atomic_on_unwritten_shared_memory_is_reported_at_the_kernels_line(valid):
+    out = numpy.zeros(32, numpy.int32)
+    with pytest.raises(KernelLaunchError, match=r"kernel 'counts_unwritten': an atomic access of 4 "
+                                                r"bytes at offset 0 of __shared__ variable 'n' .*"
+                                                r"\(at <string>:\d+\) reads bytes no thread"):
+        valid.get_function('counts_unwritten')((1,), (32,), (out,))
+
+
+def test_a_memset_past_a_shared_array_is_caught():
+    code = '''extern "C" __global__ void k(int* out) {
+      __shared__ int s[8];
+      memset(s, 0, 9 * sizeof(int));
+      out[0] = s[0];
+    }'''
+    with pytest.raises(KernelLaunchError, match=r"__shared__ variable 's'"):
+        emulator.RawModule(code=code).get_function('k')((1,), (1,), (numpy.zeros(1, 'i'),))

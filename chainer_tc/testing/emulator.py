@@ -62,7 +62,7 @@ from chainer_tc.testing.access_counts import recording  # NOQA: emulator.recordi
 HERE = os.path.dirname(os.path.abspath(__file__))
 INCLUDE_DIR = os.path.join(HERE, 'include')
 RUNTIME_DIR = os.path.join(HERE, 'runtime')
-_EMULATOR_VERSION = '7'        # part of the cache key: bump when the g++ commands change
+_EMULATOR_VERSION = '8'        # part of the cache key: bump when the g++ commands change
 _ERR_LEN = 2048
 _SCALAR = 2 ** 64 - 1
 _ALIGN = 64            # by-value arguments are copied to addresses aligned to this (__align__(16) ...)
@@ -440,7 +440,7 @@ _KERNEL_FLAGS = ('-std=c++17', '-O1', '-fno-tree-sra', '-g1', '-gdwarf-4', '-fPI
                  '-U_FORTIFY_SOURCE', '-fsanitize=thread',
                  '--param=tsan-instrument-func-entry-exit=0', '--param=tsan-distinguish-volatile=1',
                  '-fsanitize=bounds,alignment,integer-divide-by-zero,object-size',
-                 '-fsanitize=signed-integer-overflow,shift,float-cast-overflow',
+                 '-fsanitize=signed-integer-overflow,shift-exponent,float-cast-overflow',
                  '-fno-sanitize-recover=all', '-ftrivial-auto-var-init=pattern')
 
 

@@ -41,7 +41,10 @@
 
 // Atomics and other read-modify-writes the runtime checks itself: their plain accesses must not
 // be seen by the race detector as ordinary reads and writes.
-#define CTEMU_ATOMIC_FN __attribute__((noinline, no_sanitize("thread")))
+// Their arithmetic wraps as a GPU's does (atomicAdd on int): no signed-overflow check.
+#define CTEMU_ATOMIC_FN __attribute__((noinline, no_sanitize("thread", "signed-integer-overflow")))
+// The code address of the kernel's call of an atomic (the functions are noinline), for messages.
+#define CTEMU_CALLER __builtin_return_address(0)
 
 #define CTEMU_VEC2(T, N, A) struct __attribute__((aligned(A))) N { T x, y; }; \
   static inline N make_##N(T x, T y) { N v; v.x = x; v.y = y; return v; }
@@ -75,7 +78,23 @@ void* malloc(size_t) noexcept;
 void free(void*) noexcept;
 void* memcpy(void*, const void*, size_t) noexcept;
 void* memset(void*, int, size_t) noexcept;
+void __tsan_read_range(void*, unsigned long);      // the runtime's checks of a range
+void __tsan_write_range(void*, unsigned long);
 }
+// memcpy and memset in kernel code go through the runtime's checks (bounds, the race detector,
+// shared memory's written bytes) before the C library does the work.
+static inline void* ctemu_checked_memcpy(void* d, const void* s, size_t n) {
+  __tsan_read_range(const_cast<void*>(s), n);
+  __tsan_write_range(d, n);
+  return __builtin_memcpy(d, s, n);
+}
+static inline void* ctemu_checked_memset(void* d, int c, size_t n) {
+  __tsan_write_range(d, n);
+  return __builtin_memset(d, c, n);
+}
+namespace std { using ::ctemu_checked_memcpy; using ::ctemu_checked_memset; }
+#define memcpy(d, s, n) ctemu_checked_memcpy((d), (s), (n))
+#define memset(d, c, n) ctemu_checked_memset((d), (c), (n))
 
 // ---------------------------------------------------------------------------------------------
 // The CUDA math API: the C library's functions of the names CUDA defines, single and double.
@@ -247,8 +266,12 @@ static inline unsigned __brev(unsigned x) {
   for (int i = 0; i < 32; ++i) r |= ((x >> i) & 1u) << (31 - i);
   return r;
 }
-static inline int __mul24(int x, int y) { return x * y; }
-static inline unsigned __umul24(unsigned x, unsigned y) { return x * y; }
+// the low 24 bits of each operand (sign-extended for __mul24), the low 32 bits of the product
+static inline int __mul24(int x, int y) {
+  long long a = (int)((unsigned)x << 8) >> 8, b = (int)((unsigned)y << 8) >> 8;
+  return (int)(unsigned)(a * b);
+}
+static inline unsigned __umul24(unsigned x, unsigned y) { return (x & 0xffffffu) * (y & 0xffffffu); }
 static inline int __mulhi(int x, int y) { return (int)(((long long)x * y) >> 32); }
 static inline unsigned __umulhi(unsigned x, unsigned y) { return (unsigned)(((unsigned long long)x * y) >> 32); }
 static inline long long __mul64hi(long long x, long long y) { return (long long)(((__int128)x * y) >> 64); }
@@ -400,9 +423,10 @@ static inline T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = 3
 // Atomics: the runtime checks the address (bounds; for the race detector an atomic access and a
 // release/acquire point), may let other threads and blocks run first (random schedule), then the
 // read-modify-write runs with no other fiber running.
-#define CTEMU_ATOMIC(NAME, T, EXPR) \
+#define CTEMU_ATOMIC(NAME, T, EXPR) CTEMU_ATOMIC_RMW(NAME, T, EXPR, 0)
+#define CTEMU_ATOMIC_RMW(NAME, T, EXPR, EXCHANGE) \
   CTEMU_ATOMIC_FN static inline T NAME(T* a, T v) { \
-    ::ctemu::atomic_access(a, sizeof(T)); T o = *a; *a = (EXPR); return o; }
+    ::ctemu::atomic_access(a, sizeof(T), CTEMU_CALLER, EXCHANGE); T o = *a; *a = (EXPR); return o; }
 CTEMU_ATOMIC(atomicAdd, int, o + v)
 CTEMU_ATOMIC(atomicAdd, unsigned int, o + v)
 CTEMU_ATOMIC(atomicAdd, unsigned long long, o + v)
@@ -410,10 +434,10 @@ CTEMU_ATOMIC(atomicAdd, float, o + v)
 CTEMU_ATOMIC(atomicAdd, double, o + v)
 CTEMU_ATOMIC(atomicSub, int, o - v)
 CTEMU_ATOMIC(atomicSub, unsigned int, o - v)
-CTEMU_ATOMIC(atomicExch, int, v)
-CTEMU_ATOMIC(atomicExch, unsigned int, v)
-CTEMU_ATOMIC(atomicExch, unsigned long long, v)
-CTEMU_ATOMIC(atomicExch, float, v)
+CTEMU_ATOMIC_RMW(atomicExch, int, v, 1)
+CTEMU_ATOMIC_RMW(atomicExch, unsigned int, v, 1)
+CTEMU_ATOMIC_RMW(atomicExch, unsigned long long, v, 1)
+CTEMU_ATOMIC_RMW(atomicExch, float, v, 1)
 CTEMU_ATOMIC(atomicMax, int, o > v ? o : v)
 CTEMU_ATOMIC(atomicMax, unsigned int, o > v ? o : v)
 CTEMU_ATOMIC(atomicMax, unsigned long long, o > v ? o : v)
@@ -434,9 +458,10 @@ CTEMU_ATOMIC(atomicXor, unsigned long long, o ^ v)
 CTEMU_ATOMIC(atomicInc, unsigned int, o >= v ? 0u : o + 1u)
 CTEMU_ATOMIC(atomicDec, unsigned int, (o == 0u || o > v) ? v : o - 1u)
 #undef CTEMU_ATOMIC
+#undef CTEMU_ATOMIC_RMW
 #define CTEMU_CAS(T) \
   CTEMU_ATOMIC_FN static inline T atomicCAS(T* a, T cmp, T v) { \
-    ::ctemu::atomic_access(a, sizeof(T)); T o = *a; if (o == cmp) *a = v; return o; }
+    ::ctemu::atomic_access(a, sizeof(T), CTEMU_CALLER, 0); T o = *a; if (o == cmp) *a = v; return o; }
 CTEMU_CAS(int)
 CTEMU_CAS(unsigned int)
 CTEMU_CAS(unsigned long long)

@@ -85,7 +85,9 @@ void* dyn_smem();
 // A static __shared__ variable of the running block: `signature` is the __PRETTY_FUNCTION__ of
 // shared_ref, which names the variable's type.
 void* shared_var(int* slot, usize size, usize itemsize, const char* name, const char* signature);
-void atomic_access(void* p, usize size);   // before an atomic read-modify-write of p
+// before an atomic read-modify-write of p, called from code address pc (the kernel's call);
+// exchange: the old value is not read by the operation (atomicExch), for the unwritten-shared check
+void atomic_access(void* p, usize size, const void* pc, int exchange);
 void check_width(int width);
 
 }  // namespace ctemu

@@ -266,13 +266,13 @@ static inline __half2 operator-(const __half2& a) { return __hneg2(a); }
 
 // atomicAdd on halves (sm_70+): a plain read-modify-write, like the other atomics.
 CTEMU_ATOMIC_FN static inline __half atomicAdd(__half* a, __half v) {
-  ::ctemu::atomic_access(a, sizeof *a);
+  ::ctemu::atomic_access(a, sizeof *a, CTEMU_CALLER, 0);
   __half o = *a;
   *a = __hadd(o, v);
   return o;
 }
 CTEMU_ATOMIC_FN static inline __half2 atomicAdd(__half2* a, __half2 v) {
-  ::ctemu::atomic_access(a, sizeof *a);
+  ::ctemu::atomic_access(a, sizeof *a, CTEMU_CALLER, 0);
   __half2 o = *a;
   *a = __hadd2(o, v);
   return o;

@@ -35,6 +35,7 @@
 
 #include <dlfcn.h>
 #include <link.h>
+#include <math.h>
 #include <pthread.h>
 #include <setjmp.h>
 #include <signal.h>
@@ -62,6 +63,7 @@ enum { kMaxWarps = 32, kMaxSlots = 4, kMaxStaticShared = 48 * 1024,
        kMaxDynamicOptIn = 227 * 1024 };
 enum : unsigned char { kCanary = 0xA5, kUninit = 0xff };
 enum { kRead = 0, kWrite = 1, kAtomic = 2, kVolatile = 4 };
+enum { kExchange = 8 };    // an atomic that does not read the old value (atomicExch): checks only
 // Access counts per region, as the ABI's LaunchArgs::counts lays them out: for reads, writes and
 // atomics in turn, the accesses of 1, 2, 4, 8 and 16 bytes and of any other size, then the bytes.
 enum { kSizeClasses = 6, kCountsPerKind = kSizeClasses + 1, kCounts = 3 * kCountsPerKind };
@@ -934,19 +936,23 @@ __attribute__((noinline)) void unwritten_shared(const Region& r, char* a, size_t
   where(w, sizeof w);
   pc_tag(tag, sizeof tag, pc);
   describe_region(what, sizeof what, r);
-  size_t off = (size_t)(a - r.data), k = 0;
-  while (k < n && r.written[off + k]) ++k;
-  fail("kernel '%s': %s of %zu bytes at offset %zu of %s in %s%s reads byte %zu, which no thread "
-       "of this block wrote (shared memory starts with whatever the previous block left there; "
-       "a write by another thread with no __syncthreads() before this read does not count)",
-       rt.kernel_name, flags & kAtomic ? "an atomic access" : "a read", n, off, what, w, tag, off + k);
+  size_t off = (size_t)(a - r.data);
+  fail("kernel '%s': %s of %zu bytes at offset %zu of %s in %s%s reads bytes no thread of this "
+       "block wrote (shared memory starts with whatever the previous block left there; another "
+       "thread's write counts once it has happened in this schedule, and the race detector "
+       "reports one with no __syncthreads() before the read)",
+       rt.kernel_name, flags & kAtomic ? "an atomic access" : "a read", n, off, what, w, tag);
 }
 
+// A read (or an atomic, which reads first, except an exchange) of which no byte was written.
+// One that is partly written passes: a struct copied whole reads its padding and the fields
+// nobody set, a float4 its unused .w.
 inline void track_shared_write(const Region& r, char* a, size_t n, int flags, uint64_t pc) {
   unsigned char* m = r.written + (a - r.data);
-  if (!(flags & kWrite) || (flags & kAtomic)) {          // reads, and atomics (they read first)
-    for (size_t k = 0; k < n; ++k)
-      if (!m[k]) unwritten_shared(r, a, n, flags, pc);
+  if (!(flags & kWrite) || (flags & (kAtomic | kExchange)) == kAtomic) {
+    size_t k = 0;
+    while (k < n && !m[k]) ++k;
+    if (k == n) unwritten_shared(r, a, n, flags & ~kExchange, pc);
   }
   if (flags & kWrite) memset(m, 1, n);
 }
@@ -957,6 +963,7 @@ __attribute__((noinline)) void checked_access(char* a, size_t n, int flags, uint
   Region& r = rt.regions[id];
   if (a < r.data || a + n > r.data + r.nbytes) out_of_bounds(a, n, flags, pc, "SIGSEGV");
   if (r.written && rt.running) track_shared_write(r, a, n, flags, pc);
+  flags &= ~kExchange;
   if (rt.counting) count_access(r, n, flags);
   if (rt.race && rt.running) race_access(r, a, n, flags, pc);
 }
@@ -1620,12 +1627,12 @@ void fence(int device_scope) {
   yield_now();
 }
 
-void atomic_access(void* p, usize size) {
+void atomic_access(void* p, usize size, const void* caller, int exchange) {
   if (rt.yield_atomics) yield_now();
   char* a = (char*)p;
   if ((size_t)(a - rt.arena) >= rt.arena_size) return;
-  uint64_t pc = (uint64_t)__builtin_return_address(0);
-  checked_access(a, size, kAtomic | kWrite, pc);
+  uint64_t pc = (uint64_t)caller;
+  checked_access(a, size, kAtomic | kWrite | (exchange ? kExchange : 0), pc);
   if (rt.race && rt.running) {
     const Region& r = rt.regions[region_at(a)];
     if (r.kind == kArg || r.kind == kTarget) sync_atomic((uintptr_t)a);
@@ -1897,43 +1904,43 @@ CTEMU_TSAN_SIZE(16)
     __atomic_store_n(a, v, __ATOMIC_SEQ_CST);                                                     \
   }                                                                                              \
   CTEMU_EXPORT T __tsan_atomic##N##_exchange(volatile T* a, T v, int) {                           \
-    ctemu::atomic_access((void*)a, sizeof(T));                                                    \
+    ctemu::atomic_access((void*)a, sizeof(T), RA, 0);                                              \
     return __atomic_exchange_n(a, v, __ATOMIC_SEQ_CST);                                           \
   }                                                                                              \
   CTEMU_EXPORT T __tsan_atomic##N##_fetch_add(volatile T* a, T v, int) {                          \
-    ctemu::atomic_access((void*)a, sizeof(T));                                                    \
+    ctemu::atomic_access((void*)a, sizeof(T), RA, 0);                                              \
     return __atomic_fetch_add(a, v, __ATOMIC_SEQ_CST);                                            \
   }                                                                                              \
   CTEMU_EXPORT T __tsan_atomic##N##_fetch_sub(volatile T* a, T v, int) {                          \
-    ctemu::atomic_access((void*)a, sizeof(T));                                                    \
+    ctemu::atomic_access((void*)a, sizeof(T), RA, 0);                                              \
     return __atomic_fetch_sub(a, v, __ATOMIC_SEQ_CST);                                            \
   }                                                                                              \
   CTEMU_EXPORT T __tsan_atomic##N##_fetch_and(volatile T* a, T v, int) {                          \
-    ctemu::atomic_access((void*)a, sizeof(T));                                                    \
+    ctemu::atomic_access((void*)a, sizeof(T), RA, 0);                                              \
     return __atomic_fetch_and(a, v, __ATOMIC_SEQ_CST);                                            \
   }                                                                                              \
   CTEMU_EXPORT T __tsan_atomic##N##_fetch_or(volatile T* a, T v, int) {                           \
-    ctemu::atomic_access((void*)a, sizeof(T));                                                    \
+    ctemu::atomic_access((void*)a, sizeof(T), RA, 0);                                              \
     return __atomic_fetch_or(a, v, __ATOMIC_SEQ_CST);                                             \
   }                                                                                              \
   CTEMU_EXPORT T __tsan_atomic##N##_fetch_xor(volatile T* a, T v, int) {                          \
-    ctemu::atomic_access((void*)a, sizeof(T));                                                    \
+    ctemu::atomic_access((void*)a, sizeof(T), RA, 0);                                              \
     return __atomic_fetch_xor(a, v, __ATOMIC_SEQ_CST);                                            \
   }                                                                                              \
   CTEMU_EXPORT T __tsan_atomic##N##_fetch_nand(volatile T* a, T v, int) {                         \
-    ctemu::atomic_access((void*)a, sizeof(T));                                                    \
+    ctemu::atomic_access((void*)a, sizeof(T), RA, 0);                                              \
     return __atomic_fetch_nand(a, v, __ATOMIC_SEQ_CST);                                           \
   }                                                                                              \
   CTEMU_EXPORT int __tsan_atomic##N##_compare_exchange_strong(volatile T* a, T* c, T v, int, int) { \
-    ctemu::atomic_access((void*)a, sizeof(T));                                                    \
+    ctemu::atomic_access((void*)a, sizeof(T), RA, 0);                                              \
     return __atomic_compare_exchange_n(a, c, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);       \
   }                                                                                              \
   CTEMU_EXPORT int __tsan_atomic##N##_compare_exchange_weak(volatile T* a, T* c, T v, int, int) { \
-    ctemu::atomic_access((void*)a, sizeof(T));                                                    \
+    ctemu::atomic_access((void*)a, sizeof(T), RA, 0);                                              \
     return __atomic_compare_exchange_n(a, c, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);       \
   }                                                                                              \
   CTEMU_EXPORT T __tsan_atomic##N##_compare_exchange_val(volatile T* a, T c, T v, int, int) {     \
-    ctemu::atomic_access((void*)a, sizeof(T));                                                    \
+    ctemu::atomic_access((void*)a, sizeof(T), RA, 0);                                              \
     __atomic_compare_exchange_n(a, &c, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);             \
     return c;                                                                                    \
   }
@@ -1962,7 +1969,11 @@ enum { kTypeInteger = 0, kTypeFloat = 1 };
 void int_value(char* buf, size_t n, const TypeDescriptor* t, uintptr_t v) {
   unsigned bits = 1u << (t->info >> 1);
   bool is_signed = t->info & 1;
-  if (bits > 64) v = *(const uintptr_t*)v;
+  if (bits > 64) {                                       // __int128: passed by address, in hex
+    const uint64_t* w = (const uint64_t*)v;
+    snprintf(buf, n, "0x%016llx%016llx", (unsigned long long)w[1], (unsigned long long)w[0]);
+    return;
+  }
   if (is_signed) {
     long long s = bits >= 64 ? (long long)v : (long long)(v << (64 - bits)) >> (64 - bits);
     snprintf(buf, n, "%lld", s);
@@ -1975,14 +1986,16 @@ void int_value(char* buf, size_t n, const TypeDescriptor* t, uintptr_t v) {
 double float_value(const TypeDescriptor* t, uintptr_t v) {
   if (t->info == 32) { float f; uint32_t b = (uint32_t)v; memcpy(&f, &b, 4); return f; }
   if (t->info == 64) { double d; memcpy(&d, &v, 8); return d; }
-  if (t->info == 16) {                                   // _Float16, never in kernel code here
-    return 0.0;
+  if (t->info == 16) {                                   // binary16 (_Float16)
+    unsigned h = (unsigned)v & 0xffffu, e = h >> 10 & 31u, m = h & 1023u;
+    double x = e == 31 ? (m ? NAN : INFINITY) : e ? ldexp(1024.0 + m, (int)e - 25) : ldexp(m, -24);
+    return h >> 15 ? -x : x;
   }
   return (double)*(const long double*)v;
 }
 
 [[noreturn]] void ubsan_overflow(OverflowData* d, const char* op, uintptr_t l, uintptr_t r) {
-  char a[32], b[32], msg[384];
+  char a[48], b[48], msg[384];
   int_value(a, sizeof a, d->type, l);
   int_value(b, sizeof b, d->type, r);
   snprintf(msg, sizeof msg, "signed integer overflow: %s %s %s does not fit type %s at %s:%u (a "
@@ -1992,26 +2005,19 @@ double float_value(const TypeDescriptor* t, uintptr_t v) {
 }
 
 [[noreturn]] void ubsan_negate(OverflowData* d, uintptr_t v) {
-  char a[32], msg[256];
+  char a[48], msg[256];
   int_value(a, sizeof a, d->type, v);
   snprintf(msg, sizeof msg, "signed integer overflow: -(%s) does not fit type %s at %s:%u", a,
            d->type->name, d->loc.file, d->loc.line);
   ctemu::fail_here(msg);
 }
 
-[[noreturn]] void ubsan_shift(ShiftData* d, uintptr_t l, uintptr_t r) {
-  char a[32], b[32], msg[384];
-  int_value(a, sizeof a, d->lhs, l);
+[[noreturn]] void ubsan_shift(ShiftData* d, uintptr_t, uintptr_t r) {
+  char b[48], msg[384];                   // -fsanitize=shift-exponent: only the count is checked
   int_value(b, sizeof b, d->rhs, r);
-  unsigned bits = 1u << (d->lhs->info >> 1);
-  bool rhs_signed = d->rhs->info & 1;
-  if ((rhs_signed && b[0] == '-') || strtoull(b, nullptr, 10) >= bits)
-    snprintf(msg, sizeof msg, "shift exponent %s is out of range for the %u-bit type %s at %s:%u "
-             "(a GPU clamps the shift; C++ leaves it undefined)", b, bits, d->lhs->name,
-             d->loc.file, d->loc.line);
-  else
-    snprintf(msg, sizeof msg, "left shift of %s by %s places does not fit type %s at %s:%u", a, b,
-             d->lhs->name, d->loc.file, d->loc.line);
+  snprintf(msg, sizeof msg, "shift exponent %s is out of range for the %u-bit type %s at %s:%u "
+           "(a GPU clamps the shift; C++ leaves it undefined)", b, 1u << (d->lhs->info >> 1),
+           d->lhs->name, d->loc.file, d->loc.line);
   ctemu::fail_here(msg);
 }
 
