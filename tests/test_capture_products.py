@@ -141,6 +141,19 @@ def test_the_fake_refuses_what_reaches_past_an_operand(fake):
         h.gemm(0, 0, 5, 1, 4, B, 5, A, 4, B, 5, f32)
 
 
+def test_a_size_over_cublass_int_is_refused_not_wrapped(fake):
+    """ctypes passes 2**32 + 5 as 5 to a C int: the handle refuses it, named (the products
+    already leave such sizes to Chainer; this guards any other caller)."""
+    h = _gemm.current().handle
+    f32 = numpy.float32
+    with pytest.raises(ValueError, match=r'^cuBLAS product: m = 4294967301 does not fit the C '
+                                         r'int cuBLAS takes'):
+        h.gemm(0, 0, 2 ** 32 + 5, 1, 1, 0, 1, 0, 1, 0, 1, f32)
+    with pytest.raises(ValueError, match=r'^cuBLAS product: batchCount = 2147483648 does not'):
+        h.gemm_batched(0, 0, 1, 1, 1, 0, 1, 1, 0, 1, 1, 0, 1, 1, 2 ** 31, f32)
+    assert fake.products() == []
+
+
 def test_what_cublas_cannot_take_is_left_to_chainer(fake, monkeypatch):
     p = _gemm.current()
     f = numpy.ones((2, 3), numpy.float32)

@@ -757,6 +757,15 @@ def test_the_queried_workspace_must_fit_the_limit_too(fake):
     assert chosen.algo == 3 and [(p.algo, p.memory) for p in skipped] == [(2, 1000)]
 
 
+def test_a_tensor_over_cudnns_int_is_refused_not_wrapped():
+    with pytest.raises(ValueError, match=r'cuDNN tensor descriptor of shape \(1024, 224, 224, '
+                                         r'64\): cuDNN takes at most 2\*\*31 - 1 elements'):
+        descriptors.tensor_4d((1024, 224, 224, 64), numpy.float16, 'NHWC')
+    with pytest.raises(ValueError, match=r'cuDNN filter descriptor of shape \(4294967297, 1, 1, '
+                                         r'1\)'):
+        descriptors.filter_4d((2 ** 32 + 1, 1, 1, 1), numpy.float16, 'NHWC')
+
+
 def test_arguments_are_validated():
     with pytest.raises(ValueError, match='tensor_core .* must be one of'):
         conv.settings(tensor_core='sometimes')

@@ -240,6 +240,7 @@ class Handle:
 
     def gemm(self, transa, transb, m, n, k, a, lda, b, ldb, c, ldc, dtype):
         """C (m x n, column-major, ``ldc``) = op(A) op(B), all of ``dtype``; a, b, c addresses."""
+        _fits_int(m=m, n=n, k=k, lda=lda, ldb=ldb, ldc=ldc)
         t, ct, (one, zero), algo = self._types(dtype)
         self.binding.gemm_ex(self.handle, transa, transb, m, n, k, one, a, t, lda, b, t, ldb,
                              zero, c, t, ldc, ct, algo)
@@ -249,6 +250,7 @@ class Handle:
         """``batch`` products as :meth:`gemm`, the i-th on a + i stride_a, b + i stride_b and
         c + i stride_c (strides in elements; 0 repeats an operand) in one
         ``cublasGemmStridedBatchedEx``, with the compute type and algorithm of :meth:`gemm`."""
+        _fits_int(m=m, n=n, k=k, lda=lda, ldb=ldb, ldc=ldc, batchCount=batch)
         t, ct, (one, zero), algo = self._types(dtype)
         self.binding.gemm_strided_batched_ex(
             self.handle, transa, transb, m, n, k, one, a, t, lda, stride_a, b, t, ldb, stride_b,
@@ -264,6 +266,15 @@ class Handle:
         ct = compute_type(dtype)
         return (DATA_TYPE[dtype], ct, _ADDRESSES[ct],
                 algorithm(dtype, self.compute_capability))
+
+
+def _fits_int(**values):
+    """cuBLAS takes these as C ints: ctypes would wrap a larger value silently (2**32 + 5
+    becomes 5), so one that does not fit is refused, named."""
+    for name, v in values.items():
+        if not -2 ** 31 <= v < 2 ** 31:
+            raise ValueError('cuBLAS product: {} = {} does not fit the C int cuBLAS takes (at '
+                             'most 2**31 - 1); split the product'.format(name, v))
 
 
 _handles = {}

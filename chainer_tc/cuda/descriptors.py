@@ -94,6 +94,7 @@ def tensor_4d(shape, dtype, layout):
     key = _key(shape, dtype, layout)
     desc = _tensors.get(key)
     if desc is None:
+        _fits_cudnn(shape, 'tensor')
         desc = Descriptor('Tensor')
         desc.set('Tensor4dDescriptor', layout_format(layout), data_type(dtype),
                  *nchw_dims(shape, layout))
@@ -106,11 +107,23 @@ def filter_4d(shape, dtype, layout):
     key = _key(shape, dtype, layout)
     desc = _filters.get(key)
     if desc is None:
+        _fits_cudnn(shape, 'filter')
         desc = Descriptor('Filter')
         desc.set('Filter4dDescriptor', data_type(dtype), layout_format(layout),
                  *nchw_dims(shape, layout))
         _filters[key] = desc
     return desc
+
+
+def _fits_cudnn(shape, what):
+    """cuDNN's 4-D descriptors take int dimensions, and a tensor of at most 2**31 - 1
+    elements: ctypes would wrap a larger dimension silently."""
+    total = 1
+    for d in shape:
+        total *= d
+    if total >= 2 ** 31 or any(d >= 2 ** 31 for d in shape):
+        raise ValueError('cuDNN {} descriptor of shape {}: cuDNN takes at most 2**31 - 1 elements '
+                         'in a 4-D tensor; split the batch'.format(what, tuple(shape)))
 
 
 def _key(shape, dtype, layout):
