@@ -162,8 +162,7 @@ def _define_options(defines):
     if not defines:
         return ()
     hit = _options.get(id(defines))
-    if hit is not None and hit[0] is defines and hit[1] == defines and \
-            all(type(v) is type(hit[1][k]) for k, v in defines.items()):    # 32 == 32.0 == True
+    if hit is not None and hit[0] is defines and hit[1] == defines:
         return hit[2]
     for k, v in defines.items():
         if not isinstance(k, str) or not k.isidentifier() or isinstance(v, bool) or \

@@ -125,6 +125,20 @@ def test_fused_equals_the_three_separate_ops(path, train, with_z):
 
 # ---- gradient checks ----------------------------------------------------------------------------
 
+def _bn_mode(train, with_z, mean, var):
+    """f(x, gamma, beta[, z]) of one BN mode, for check_backward: training or fixed (with
+    ``mean``/``var``, cast to x's dtype), with or without the fused Add + ReLU."""
+    def f(x, gamma, beta, *z):
+        zz = z[0] if z else None
+        if train:
+            return TF.batch_normalization_add_relu(x, zz, gamma, beta) if with_z else \
+                TF.batch_normalization(x, gamma, beta)
+        m, v = mean.astype(x.dtype), var.astype(x.dtype)
+        return TF.fixed_batch_normalization_add_relu(x, zz, gamma, beta, m, v) if with_z \
+            else TF.fixed_batch_normalization(x, gamma, beta, m, v)
+    return f
+
+
 @pytest.mark.parametrize('with_z', [True, False])
 @pytest.mark.parametrize('train', [True, False])
 def test_gradient_check_float64(path, with_z, train):
@@ -132,15 +146,7 @@ def test_gradient_check_float64(path, with_z, train):
     if with_z:
         z += 4.0            # keep BN(x) + z away from the ReLU kink: finite differences
     gy = numpy.random.RandomState(6).randn(*x.shape)
-    mean, var = numpy.full(4, 0.3), numpy.full(4, 1.7)
-
-    def f(x, gamma, beta, *z):
-        zz = z[0] if z else None
-        if train:
-            return TF.batch_normalization_add_relu(x, zz, gamma, beta) if with_z else \
-                TF.batch_normalization(x, gamma, beta)
-        return TF.fixed_batch_normalization_add_relu(x, zz, gamma, beta, mean, var) if with_z \
-            else TF.fixed_batch_normalization(x, gamma, beta, mean, var)
+    f = _bn_mode(train, with_z, numpy.full(4, 0.3), numpy.full(4, 1.7))
     inputs = (x, gamma, beta) + ((z,) if with_z else ())
     gradient_check.check_backward(f, inputs, gy, eps=1e-6, atol=1e-7, rtol=1e-6)
 
@@ -158,17 +164,7 @@ def test_gradient_check_float32(path, with_z, train):
     if with_z:
         z += 4.0            # keep BN(x) + z away from the ReLU kink: finite differences
     gy = numpy.random.RandomState(8).randn(*x.shape).astype(numpy.float32)
-    mean = numpy.full(4, 0.3, numpy.float32)
-    var = numpy.full(4, 1.7, numpy.float32)
-
-    def f(x, gamma, beta, *z):
-        zz = z[0] if z else None
-        m, v = mean.astype(x.dtype), var.astype(x.dtype)
-        if train:
-            return TF.batch_normalization_add_relu(x, zz, gamma, beta) if with_z else \
-                TF.batch_normalization(x, gamma, beta)
-        return TF.fixed_batch_normalization_add_relu(x, zz, gamma, beta, m, v) if with_z \
-            else TF.fixed_batch_normalization(x, gamma, beta, m, v)
+    f = _bn_mode(train, with_z, numpy.full(4, 0.3), numpy.full(4, 1.7))
     inputs = (x, gamma, beta) + ((z,) if with_z else ())
     gradient_check.check_backward(f, inputs, gy, eps=1e-3, atol=1e-4, rtol=1e-3,
                                   dtype=numpy.float64)
