@@ -17,7 +17,9 @@ import collections
 import json
 import os
 import re
+import sys
 import threading
+import time
 import warnings
 
 from chainer_tc import _cache
@@ -339,10 +341,34 @@ def fetch(code, name, options, name_expressions=(), target='cubin', load=None):
             else:
                 add('cache_hits')
                 return loaded, Entry(parsed[0], parsed[1], True)
-    program = compile_program(code, name, options, name_expressions, target)
+    started = _say_compiling(name, options)
+    try:
+        program = compile_program(code, name, options, name_expressions, target)
+    finally:
+        _said_compiled(started)
     loaded = load(program.binary)
     _cache.store(KIND, key, _payload(options, name_expressions, target, program))
     return loaded, Entry(program.binary, program.lowered, False)
+
+
+def _say_compiling(name, options):
+    """On a terminal, one line while NVRTC compiles a kernel family on a cache miss (about 2 s
+    each on first use, which would otherwise look like a hang before the first step); nothing
+    in logs and pipes. Returns the start time, or None when nothing was said."""
+    stream = sys.stderr
+    if stream is None or not getattr(stream, 'isatty', lambda: False)():
+        return None
+    arch = next((o.split('=', 1)[1] for o in options if _ARCH_OPTION.match(o)), 'the device')
+    stream.write('chainer_tc: compiling {} for {} (first use; cached for later runs) ...'
+                 .format(os.path.basename(name), arch))
+    stream.flush()
+    return time.perf_counter()
+
+
+def _said_compiled(started):
+    if started is not None:
+        sys.stderr.write(' {:.1f} s\n'.format(time.perf_counter() - started))
+        sys.stderr.flush()
 
 
 # -- the GPU path ---------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ tested here with NVRTC 12 and no GPU; the loading itself is marked gpu."""
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -228,6 +229,29 @@ def test_compile_error_names_the_file_and_stores_nothing(cache):
         _cubin.fetch(code, 'kernels/broken.cu', OPTS)
     assert entry_files(cache) == []
     assert _cubin.counters()['nvrtc_compiles'] == 1
+
+
+def test_a_compile_on_a_terminal_says_so_once(cache, monkeypatch):
+    """About 2 s of NVRTC per kernel family on first use: on a terminal one line says what is
+    compiling and how long it took; a cache hit and a pipe (logs, CI) say nothing."""
+    import io
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+    for stream, said in ((io.StringIO(), False), (Terminal(), True)):
+        monkeypatch.setattr(sys, 'stderr', stream)
+        code = TEMPLATED + '// {}\n'.format(said)          # a miss each time
+        _cubin.fetch(code, 'kernels/scaled.cu', OPTS, NAMES)
+        text = stream.getvalue()
+        if said:
+            assert re.fullmatch(r'chainer_tc: compiling scaled\.cu for sm_80 \(first use; cached '
+                                r'for later runs\) \.\.\. \d+\.\d s\n', text), text
+        else:
+            assert text == ''
+        stream.truncate(0)
+        _cubin.fetch(code, 'kernels/scaled.cu', OPTS, NAMES)           # from the cache
+        assert stream.getvalue() == ''
 
 
 def test_entry_is_written_and_read_back(cache):

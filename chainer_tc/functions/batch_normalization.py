@@ -202,7 +202,8 @@ class BatchNormAddAct(function_node.FunctionNode):
             xp.__name__ == 'cupy', x.dtype, x.shape, gamma.dtype, running_dtype, self.relu,
             self.eps, self.fixed)
         rm, rv = self.running_mean, self.running_var
-        if use_cudnn or _backend(x) != 'numpy':     # raw pointers: contiguous (C,) vectors
+        path = 'cudnn' if use_cudnn else _backend(x)
+        if path != 'numpy':                          # raw pointers: contiguous (C,) vectors
             gamma, beta = xp.ascontiguousarray(gamma), xp.ascontiguousarray(beta)
             if rm is not None and not (rm.flags.c_contiguous and rv.flags.c_contiguous):
                 rm, rv = xp.ascontiguousarray(rm), xp.ascontiguousarray(rv)   # written back below
@@ -216,7 +217,7 @@ class BatchNormAddAct(function_node.FunctionNode):
             self._write_back(rm, rv)
             self.retain_outputs((0,))
             return y,
-        self._path = _backend(x)
+        self._path = path
         # the NumPy path keeps xhat for backward (below), so x itself need not be kept
         self.retain_inputs((1, 2) if self._path == 'numpy' else (0, 1, 2))
         if self._path != 'numpy':          # the kernels index (row, channel) of contiguous data
