@@ -87,8 +87,8 @@ def source_path(family):
 
 # an #include "x.cuh" line, a comment after it allowed; one this does not take is refused (it
 # would reach NVRTC, which has no -I for kernels/, and stay out of the cache keys)
-_INCLUDE_RE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"[ \t]*(?://[^\n]*|/\*.*?\*/[ \t]*)?$',
-                         re.M)
+_INCLUDE_RE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"'
+                         r'[ \t]*(?://[^\n]*|/\*.*?\*/[ \t]*)?$', re.M)
 _ANY_INCLUDE_RE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"[^\n]*$', re.M)
 
 

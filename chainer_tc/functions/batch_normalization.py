@@ -282,7 +282,6 @@ class BatchNormAddActGrad(function_node.FunctionNode):
             xp = chainer.backend.get_array_module(x)
             gamma, beta = xp.ascontiguousarray(gamma), xp.ascontiguousarray(beta)
         if f._path == 'cudnn':
-            xp = chainer.backend.get_array_module(x)
             gx, ggamma, gbeta, g = f._fused.backward(
                 xp.ascontiguousarray(x), y, xp.ascontiguousarray(gy), gamma, beta, f.eps)
             out = (gx, ggamma, gbeta)
@@ -291,7 +290,6 @@ class BatchNormAddActGrad(function_node.FunctionNode):
             gx, ggamma, gbeta, g = _bn_numpy.backward(gy2, y2, f.xhat, gamma, f.invstd,
                                                       f.relu, f.fixed, f.has_z)
         else:
-            xp = chainer.backend.get_array_module(x)
             gx, ggamma, gbeta, g = _bn_kernels.backward(
                 xp.ascontiguousarray(gy2), y2, xp.ascontiguousarray(x2), gamma, f.mean, f.invstd,
                 f.relu, f.fixed, f.has_z, xp)

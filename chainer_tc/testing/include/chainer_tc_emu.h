@@ -481,7 +481,8 @@ namespace ctemu {
 
 // A `__shared__ T name;` becomes `auto& name = ::ctemu::shared_ref<T, ID>("name");`: per
 // block storage the runtime provides (filled with 0xff bytes when the block starts, a read of a
-// byte no thread of the block wrote is an error, bounds checked, seen by the race detector). The slot is per module and per instantiation.
+// byte no thread of the block wrote is an error, bounds checked, seen by the race detector).
+// The slot is per module and per instantiation.
 template <typename T, int ID>
 static inline T& shared_ref(const char* name) {
   static int slot = -1;
