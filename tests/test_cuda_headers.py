@@ -86,5 +86,6 @@ def test_the_loader_finds_a_header_for_its_nvrtc():
     made_for = [d for d in cuda_headers.candidates()
                 if os.path.isfile(os.path.join(d, 'cuda_fp16.h'))
                 and cuda_headers.major_of(d) == major]
-    if made_for:      # here: NVRTC 12 and the CUDA 12 runtime wheel
-        assert dirs == made_for[:1]
+    # the set-up installs NVRTC 12 with the CUDA 12 runtime wheel's headers: one made for it
+    assert made_for, 'no CUDA {} headers among {}'.format(major, cuda_headers.candidates())
+    assert dirs == made_for[:1]
