@@ -224,6 +224,14 @@ def _shared_declarators(text, line):
     return out
 
 
+def _in_directive(plain, pos):
+    """Whether ``pos`` is in a preprocessor directive (a ``#define`` and its continued lines)."""
+    start = plain.rfind('\n', 0, pos) + 1
+    while start > 1 and plain[:start - 1].rstrip(' \t').endswith('\\'):
+        start = plain.rfind('\n', 0, start - 1) + 1
+    return plain[start:pos].lstrip().startswith('#')
+
+
 def _rewrite_shared(code):
     """Shared memory declarations -> the runtime's per-block storage.
 
@@ -255,12 +263,15 @@ def _rewrite_shared(code):
         lead = _SHARED_LEAD_RE.search(plain[:m.start()])
         if re.search(r'\bextern\b', lead.group(1)):
             continue
-        line_start = plain.rfind('\n', 0, m.start()) + 1
-        if plain[line_start:m.start()].lstrip().startswith('#'):
-            continue            # inside a macro: left to the fallback (`static`)
+        line = code.count('\n', 0, m.start()) + 1
+        if _in_directive(plain, m.start()):
+            # where the macro is expanded (a kernel, namespace scope, twice in one function)
+            # is not known here: left as the header's `static`, one copy for every block
+            raise CompileError(
+                'emulator: a __shared__ declaration inside a macro (line {}) cannot be given '
+                'per-block storage: declare the variable outside the macro'.format(line))
         start = lead.start(1)
         end = _statement_end(plain, m.end())
-        line = code.count('\n', 0, m.start()) + 1
         if end is None:
             raise CompileError('emulator: no ";" ends the __shared__ declaration on line {}'
                                .format(line))
