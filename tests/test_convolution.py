@@ -2,6 +2,7 @@
 gradient checks; npz round trips between NCHW and NHWC models."""
 import itertools
 import pickle
+import tracemalloc
 import warnings
 
 import numpy
@@ -104,6 +105,28 @@ def test_input_gradient_of_both_cpu_paths_matches_chainer(geometry, dtype):
     ours = grads(lambda x, W: TF.convolution_2d(x, W, **kwargs), (x, W), gy)
     ref = grads(lambda x, W: F.convolution_2d(x, W, **kwargs), (nchw(x), nchw(W)), nchw(gy))
     numpy.testing.assert_allclose(ours[1].astype('f8'), nhwc(ref[1]).astype('f8'), **TOL[dtype])
+
+
+@pytest.mark.parametrize('geometry', SPREAD + SCATTER)
+@pytest.mark.parametrize('dtype', [numpy.float32, numpy.float16])
+def test_the_patch_matrix_is_copied_once(geometry, dtype):
+    # the copy of the strided patches is made in C order, so that making it 2-D is a view: a
+    # copy in the view's own stride order (astype's default) was copied again by the reshape
+    from chainer_tc.functions import _conv_numpy
+    k, s, p, d, g = geometry
+    x = numpy.random.RandomState(0).randn(2, 9, 8, 4).astype(dtype)
+    geo = _conv_numpy.Geometry((s, s), (p, p), (d, d), 1)
+    assert not geo.pointwise(k, k)              # (no patches there)
+    tracemalloc.start()
+    try:
+        cols = _conv_numpy._columns(x, k, k, geo, numpy.float32)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    padded = (9 + 2 * p) * (8 + 2 * p) * 2 * 4 * x.itemsize
+    assert peak < cols.nbytes + padded + 4096, (peak, cols.nbytes)    # (+ small objects)
+    patches = _conv_numpy._patches(x, k, k, geo)
+    numpy.testing.assert_array_equal(cols, patches.reshape(cols.shape).astype(numpy.float32))
 
 
 def test_bad_input():

@@ -61,7 +61,9 @@ def _columns(x, kh, kw, g, dtype):
     if g.pointwise(kh, kw):
         return x.reshape(-1, x.shape[3]).astype(dtype, copy=False)
     p = _patches(x, kh, kw, g)
-    return p.astype(dtype).reshape(-1, kh * kw * x.shape[3])   # astype always copies here
+    # astype copies; in C order, or it keeps the view's stride order (order='K') and the
+    # reshape copies the patches a second time
+    return p.astype(dtype, order='C').reshape(-1, kh * kw * x.shape[3])
 
 
 def _group_slices(c, o, groups):
