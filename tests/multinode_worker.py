@@ -55,7 +55,8 @@ class Edges(chainer.Chain):
     """fc1 -> fc2 and three heads on fc1's output: ``only0``, which only rank 0's loss uses
     (rank 1 has no gradient for it); ``aux``, a lazy head called in training only (so first in
     the first training step, with values of each rank's own); ``frozen``, added after
-    ``optimizer.setup`` (no update rule; its gradient enters GradientClipping's norm)."""
+    ``optimizer.setup`` (no update rule; its gradient enters GradientClipping's norm), and
+    ``frozen0``, the same but used by rank 0's loss only."""
 
     def __init__(self, rank):
         super().__init__()
@@ -76,6 +77,8 @@ class Edges(chainer.Chain):
             y = y + self.only0(h)
         if hasattr(self, 'frozen'):
             y = y + self.frozen(h)
+        if hasattr(self, 'frozen0') and self.rank == 0:
+            y = y + self.frozen0(h)
         return y
 
 
@@ -91,6 +94,7 @@ def edges(comm, outdir):
         with model.init_scope():
             model.frozen = L.Linear(8, 5, initialW=numpy.full((5, 8), 0.1 * (comm.rank + 1),
                                                               numpy.float32))
+            model.frozen0 = L.Linear(8, 5, initialW=numpy.full((5, 8), 0.2, numpy.float32))
         step = multinode.TrainStep(model, opt, comm,
                                    lambda x, t: F.softmax_cross_entropy(model(x), t),
                                    warmup=warmup)
@@ -102,6 +106,8 @@ def edges(comm, outdir):
         results['replays{}'.format(warmup)] = step.replays
         for name, p in model.namedparams():
             results['w{}{}'.format(warmup, name)] = p.array
+            if name.startswith('/frozen'):      # not trained: the last step's mean gradient
+                results['g{}{}'.format(warmup, name)] = p.grad
     numpy.savez(os.path.join(outdir, 'edges-{}.npz'.format(comm.rank)), **results)
 
 

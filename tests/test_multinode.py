@@ -94,15 +94,18 @@ def test_heads_one_rank_uses_lazy_heads_and_untrained_links_keep_the_ranks_toget
     of its gradient is zero at every replay (it was the last step's mean, sent again). A lazy
     head first called in training: rank 0's values are sent before the update (each rank had
     its own). A link without an update rule under GradientClipping: its gradients are
-    averaged too, so every rank clips alike. Found by review."""
+    averaged too, so every rank clips alike. Another such link only rank 0's loss uses: every
+    rank still makes that collective, with zeros where it has no gradient. Found by review (the
+    last: the ranks made different collectives, MPI_ERR_TRUNCATE)."""
     ranks = run_ranks('edges', tmp_path)
     r0, r1 = ranks
     assert int(r0['replays1']) > 0 and int(r0['replays100']) == 0
-    keys = [k for k in r0 if k.startswith('w1/')]
-    assert {'w1/only0/W', 'w1/aux/W', 'w1/frozen/W'} <= set(keys)
+    keys = [k for k in r0 if k.startswith(('w1/', 'g1/'))]
+    assert {'w1/only0/W', 'w1/aux/W', 'w1/frozen/W', 'g1/frozen0/W', 'g1/frozen/W'} <= set(keys)
+    assert numpy.abs(r0['g1/frozen0/W']).max() > 0      # rank 0's gradient, halved
     for key in keys:
         numpy.testing.assert_array_equal(r0[key], r1[key], err_msg='ranks differ: ' + key)
-        eager = 'w100' + key[2:]
+        eager = key[0] + '100' + key[2:]
         numpy.testing.assert_array_equal(r0[key], r0[eager], err_msg='replayed != eager: ' + key)
 
 

@@ -344,15 +344,24 @@ def reduce_untrained(step, pairs):
     reduction and optimizer hooks: their gradients averaged over the ranks too (new arrays),
     as ChainerMN averages every gradient, so that a hook reading all of them (GradientClipping's
     norm) computes the same on every rank. One more collective, made only then (usually there
-    are no such parameters)."""
+    are no such parameters).
+
+    Every rank makes it over the same arrays: each initialised parameter without an update
+    rule (the model is the same on every rank), zeros for one this rank has no gradient for
+    (ChainerMN's ``zero_fill``), so a link that only some ranks' losses use gets the mean too.
+    Deciding from this rank's own gradients (``pairs``) made ranks differ in collectives."""
     opt = step.optimizer
-    if step.reduce_gradients is None or not pairs or not (
-            opt._has_hooks('pre') or opt._has_hooks('post')):
+    if step.reduce_gradients is None or not (opt._has_hooks('pre') or opt._has_hooks('post')):
         return pairs
-    xp = chainer.backend.get_array_module(pairs[0][1])
-    flats = [xp.array(g, copy=True).reshape(-1) for _, g in pairs]
+    params = [p for _, p in opt._flat.untrained if p.raw_array is not None]
+    if not params:
+        return pairs
+    have = {id(p): g for p, g in pairs}
+    xp = chainer.backend.get_array_module(params[0].raw_array)
+    flats = [xp.array(have[id(p)], copy=True).reshape(-1) if id(p) in have
+             else xp.zeros(p.size, p.dtype) for p in params]
     step.reduce_gradients(flats)
-    return [(p, f.reshape(g.shape)) for (p, g), f in zip(pairs, flats)]
+    return [(p, f.reshape(p.shape)) for p, f in zip(params, flats)]
 
 
 def give_marks(pairs):
