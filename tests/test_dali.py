@@ -584,6 +584,40 @@ def test_trainer_with_evaluator_gives_exact_accuracy(data, tmp_path):
     val.finalize()
 
 
+def test_evaluator_keeps_values_the_model_weighted_itself(data):
+    """A (value, weight) pair (chainer.DictSummary's own form) keeps the model's weight: its mean
+    is the one Chainer's Evaluator gives (the key was dropped: ((value, weight), images) is not a
+    scalar to DictSummary). Plain values are still weighted by the batch's images. Found by
+    review."""
+    class Reporting(chainer.Link):
+        def forward(self, x, t):
+            t = numpy.asarray(t).astype(numpy.float64)
+            even = t[t % 2 == 0]
+            chainer.report({'label': chainer.Variable(numpy.asarray(t.mean())),
+                            'even': (even.mean() if even.size else 0.0, even.size),
+                            'even_v': (chainer.Variable(numpy.asarray(even.sum())),
+                                       chainer.Variable(numpy.asarray(float(max(even.size, 1)))))},
+                           self)
+
+    val = dali.DaliIterator(pipeline(data, train=False), batch_size=8, repeat=False)
+    ours = dali.Evaluator(val, Reporting(), converter=dali.converter)
+    chainers = training.extensions.Evaluator(val, Reporting(), converter=dali.converter)
+    got, want = ours(), chainers()
+    val.reset()
+    labels = [numpy.asarray(t) for _, t in (dali.converter(b) for b in val)]
+    assert [len(t) for t in labels] == [8, 8, 8, 5]
+    every = numpy.concatenate(labels)
+    assert sorted(got) == sorted(want) == ['main/even', 'main/even_v', 'main/label']
+    assert float(got['main/even']) == float(want['main/even'])
+    assert float(got['main/even']) == pytest.approx(every[every % 2 == 0].mean(), rel=1e-12)
+    assert float(got['main/even_v']) == float(want['main/even_v'])
+    assert float(got['main/label']) == pytest.approx(every.mean(), rel=1e-12)
+    assert float(want['main/label']) != pytest.approx(every.mean(), rel=1e-3)
+    assert ours.weights == {'main/label': len(every), 'main/even': (every % 2 == 0).sum(),
+                            'main/even_v': sum(max((t % 2 == 0).sum(), 1) for t in labels)}
+    val.finalize()
+
+
 # ---- GPU -----------------------------------------------------------------------------------------
 
 @pytest.mark.gpu

@@ -7,30 +7,66 @@ value by its batch's size, so the result is the mean over the images: exact accu
 ``DaliIterator(..., repeat=False)``.
 
     trainer.extend(dali.Evaluator(val_iter, model, converter=dali.converter))
+
+A value the model reports as a ``(value, weight)`` pair (``chainer.DictSummary``'s own form) was
+weighted by the model: it is passed on unchanged, with the model's weight, and its mean is the one
+Chainer's Evaluator gives.
 """
+import numpy
+
 import chainer
 from chainer.training import extensions
 
 
 class Evaluator(extensions.Evaluator):
     """``chainer.training.extensions.Evaluator`` whose reported means are per image: each value
-    the target reports for a batch is weighted by the batch's size (``len`` of the first input).
-    Same arguments as Chainer's."""
+    the target reports for a batch is weighted by the batch's size (``len`` of the first input);
+    a ``(value, weight)`` pair keeps the target's weight. Same arguments as Chainer's.
+
+    After :meth:`evaluate`, ``weights`` holds the total weight behind each reported key (the
+    images of the batches that reported it, or the sum of the target's own weights), as floats.
+    """
+
+    weights = None
 
     def evaluate(self):
         original = self.eval_func
-        self.eval_func = _weighted_by_batch(original or self._targets['main'])
+        weights = {}
+        self.eval_func = _weighted_by_batch(original or self._targets['main'], weights)
         try:
-            return super().evaluate()
+            result = super().evaluate()
         finally:
             self.eval_func = original
+        self.weights = weights
+        return result
 
 
-def _weighted_by_batch(target):
+def _weighted_by_batch(target, weights=None):
+    """``target`` reporting each value with its batch's size as weight; ``weights`` (a dict), if
+    given, adds up each key's weight as ``chainer.DictSummary`` does."""
     def eval_func(*args, **kwargs):
         first = args[0] if args else next(iter(kwargs.values()))
         observed = {}
         with chainer.reporter.report_scope(observed):
             target(*args, **kwargs)
-        chainer.reporter.report({k: (v, len(first)) for k, v in observed.items()})
+        weighted = {}
+        for k, v in observed.items():
+            # (value, weight): the target weighted it itself (DictSummary's protocol): kept
+            weighted[k] = v if isinstance(v, tuple) else (v, len(first))
+            value, weight = weighted[k][:2]
+            if weights is not None and _summarised(value) and _summarised(weight):
+                # (a weight that is not a scalar: DictSummary raises, naming the key)
+                weights[k] = weights.get(k, 0.0) + float(_array(weight))
+        chainer.reporter.report(weighted)
     return eval_func
+
+
+def _array(v):
+    return v.array if isinstance(v, chainer.Variable) else v
+
+
+def _summarised(value):
+    """Whether chainer.DictSummary accumulates this value (a scalar or 0-d array); it ignores
+    others, so their weights are not counted either."""
+    value = _array(value)
+    return numpy.isscalar(value) or getattr(value, 'ndim', -1) == 0
