@@ -25,7 +25,9 @@ from chainer_tc import optimizers  # noqa: E402
 
 def shards(comm, outdir):
     """Each rank reads its DALI shard of a small real image set for one epoch, and evaluates
-    the mean label over the whole set with multinode.Evaluator."""
+    over the whole set with multinode.Evaluator: the mean label, keys reported for some batches
+    only (``big``; ``low``, which one rank's batches never report), and a ``(value, weight)``
+    pair the model weighted itself (``even``: the mean even label, weighted by their count)."""
     import chainer.functions as F
     import dali_data
     from chainer_tc import dali
@@ -38,17 +40,29 @@ def shards(comm, outdir):
                                       num_shards=comm.size)
         return dali.DaliIterator(pipe, 3, repeat=False)
 
-    labels = numpy.concatenate([numpy.asarray(t) for _, t in
-                                (dali.converter(b) for b in iterator())])
+    batches = [numpy.asarray(t) for _, t in (dali.converter(b) for b in iterator())]
+    labels = numpy.concatenate(batches)
 
     class MeanLabel(chainer.Link):
         def forward(self, x, t):
-            chainer.report({'label': F.mean(F.cast(t, numpy.float64))}, self)
+            t = numpy.asarray(t).astype(numpy.float64)
+            even = t[t % 2 == 0]
+            report = {'label': F.mean(F.cast(t, numpy.float64)),
+                      'even': (even.mean() if even.size else 0.0, even.size)}
+            if (t >= 5).any():
+                report['big'] = (t >= 5).mean()
+            if (t < 2).any():
+                report['low'] = (t < 2).mean()
+            chainer.report(report, self)
 
     ev = multinode.Evaluator(iterator(), MeanLabel(), comm, converter=dali.converter)
     result = ev()
+    again = ev()
     numpy.savez(os.path.join(outdir, 'dali-{}.npz'.format(comm.rank)), labels=labels,
-                mean=result[[k for k in result if k.endswith('/label')][0]], keys=sorted(result))
+                batch_sizes=[len(b) for b in batches],
+                mean=result[[k for k in result if k.endswith('/label')][0]], keys=sorted(result),
+                **{'result' + k: v for k, v in result.items()},
+                **{'again' + k: v for k, v in again.items()})
 
 
 class Edges(chainer.Chain):

@@ -118,6 +118,47 @@ def test_dali_shards_cover_the_data_once_and_validation_counts_every_image_once(
     assert float(r0['mean']) == float(r1['mean']) == pytest.approx(expected, rel=1e-12)
 
 
+def test_validation_keys_of_some_batches_and_model_weighted_pairs_as_on_one_process(tmp_path):
+    """(tests/multinode_worker.py ``shards``.) A key only some batches report is the mean over
+    those batches' images, as chainer_tc.dali.Evaluator gives on one process over the same
+    batches (each key's sum and weight were combined; it weighted each rank's mean by all the
+    rank's images); a key one rank never reports counts with weight 0 there; a value the model
+    reports as (value, weight) keeps its weight, as with Chainer's Evaluator (it was dropped).
+    Found by review."""
+    r0, r1 = run_ranks('dali', tmp_path)
+    batches = []
+    for r in (r0, r1):
+        batches += numpy.split(r['labels'], numpy.cumsum(r['batch_sizes'])[:-1])
+
+    def over_reporting_batches(report):
+        """dali.Evaluator on one process: each reported value weighted by its batch's size."""
+        pairs = [(report(b.astype(numpy.float64)), len(b)) for b in batches]
+        pairs = [(v, n) for v, n in pairs if v is not None]
+        return sum(v * n for v, n in pairs) / sum(n for _, n in pairs)
+
+    def fraction(condition):
+        return lambda t: condition(t).mean() if condition(t).any() else None
+
+    reporting_low = [r for r in (r0, r1) if (r['labels'] < 2).any()]
+    assert len(reporting_low) == 1, 'one rank reports no "low"'
+    expected = {'main/label': (common.DALI_IMAGES - 1) / 2.0,
+                'main/big': over_reporting_batches(fraction(lambda t: t >= 5)),
+                'main/low': over_reporting_batches(fraction(lambda t: t < 2)),
+                'main/even': numpy.arange(0, common.DALI_IMAGES, 2).mean()}
+    per_rank = []                  # the old combination: each rank's mean times all its images
+    for r in (r0, r1):
+        rank_batches = numpy.split(r['labels'], numpy.cumsum(r['batch_sizes'])[:-1])
+        pairs = [((b >= 5).mean(), len(b)) for b in rank_batches if (b >= 5).any()]
+        per_rank.append(sum(v * n for v, n in pairs) / sum(n for _, n in pairs) * len(r['labels']))
+    assert abs(sum(per_rank) / common.DALI_IMAGES - expected['main/big']) > 0.05, \
+        'the data tells the weightings apart'
+    for r in (r0, r1):
+        assert sorted(r['keys'].tolist()) == sorted(expected)
+        for k, v in expected.items():
+            assert float(r['result' + k]) == pytest.approx(v, rel=1e-12), k
+            assert float(r['again' + k]) == float(r['result' + k]), k
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize('case', ['nccl-fp32', 'nccl-fp16'])
 def test_nccl_step_on_two_gpus_equals_one_process(tmp_path, case):

@@ -6,10 +6,14 @@
     trainer.extend(chainer_tc.multinode.Evaluator(val, model, comm, converter=dali.converter))
 
 Each rank evaluates its shard with means over images (``chainer_tc.dali.Evaluator``), and the
-ranks combine ``mean * images`` and ``images`` per reported key: the result is the mean over
-the whole validation set, whatever the shard sizes (DALI's shards differ by one image at most;
-ChainerMN's multi-node evaluator averages the ranks' means, each rank weighing the same).
-Every rank gets the same result.
+ranks combine, per reported key, ``mean * weight`` and ``weight``, where a key's weight is what
+stands behind its mean on that rank: the images of the batches that reported the key (a key
+reported for some batches only is averaged over those batches' images, as on one process), or
+the sum of the weights the model gave in ``(value, weight)`` pairs. The result is what
+``chainer_tc.dali.Evaluator`` gives on one process over the same batches, whatever the shard
+sizes (DALI's shards differ by one image at most; ChainerMN's multi-node evaluator averages the
+ranks' means, each rank weighing the same). A key no batch of a rank reported counts there with
+weight 0. Every rank gets the same result.
 """
 import numpy
 
@@ -37,16 +41,19 @@ class Evaluator(dali_evaluator.Evaluator):
             means = super().evaluate()
         finally:
             self.eval_func = original
-        keys = sorted(means)
-        local = numpy.array([float(means[k]) * images[0] for k in keys] + [images[0]],
-                            numpy.float64)
-        keys_everywhere = self.communicator.mpi_comm.allgather(keys)
-        if any(k != keys for k in keys_everywhere):
-            raise RuntimeError('the ranks reported different values during evaluation: {}'
-                               .format(keys_everywhere))
+        weights = self.weights
+        mpi_comm = self.communicator.mpi_comm
+        keys = sorted(set().union(*mpi_comm.allgather(sorted(means))))
+        local = numpy.zeros(2 * len(keys) + 1, numpy.float64)
+        for i, k in enumerate(keys):
+            if k in means:
+                local[2 * i] = float(means[k]) * weights[k]
+                local[2 * i + 1] = weights[k]
+        local[-1] = images[0]
         from mpi4py import MPI
         total = numpy.empty_like(local)
-        self.communicator.mpi_comm.Allreduce(local, total, op=MPI.SUM)
+        mpi_comm.Allreduce(local, total, op=MPI.SUM)
         if total[-1] == 0:
             raise RuntimeError('no rank evaluated any image: the validation shards are empty')
-        return {k: total[i] / total[-1] for i, k in enumerate(keys)}
+        with numpy.errstate(divide='ignore', invalid='ignore'):   # weight 0: nan, as Chainer
+            return {k: total[2 * i] / total[2 * i + 1] for i, k in enumerate(keys)}
