@@ -16,6 +16,7 @@ from chainer import serializers
 
 from chainer_tc import kernels
 from chainer_tc import optimizers
+from chainer_tc.optimizers import _scaler
 
 from nets import ConvBNLinear as Net
 
@@ -717,3 +718,62 @@ def test_hyperparameter_changes_reach_the_gpu_kernel_like_the_numpy_path():
     for n in results[0]:
         numpy.testing.assert_allclose(results[1][n], results[0][n], rtol=1e-5, atol=1e-6,
                                       err_msg=n)
+
+
+# ---- hooks: the order of Chainer's update -------------------------------------------------------
+
+def _plain_grads(model, x, t, inf_at=None):
+    """A plain backward (no loss-scale mark: both optimizers use the gradients as they are),
+    with an inf written into fc/W's gradient when ``inf_at`` is given."""
+    model.cleargrads()
+    F.softmax_cross_entropy(model(x), t).backward()
+    if inf_at is not None:
+        model.fc.W.grad[inf_at] = numpy.inf
+
+
+def test_a_pre_hook_cannot_hide_an_overflow_from_dynamic_loss_scaling(path):
+    # Chainer checks the gradients for inf/nan before its pre-update hooks: a hook that clips
+    # (GradientHardClipping turns inf into its bound) must not turn the overflow step into an
+    # applied one
+    x, t = data()
+    ref, o_ref, ours, o = chainer_pair(wd=0)
+    for opt in (o_ref, o):
+        opt.loss_scaling()
+        opt.add_hook(chainer.optimizer_hooks.GradientHardClipping(-0.05, 0.05))
+    before = snapshot(ours)
+    for model, opt in ((ref, o_ref), (ours, o)):
+        _plain_grads(model, x, t, inf_at=(0, 0))
+        with warnings.catch_warnings():
+            warnings.simplefilter('ignore')
+            opt.update()
+    for n, p in ours.namedparams():
+        numpy.testing.assert_array_equal(p.array, before[n], err_msg=n)   # skipped
+    assert_same_params(ref, ours)
+    assert o.skipped_steps == 1 and o.loss_scale == 2.0 ** 14
+    for model, opt in ((ref, o_ref), (ours, o)):                  # a clean step: applied
+        _plain_grads(model, x, t)
+        opt.update()
+    assert_same_params(ref, ours)
+    assert o.skipped_steps == 1 and o._scaler.state[_scaler.FOUND_INF] == 0
+
+
+def test_a_failing_pre_hook_leaves_no_overflow_flag_behind(path):
+    x, t = data()
+    model = Net()
+    o = optimizers.MomentumSGD(lr=0.1).setup(model)
+    o.loss_scaling()
+
+    def bad(optimizer):
+        raise RuntimeError('hook failed')
+    bad.name, bad.timing, bad.call_for_each_param = 'bad', 'pre', False
+    o.add_hook(bad)
+    _plain_grads(model, x, t, inf_at=(0, 0))
+    with pytest.raises(RuntimeError, match='hook failed'):
+        o.update()
+    assert o._scaler.state[_scaler.FOUND_INF] == 0
+    o.remove_hook('bad')
+    before = snapshot(model)
+    _plain_grads(model, x, t)
+    o.update()                                          # trains: no stale flag skips it
+    assert not numpy.array_equal(model.fc.W.array, before['/fc/W'])
+    assert o.skipped_steps == 0

@@ -134,6 +134,11 @@ class LossScaler:
         s = s * 1 if s.dtype == dtype else chainer.functions.cast(s, dtype)
         return s.array.reshape(loss.shape)
 
+    def clear_flag(self):
+        """Clear the overflow flag (a check ran and the step it was for did not): a write on
+        the state's device, no synchronisation."""
+        self.state[FOUND_INF] = 0
+
     def finish_step_host(self, found_inf):
         """The bookkeeping of the kernel's last block, on a NumPy state (the CPU path)."""
         st = self.state

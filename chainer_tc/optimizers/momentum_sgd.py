@@ -295,13 +295,34 @@ class MomentumSGD(chainer_optimizer.GradientMethod):
             del loss
         with variable._AllowArrayAccessWithNonstandardLayout():
             flat = self._try_build(required=True, walk=True)
-            if self._has_hooks('pre'):
-                self.reallocate_cleared_grads()
-                self.call_hooks('pre')
-            self._step(self._plan(flat, flat.grads(),
-                                  marks=[e.param._loss_scale for e in flat.entries]))
+            checked = None
+            try:
+                if self._has_hooks('pre'):
+                    # as Chainer: cleared gradients become zeros, and dynamic loss scaling
+                    # checks the gradients the backward pass computed before any hook runs
+                    # (a hook could hide an overflow: GradientHardClipping clips inf to its
+                    # bound); the update then skips on that check's flag
+                    self.reallocate_cleared_grads()
+                    checked = self._check_before_hooks(flat)
+                    self.call_hooks('pre')
+                grads = flat.grads()
+                self._step(self._plan(flat, grads, checked=checked,
+                                      marks=[e.param._loss_scale for e in flat.entries]))
+            except BaseException:
+                if checked is not None:
+                    self._scaler.clear_flag()       # the step never ran: no flag left set
+                raise
             if self._has_hooks('post'):
                 self.call_hooks('post')
+
+    def _check_before_hooks(self, flat):
+        """With dynamic loss scaling, run the overflow check on the gradients now (before the
+        pre-update hooks), as Chainer does: the kernel path leaves the flag on the device (no
+        synchronisation), the NumPy path returns it. None without dynamic scaling."""
+        if self._scaler.mode != _scaler.DYNAMIC:
+            return None
+        step = self._plan(flat, flat.grads(), marks=[e.param._loss_scale for e in flat.entries])
+        return step.check_now()
 
     def _has_hooks(self, timing):
         h = self._hookable
@@ -316,21 +337,24 @@ class MomentumSGD(chainer_optimizer.GradientMethod):
         self.t += 1
         plan()
 
-    def _plan(self, flat, grads, flat_grads=None, marks=None):
+    def _plan(self, flat, grads, flat_grads=None, marks=None, checked=None):
         """A callable that updates every parameter from ``grads`` (one array or None per entry
         of ``flat``), reading everything else (hyperparameters, loss scale) when it runs.
         ``flat_grads``: the gradients are views of these buffers (``flat.grad_buffers()``),
         which lets the CPU path update whole runs of parameters at once.
         ``marks``: each entry's ``param._loss_scale`` (see :func:`_unscaling`); None: every
-        gradient comes from ``scaled_backward()``."""
-        if flat_grads is not None and marks is not None:
+        gradient comes from ``scaled_backward()``.
+        ``checked``: what ``check_now()`` of a step over this step's gradients returned before
+        the pre-update hooks (dynamic loss scaling): the step skips on that check instead of
+        checking again (as Chainer, which checks before its hooks only); None: it checks."""
+        if flat_grads is not None and (marks is not None or checked is not None):
             raise ValueError('a step over flat gradient buffers takes its gradients from '
                              'scaled_backward(): marks must be None')
         if kernels.backend(flat.xp) != 'numpy':
-            return _KernelStep(self, flat, grads, marks)
+            return _KernelStep(self, flat, grads, marks, checked)
         if flat_grads is not None:
             return _NumpyFlatStep(self, flat, grads, flat_grads)
-        return _NumpyStep(self, flat, grads, marks)
+        return _NumpyStep(self, flat, grads, marks, checked)
 
     def _set_globals(self, row):
         flat = self._flat
@@ -475,10 +499,11 @@ class _KernelStep:
     gradient addresses are fixed here; the kernels read hyperparameters and the loss scale from
     device memory, so the same step can run again (or be captured) on the same gradients."""
 
-    def __init__(self, opt, flat, grads, marks=None):
+    def __init__(self, opt, flat, grads, marks=None, checked=None):
         xp = flat.xp
         self.flat = flat
         self.dynamic = opt._scaler.mode == _scaler.DYNAMIC
+        self.checked = checked is not None
         self.update = kernels.get_function('optimizer', 'momentum_sgd_update', xp, _DEFINES)
         self.check = kernels.get_function('optimizer', 'momentum_sgd_check', xp, _DEFINES) \
             if self.dynamic else None
@@ -499,12 +524,22 @@ class _KernelStep:
         self.scaler_state = opt._scaler.state
         self.table = opt._table.device
 
+    def check_now(self):
+        """The overflow check alone, now (before the pre-update hooks): sets the flag on the
+        device, which the step built after the hooks reads. A gradient that the step would
+        divide on the host first (a step mixing loss-scale marks) is checked as it is, scaled,
+        as Chainer's check reads it. Returns True: the flag is on the device."""
+        with self.flat.device_scope():
+            for sp, chunks, nc in self.launches:
+                self.check((nc,), (BLOCK,), (sp, chunks, self.scaler_state))
+        return True
+
     def __call__(self):
         flat, state = self.flat, self.scaler_state
         with flat.device_scope():
             for g, s in self.host_divisions:
                 g /= s
-            if self.dynamic:
+            if self.dynamic and not self.checked:
                 for sp, chunks, nc in self.launches:
                     self.check((nc,), (BLOCK,), (sp, chunks, state))
             for sp, chunks, nc in self.launches:
@@ -518,26 +553,23 @@ class _NumpyStep:
     """The CPU path: the kernel's arithmetic, in the same order, as vectorised NumPy over
     cache-sized blocks of each parameter, reading the gradients where they are."""
 
-    def __init__(self, opt, flat, grads, marks=None):
+    def __init__(self, opt, flat, grads, marks=None, checked=None):
         self.opt, self.flat = opt, flat
         divide, self.divisor, self.host_divisions = _unscaling(opt, flat, grads, marks)
         flat_grads = [None if g is None else g.reshape(-1) for g in grads]
         self.blocks = [(i, flat_grads[i], divide[i]) + rest for i, rest in _cpu_blocks(opt, flat)]
         self.grads = grads
+        self.checked = checked
 
-    def __call__(self):
-        opt = self.opt
-        sc = opt._scaler
-        scale = sc.state[_scaler.SCALE:_scaler.SCALE + 1].view(numpy.float32)[0]
-        mode = sc.mode
-        for g, s in self.host_divisions:
-            g /= s
+    def _load_grad(self):
+        """``load_grad(g, divide, a, b, out)``: g[a:b] / divisor in the arithmetic type."""
+        scale = self.opt._scaler.state[_scaler.SCALE:_scaler.SCALE + 1].view(numpy.float32)[0]
         # the kernel's grad_divisor: 0 is the device loss scale (float32), else a host value
         # rounded to the arithmetic type
         divisor = {t: scale if self.divisor == 0.0 else t.type(self.divisor)
                    for t in (numpy.dtype(numpy.float32), numpy.dtype(numpy.float64))}
 
-        def load_grad(g, divide, a, b, out):    # g = grad / divisor, in the arithmetic type
+        def load_grad(g, divide, a, b, out):
             if g is None:
                 out[...] = 0
             elif not divide:
@@ -545,13 +577,31 @@ class _NumpyStep:
             else:
                 numpy.divide(g[a:b], divisor[out.dtype], out=out, dtype=out.dtype)
             return out
+        return load_grad
 
+    def _nonfinite(self, load_grad):
         with numpy.errstate(invalid='ignore', over='ignore', divide='ignore'):
-            if mode == _scaler.DYNAMIC and not all(
-                    numpy.isfinite(load_grad(g, d, a, b, temps[0][:b - a])).all()
-                    for i, g, d, a, b, p, v, p16, temps in self.blocks if g is not None):
-                sc.finish_step_host(True)
-                return
+            return not all(
+                numpy.isfinite(load_grad(g, d, a, b, temps[0][:b - a])).all()
+                for i, g, d, a, b, p, v, p16, temps in self.blocks if g is not None)
+
+    def check_now(self):
+        """The overflow check alone, before the pre-update hooks: whether a gradient holds an
+        inf or nan (a gradient the step would divide on the host first, in a step mixing
+        loss-scale marks, is checked as it is, scaled, as Chainer's check reads it)."""
+        return self._nonfinite(self._load_grad())
+
+    def __call__(self):
+        opt = self.opt
+        sc = opt._scaler
+        mode = sc.mode
+        for g, s in self.host_divisions:
+            g /= s
+        load_grad = self._load_grad()
+        if mode == _scaler.DYNAMIC and (
+                self._nonfinite(load_grad) if self.checked is None else self.checked):
+            sc.finish_step_host(True)
+            return
         hyper = opt._table.values
         nesterov = opt.nesterov
         for i, g, d, a, b, p, v, p16, (t1, t2, t3) in self.blocks:
@@ -755,6 +805,13 @@ def _number_scale(name, mark):
                          '(param._loss_scale); a loss scale must be a positive finite number'
                          .format(name, s))
     return s
+
+
+def _has_none(items):
+    for x in items:
+        if x is None:
+            return True
+    return False
 
 
 def _address(a):
