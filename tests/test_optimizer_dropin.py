@@ -777,3 +777,32 @@ def test_a_failing_pre_hook_leaves_no_overflow_flag_behind(path):
     o.update()                                          # trains: no stale flag skips it
     assert not numpy.array_equal(model.fc.W.array, before['/fc/W'])
     assert o.skipped_steps == 0
+
+
+class _ClipWeights:
+    """A per-parameter pre-update hook that replaces each parameter's array (out of place)."""
+    name, timing, call_for_each_param = 'clip_weights', 'pre', True
+
+    def __call__(self, rule, param):
+        param.array = numpy.clip(param.array, -0.2, 0.2)
+
+
+def test_a_pre_hook_that_replaces_arrays_or_rules_updates_like_chainer(path):
+    x, t = data()
+    ref, o_ref, ours, o = chainer_pair(wd=0)    # (Chainer's WeightDecay hook would decay the
+    for opt in (o_ref, o):                      # unclipped weights: ours decays in the update)
+        opt.add_hook(_ClipWeights())
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        step_both(ref, o_ref, ours, o, x, t, 3)
+        assert_same_params(ref, ours)
+
+        def drop_rule(optimizer):
+            optimizer.target.fc.W.update_rule = None
+        drop_rule.name, drop_rule.timing, drop_rule.call_for_each_param = 'drop', 'pre', False
+        for opt in (o_ref, o):
+            opt.add_hook(drop_rule)
+        fc_w = ours.fc.W.array.copy()
+        step_both(ref, o_ref, ours, o, x, t)
+    numpy.testing.assert_array_equal(numpy.clip(fc_w, -0.2, 0.2), ours.fc.W.array)
+    assert_same_params(ref, ours)

@@ -305,6 +305,8 @@ class MomentumSGD(chainer_optimizer.GradientMethod):
                     self.reallocate_cleared_grads()
                     checked = self._check_before_hooks(flat)
                     self.call_hooks('pre')
+                    # a hook may have replaced a parameter's array or update rule
+                    flat = self._try_build(required=True, walk=True)
                 grads = flat.grads()
                 self._step(self._plan(flat, grads, checked=checked,
                                       marks=[e.param._loss_scale for e in flat.entries]))
