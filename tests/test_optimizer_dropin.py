@@ -806,3 +806,33 @@ def test_a_pre_hook_that_replaces_arrays_or_rules_updates_like_chainer(path):
         step_both(ref, o_ref, ours, o, x, t)
     numpy.testing.assert_array_equal(numpy.clip(fc_w, -0.2, 0.2), ours.fc.W.array)
     assert_same_params(ref, ours)
+
+
+def test_post_hooks_and_the_caller_see_a_gradient_for_every_parameter_like_chainer(path):
+    x, t = data()
+    ref, o_ref, ours, o = chainer_pair(wd=0)     # (Chainer's WeightDecay adds to the gradients)
+    seen = {}
+
+    def post(optimizer):
+        seen[optimizer] = {n: None if p.grad is None else p.grad.copy()
+                           for n, p in optimizer.target.namedparams()}
+    post.name, post.timing, post.call_for_each_param = 'post', 'post', False
+    for model, opt in ((ref, o_ref), (ours, o)):
+        opt.add_hook(post)
+        model.cleargrads()
+        F.sum(model.conv(x)).backward()                 # bn and fc get no gradient
+        opt.update()
+    for n, g in seen[o_ref].items():
+        numpy.testing.assert_array_equal(seen[o][n], g, err_msg=n)
+    assert_same_params(ref, ours)
+    o.remove_hook('post')                               # without hooks too
+    o_ref.remove_hook('post')
+    for model, opt in ((ref, o_ref), (ours, o)):
+        model.cleargrads()
+        F.sum(model.conv(x)).backward()
+        opt.update()
+    for n, p in ref.namedparams():
+        q = dict(ours.namedparams())[n]
+        assert q.grad is not None, n
+        numpy.testing.assert_array_equal(q.grad, p.grad, err_msg=n)
+    assert_same_params(ref, ours)

@@ -314,7 +314,12 @@ class MomentumSGD(chainer_optimizer.GradientMethod):
                 if checked is not None:
                     self._scaler.clear_flag()       # the step never ran: no flag left set
                 raise
-            if self._has_hooks('post'):
+            post = self._has_hooks('post')
+            if post or _has_none(grads) or _has_none([p.grad for _, p in flat.untrained]):
+                # as Chainer: every parameter has a gradient after update() (zeros where
+                # there was none), also when the post hooks run
+                self.reallocate_cleared_grads()
+            if post:
                 self.call_hooks('post')
 
     def _check_before_hooks(self, flat):
