@@ -7,7 +7,10 @@ The buffers are the optimizer's flat gradient layout (``FlatParams.grad_buffers(
 per parameter dtype, parameters 256-byte aligned, padding zero). When they are one buffer of the
 reduction dtype, it is reduced in place; otherwise (float16 weights with float32 BatchNorm
 parameters, or a reduction in another dtype) they are packed into one work buffer first: one
-cast-copy per dtype, never one per parameter. Then one collective: NCCL's allreduce on the
+cast-copy per dtype, never one per parameter. A work buffer is made once per (size, dtype,
+device) and kept while the object lives, so a CUDA graph captured around a call always finds
+its buffer, whatever other calls (another size: the untrained parameters' reduction) came in
+between. Then one collective: NCCL's allreduce on the
 current CUDA stream where the communicator has NCCL (``pure_nccl``; it can be captured into a
 CUDA graph), MPI's Allreduce on the host otherwise. The sum is divided by the number of ranks,
 as ChainerMN's ``multi_node_mean_grad`` does.
@@ -54,7 +57,10 @@ class GradientAllreduce:
         self.dtype = None if dtype is None else numpy.dtype(dtype)
         self.collectives = 0
         self.calls = 0
-        self._work = None
+        # one work buffer per (size, dtype, device), kept for the object's lifetime: a CUDA
+        # graph captured around a call holds the buffer's address, and a call with another
+        # size (the untrained parameters' reduction) must not free it
+        self._works = {}
         self._warned = False
 
     def _reduction_dtype(self, buffers, on_gpu):
@@ -87,11 +93,7 @@ class GradientAllreduce:
         if len(buffers) == 1 and buffers[0].dtype == dt:
             work = buffers[0]
         else:
-            n = sum(b.size for b in buffers)
-            if (self._work is None or self._work.size != n or self._work.dtype != dt
-                    or type(self._work) is not type(buffers[0])):
-                self._work = xp.empty(n, dt)
-            work = self._work
+            work = self._work_buffer(xp, sum(b.size for b in buffers), dt, buffers[0])
             offset = 0
             for b in buffers:
                 work[offset:offset + b.size] = b
@@ -103,6 +105,17 @@ class GradientAllreduce:
             for b in buffers:
                 b[...] = work[offset:offset + b.size]
                 offset += b.size
+
+    def _work_buffer(self, xp, n, dt, like):
+        """The work buffer of ``n`` elements of ``dt`` on ``like``'s device: the same array
+        at every call, never freed while this object lives (a captured CUDA graph reads and
+        writes it by address)."""
+        device = getattr(getattr(like, 'device', None), 'id', None) if xp is not numpy else None
+        key = (xp.__name__, device, n, dt)
+        work = self._works.get(key)
+        if work is None:
+            work = self._works[key] = xp.empty(n, dt)
+        return work
 
     def _allreduce(self, work, on_gpu):
         from mpi4py import MPI
