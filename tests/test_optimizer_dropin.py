@@ -836,3 +836,33 @@ def test_post_hooks_and_the_caller_see_a_gradient_for_every_parameter_like_chain
         assert q.grad is not None, n
         numpy.testing.assert_array_equal(q.grad, p.grad, err_msg=n)
     assert_same_params(ref, ours)
+
+
+# ---- Chainer's loss-scaling methods ----------------------------------------------------------
+
+@pytest.mark.parametrize('dynamic', [True, False])
+def test_check_nan_in_grads_and_is_safe_to_update_answer_like_chainer(dynamic):
+    x, t = data()
+    ref, o_ref, ours, o = chainer_pair(wd=0)
+    for opt in (o_ref, o):
+        opt.loss_scaling(scale=None if dynamic else 8.0)
+    answers = {}
+    for model, opt in ((ref, o_ref), (ours, o)):
+        _plain_grads(model, x, t, inf_at=(1, 2))
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter('always')
+            opt.check_nan_in_grads()
+        bad = opt.is_safe_to_update()
+        _plain_grads(model, x, t)
+        opt.check_nan_in_grads()
+        answers[opt] = ([str(m.message).split(' (')[0] for m in w], bad,
+                        opt.is_safe_to_update())
+    assert answers[o] == answers[o_ref]
+    if dynamic:
+        assert answers[o] == (['Non finite number found in param.grad of /fc/W'], False, True)
+        with pytest.raises(RuntimeError, match='inside update'):
+            o.update_loss_scale()         # update() moves the scale itself: not twice
+    else:
+        assert answers[o] == ([], True, True)
+        o.update_loss_scale()               # nothing to do, as with Chainer
+        assert o.loss_scale == 8.0

@@ -280,6 +280,46 @@ class MomentumSGD(chainer_optimizer.GradientMethod):
         return self.loss_scale
 
     @property
+    def _loss_scaling_is_dynamic(self):
+        # Chainer's attribute (a class attribute False there, set by its loss_scaling())
+        return self._scaler.mode == _scaler.DYNAMIC
+
+    def check_nan_in_grads(self):
+        """As Chainer's: with dynamic loss scaling, warn for every parameter whose gradient
+        holds an inf or nan (naming it), and remember the answer for ``is_safe_to_update()``.
+        Reads every gradient on the host (one synchronisation per parameter, as Chainer's);
+        ``update()`` does not call it: it checks on the device instead."""
+        self._loss_scaling_isnan = False
+        if not self._loss_scaling_is_dynamic:
+            return
+        with variable._AllowArrayAccessWithNonstandardLayout():
+            for name, param in self.target.namedparams():
+                g = param.grad
+                if g is None:
+                    continue
+                xp = chainer.backend.get_array_module(g)
+                if not bool(xp.isfinite(g).all()):
+                    self._loss_scaling_isnan = True
+                    warnings.warn('Non finite number found in param.grad of {} (iteration: {}, '
+                                  'loss_scale: {})'.format(name, self.t, self.loss_scale),
+                                  stacklevel=2)
+
+    def is_safe_to_update(self):
+        """As Chainer's: False when the last ``check_nan_in_grads()`` found an inf or nan."""
+        return not getattr(self, '_loss_scaling_isnan', False)
+
+    def update_loss_scale(self):
+        """Chainer's step of its dynamic loss scale. Here ``update()`` moves the scale itself, on
+        the device (halved on an overflow, doubled after ``interval`` clean steps): with dynamic
+        loss scaling, a second move is refused; otherwise nothing to do, as with Chainer."""
+        if self._loss_scaling_is_dynamic:
+            raise RuntimeError(
+                'chainer_tc.optimizers.MomentumSGD updates its dynamic loss scale inside '
+                'update() (halved on an overflow, doubled after interval={} clean steps), on the '
+                'device; update_loss_scale() would move it a second time. Call update() alone '
+                '(it skips a step with an inf or nan gradient)'.format(self._scaler.interval))
+
+    @property
     def skipped_steps(self):
         """Steps skipped for an inf or nan gradient so far (reading it synchronises)."""
         return self._scaler.skipped
