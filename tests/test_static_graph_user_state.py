@@ -427,23 +427,43 @@ def test_a_plain_backward_between_steps_leaves_replays_with_hooks_unscaled_right
     assert step.replays == 5
 
 
-@pytest.mark.parametrize('what', ['input', 'parameter'])
+class Counting(MLP):
+    """MLP with persistent arrays the loss function may update in Python."""
+
+    def __init__(self):
+        super().__init__(bn=True)
+        self.add_persistent('center', numpy.zeros(8, numpy.float32))
+        with self.init_scope():
+            self.l1.add_persistent('calls', numpy.zeros(1, numpy.int64))
+
+
+@pytest.mark.parametrize('what', ['input', 'parameter', 'persistent', 'persistent_read'])
 def test_a_write_in_place_in_the_loss_function_is_refused_with_what_was_written(what):
-    """``x -= x.mean(0)`` on the batch, or a constraint applied with ``out=`` to a parameter,
-    inside the loss function: no recorded function made the write, so a replay would not redo
-    it (the arrays keep their identity: comparing the steps cannot see it). Refused, naming
-    the array; every step equals an eager one."""
+    """``x -= x.mean(0)`` on the batch, a constraint applied with ``out=`` to a parameter, a
+    counter or a running mean kept in a persistent array (one also read by the loss), updated
+    in the loss function: no recorded function made the write, so a replay would not redo it
+    (the arrays keep their identity: comparing the steps cannot see it). Refused, naming the
+    array; every step equals an eager one. BatchNormalization's running statistics, which its
+    function is handed and updates, still replay (the other tests). Found by review (the
+    persistent arrays: replays silently left them as the last eager step had)."""
     def lossfun(model):
         def f(x, t):
             if what == 'input':
                 x -= x.mean(axis=0)
-            else:
+            elif what == 'parameter':
                 numpy.clip(model.l1.W.array, -0.2, 0.2, out=model.l1.W.array)
-            return F.softmax_cross_entropy(model(x), t)
+            elif what == 'persistent':
+                model.l1.calls[...] += 1
+            h = model.l1(x)
+            if what == 'persistent_read':
+                model.center[...] = 0.9 * model.center + 0.1 * h.array.mean(axis=0)
+                h = h - model.center
+            return F.softmax_cross_entropy(model.l2(F.relu(model.bn(h))), t)
         return f
-    (me, oe), (ms, os_) = pair(MLP)
+    (me, oe), (ms, os_) = pair(Counting)
     step = TrainStep(ms, os_, lossfun(ms))
-    name = 'input 0' if what == 'input' else 'parameter l1/W'
+    name = {'input': 'input 0', 'parameter': 'parameter l1/W', 'persistent': 'persistent l1/calls',
+            'persistent_read': 'persistent center'}[what]
     with pytest.warns(RuntimeWarning, match='cannot be replayed.*wrote into {} in place'
                       .format(name)):
         for i, (x, t) in enumerate(data(6)):
@@ -451,6 +471,48 @@ def test_a_write_in_place_in_the_loss_function_is_refused_with_what_was_written(
             step(x.copy(), t)
             assert_same(params(me), params(ms), 'step {} params'.format(i))
     assert step.replays == 0
+
+
+class OneHotTarget(MLP):
+    """MLP whose loss is against a one-hot target kept in a buffer and refilled in place each
+    step (``always_same``: with the same values every step)."""
+
+    def __init__(self, always_same=False):
+        super().__init__()
+        self.target = numpy.zeros((4, 5), numpy.float32)
+        self.always_same = always_same
+
+    def loss(self, x, t):
+        self.target[...] = 0
+        self.target[numpy.arange(len(t)), 0 if self.always_same else t] = 1
+        return F.mean_squared_error(F.softmax(self(x)), self.target)
+
+
+@pytest.mark.parametrize('always_same', [False, True])
+def test_a_buffer_the_loss_function_refills_in_place_is_compared_by_its_values(always_same):
+    """The same array object in every recorded step, so comparing it with itself always
+    passed: replays read what the last eager step left in it. A recorded step compares such
+    an array (read by an op, made by none, no input, parameter or state) as the op reads it
+    with its value when the step began: refused (runs eagerly, warned, naming the function)
+    when the step wrote into it, replayed when it did not. (An array code outside the step
+    changes, another model's parameter, is read live: the GAN test.) Every step equals an
+    eager one. Found by review."""
+    (me, oe), (ms, os_) = pair(lambda: OneHotTarget(always_same))
+    step = TrainStep(ms, os_, ms.loss, check_every=3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        for i, (x, t) in enumerate(data(8)):
+            eager_update(oe, me.loss, x, t)
+            step(x, t)
+            assert_same(params(me), params(ms), 'step {} params'.format(i))
+    said = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    if always_same:
+        assert step.replays > 0 and not said
+    else:
+        assert step.replays == 0
+        assert len(said) == 1 and re.search(r'wrote into an array function #\d+ '
+                                            r'\(MeanSquaredError\) reads \(shape \(4, 5\)\) '
+                                            r'in place', said[0]), said
 
 
 def test_an_input_variable_with_a_graph_is_refused_and_one_needing_a_gradient_is_warned_of():

@@ -131,8 +131,10 @@ def check_trace(trace):
         raise NotReplayable(
             'the step wrote into {} in place, outside any Chainer function (e.g. `x -= ...` '
             'or `out=` on the array in the loss function): a replay would not do it again. '
-            'Compute a new array with Chainer functions instead (x = x - ...), or change '
-            'parameters in an optimizer hook (hooks run at every replay)'
+            'Compute a new array with Chainer functions instead (x = x - ...); change '
+            'parameters in an optimizer hook, other state (a persistent array: a running '
+            'mean, a counter) after the call (hooks and code outside the step run at every '
+            'replay)'
             .format(', '.join(trace.written)))
     if trace.python_gradients:
         names = sorted(set(trace.python_gradients))

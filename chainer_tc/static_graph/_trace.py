@@ -118,6 +118,7 @@ class Trace:
         self.written = []          # inputs and parameters written in place outside the ops
         self.leftover_grads = {}   # id of a gradient the backward adds to -> its parameter
         self.untrained_grads = []  # (param, grad) of the target's parameters without a rule
+        self.constants = {}        # id -> array an op read that no op made, no external
 
 
 class _Patches:
@@ -179,12 +180,23 @@ class Recorder(chainer.FunctionHook):
 
     name = 'chainer_tc_static_graph_recorder'
 
-    def __init__(self):
+    def __init__(self, externals=None, watch=()):
         self.trace = Trace()
         self._depth = 0
         self._last_config = None
         self.outer = None
         self._installed = []        # old-style Functions given a recording backward
+        # With ``externals`` (the arrays refreshed in place elsewhere: inputs, parameters,
+        # state), the arrays ops read that no earlier op made and that are no external are
+        # kept (Trace.constants); ``watch``, those of an earlier recorded step, are copied
+        # when this step begins, and one an op reads with other values was written in the
+        # step, in Python (a one-hot target the loss function keeps and refills in place):
+        # the same object in every recorded step, so comparing two steps cannot see it. One
+        # changed between steps, by code outside the step (another model's optimizer), is
+        # read as it is, as a replay reads it.
+        self._known = None if externals is None else {id(a) for a in externals}
+        self._learned = 0           # ops whose results are in _known
+        self._watch = {id(a): (a, a.copy()) for a in watch}
 
     def __enter__(self):
         super().__enter__()
@@ -227,6 +239,8 @@ class Recorder(chainer.FunctionHook):
             return
         op = Op(function, in_data, self._config())
         self.trace.ops.append(op)
+        if self._known is not None:
+            self._constants(op)
         forward = function.forward
         recorder = self
 
@@ -242,6 +256,36 @@ class Recorder(chainer.FunctionHook):
             return outputs
 
         function.__dict__['forward'] = recording_forward
+
+    def _constants(self, op):
+        """The arrays ``op`` reads (its inputs, and arrays among its attributes, in tuples
+        and lists too) that no earlier op made and are no external or view of one: kept, and
+        where watched, compared with their values when the step began."""
+        known, constants, ops = self._known, self.trace.constants, self.trace.ops
+        for done in ops[self._learned:-1]:      # they ran: what they made is no constant
+            known.update(id(y) for y in done.outputs or ())
+            known.update(id(v) for v in (done.post or {}).values())
+        self._learned = len(ops) - 1
+        arrays = array_types()
+        found = list(op.inputs)
+        for v in op.pre.values():
+            if isinstance(v, (tuple, list)):
+                found.extend(v)
+            else:
+                found.append(v)
+        for a in found:
+            if not isinstance(a, arrays) or id(a) in constants:
+                continue
+            b = a
+            while b is not None and id(b) not in known:
+                b = getattr(b, 'base', None)
+            if b is not None:
+                continue
+            constants[id(a)] = a
+            watched = self._watch.get(id(a))
+            if watched is not None and not same_bits(a, watched[1]):
+                self.trace.written.append('an array function #{} ({}) reads (shape {})'.format(
+                    len(ops) - 1, op.label, a.shape))
 
     def backward_preprocess(self, function, in_data, out_grad):
         if self._depth:
@@ -260,6 +304,8 @@ class Recorder(chainer.FunctionHook):
             op = Op(OldStyleBackward(old_style, len(inputs)), tuple(inputs) + tuple(grad_outputs),
                     recorder._config())
             recorder.trace.ops.append(op)
+            if recorder._known is not None:
+                recorder._constants(op)
             # an old-style backward may write into its arrays (F.hinge: gloss /= len(t)); the
             # CPU replay puts a constant made anew each step back at the start of each replay
             # (_program.Program._restores). Not checked under a CUDA graph
@@ -275,6 +321,10 @@ class Recorder(chainer.FunctionHook):
                 recorder._depth -= 1
             op.overwritten = tuple((k, b) for k, (a, b) in enumerate(zip(op.inputs, before))
                                    if b is not None and not same_bits(a, b))
+            if recorder._known is not None:
+                for k, _ in op.overwritten:      # state a recorded op updates, no constant
+                    recorder._known.add(id(op.inputs[k]))
+                    recorder.trace.constants.pop(id(op.inputs[k]), None)
             op.outputs = tuple(gxs)
             op.post = _kept_values(op.state)
             return gxs

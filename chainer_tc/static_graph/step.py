@@ -330,7 +330,7 @@ class TrainStep:
         entry.load(inputs)
         if self.capture and _is_cupy(entry.buffers):
             return self._capture(entry, inputs)
-        trace, result = self._recorded(inputs, entry.buffers)
+        trace, result = self._recorded(inputs, entry.buffers, entry.first)
         try:
             entry.replay = self._build(entry, trace)
             self.traces += 1
@@ -343,10 +343,11 @@ class TrainStep:
         self._update(trace.grads)
         return result
 
-    def _recorded(self, inputs, buffers=None):
+    def _recorded(self, inputs, buffers=None, previous=None):
         """A recorded eager step without its update: (trace, loss). It reads ``buffers``, or
         when None copies of the batch of its own: a graph the model carries from it into the
-        next step (which refuses the replay) then keeps this step's inputs."""
+        next step (which refuses the replay) then keeps this step's inputs. The constants the
+        ``previous`` recorded step read are watched for writes made in this step."""
         opt = self.optimizer
         if buffers is None:
             buffers = tuple(_empty_like(a) for a in inputs)
@@ -355,14 +356,24 @@ class TrainStep:
         self.eager_steps += 1
         watched = self._watched(buffers)
         before = [a.copy() for _, a in watched]
-        with _trace.Recorder() as rec:
+        state = self._named_persistents()
+        state_before = [a.copy() for _, a in state]
+        watch = () if previous is None else previous.constants.values()
+        with _trace.Recorder(self._externals(buffers), watch) as rec:
             loss = self._call_lossfun(buffers)
             opt.target.cleargrads()
             rec.trace.leftover_grads = _trace.leftover_grads(loss)    # (for the messages)
             opt.scaled_backward(loss)
         trace = rec.trace
-        trace.written = [name for (name, a), b in zip(watched, before)
-                         if not _trace.same_bits(a, b)]
+        # (after what the recorder found: constants written in the step)
+        trace.written[:0] = [name for (name, a), b in zip(watched, before)
+                             if not _trace.same_bits(a, b)]
+        # a persistent array changed by no function it was handed to (BatchNormalization's
+        # running statistics are): written in Python, which a replay would not do again
+        handed = {id(x) for op in trace.ops for v in op.pre.values()
+                  for x in (v if isinstance(v, (tuple, list)) else (v,))}
+        trace.written += [name for (name, a), b in zip(state, state_before)
+                          if id(a) not in handed and not _trace.same_bits(a, b)]
         trace.externals = self._externals(buffers)
         with variable._AllowArrayAccessWithNonstandardLayout():
             flat = opt._try_build(required=True)
@@ -384,7 +395,8 @@ class TrainStep:
         replayed = entry.since_check - 1
         entry.since_check = 0
         self.checks += 1
-        trace, result = self._recorded(inputs)
+        program = getattr(entry.replay, 'program', None)
+        trace, result = self._recorded(inputs, None, None if program is None else program.trace)
         try:
             traced = entry.replay.program.trace
             _compare.check_same_step(traced, trace, traced.externals, trace.externals)
@@ -488,6 +500,22 @@ class TrainStep:
         return tuple((link.__dict__, name, link.__dict__[name]) for link in self._links()
                      for name in link._persistent
                      if isinstance(link.__dict__[name], _trace.array_types()))
+
+    def _named_persistents(self):
+        """('persistent <path>', array) of every persistent array of the model and the
+        optimizer's target, each once."""
+        out, seen = [], set()
+        roots = (self.model,) if self.optimizer.target is self.model else (
+            self.model, self.optimizer.target)
+        for root in roots:
+            for path, link in root.namedlinks():
+                for name in link._persistent:
+                    a = link.__dict__[name]
+                    if isinstance(a, _trace.array_types()) and id(a) not in seen:
+                        seen.add(id(a))
+                        out.append(('persistent ' + '{}/{}'.format(path, name).lstrip('/')
+                                    .replace('//', '/'), a))
+        return out
 
     def _others(self):
         """(name, param, array) of each parameter of the model that the optimizer does not
