@@ -4,12 +4,15 @@
     step = chainer_tc.multinode.TrainStep(model, optimizer, comm, lossfun)
     loss = step(x, t)                                       # this rank's shard of the batch
 
-Before the first step the model is broadcast from rank 0. Every step (eager, recorded, replayed
+Before the first step the model is broadcast from rank 0, every parameter in its own precision
+(:func:`bcast_data`). Every step (eager, recorded, replayed
 or captured) averages the gradients over the ranks with one collective on one buffer
 (:class:`~chainer_tc.multinode.allreduce.GradientAllreduce`) before the batched update. The
 dynamic loss scale stays identical on every rank: an inf or nan on one rank reaches every rank
 through the mean, so every rank skips that step and halves its scale.
 """
+import numpy
+
 import chainer
 
 from chainer_tc.multinode import allreduce
@@ -43,7 +46,7 @@ class TrainStep(step_module.TrainStep):
         if any(p.array is None for p in self.optimizer.target.params()):
             with chainer.using_config('train', False), chainer.no_backprop_mode():
                 self.lossfun(*args, **kwargs)
-        self.communicator.bcast_data(self.optimizer.target)
+        bcast_data(self.communicator, self.optimizer.target)
         self._broadcast_names = _initialized(self.optimizer.target)
         self._broadcast = True
 
@@ -57,9 +60,25 @@ class TrainStep(step_module.TrainStep):
         averaged update and the momentum are the same on every rank."""
         names = _initialized(self.optimizer.target)
         if names != self._broadcast_names:
-            self.communicator.bcast_data(self.optimizer.target)
+            bcast_data(self.communicator, self.optimizer.target)
             self._broadcast_names = names
         super()._update(grads)
+
+
+def bcast_data(communicator, model):
+    """``communicator.bcast_data(model)`` without rounding any parameter: ChainerMN's
+    ``pure_nccl`` communicator packs every parameter into ``chainer.get_dtype()`` (float16
+    under ``dtype`` float16 or mixed16) for the broadcast, so float32 parameters (BatchNorm's,
+    the float16 ResNet-50's classifier) would come back rounded to float16 on every rank. The
+    broadcast runs with ``dtype`` float32 (float64 if a parameter is float64), which holds
+    every parameter's value exactly; the naive communicator sends each parameter in its own
+    dtype either way."""
+    wide = numpy.dtype(numpy.float32)
+    for p in model.params():
+        if p.array is not None and p.array.dtype == numpy.float64:
+            wide = numpy.dtype(numpy.float64)
+    with chainer.using_config('dtype', wide):
+        communicator.bcast_data(model)
 
 
 def _initialized(target):
