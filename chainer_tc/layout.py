@@ -7,7 +7,9 @@
 NumPy arrays take a NumPy path; CuPy arrays (and NumPy arrays under ``CHAINER_TC_EMULATE=1``) take
 one launch of ``kernels/layout.cu``. Both give bit-identical results: the only arithmetic is the
 float32 -> float16 rounding, which is round-to-nearest-even on both. The result is always a new
-C-contiguous array, even when no cast is asked for.
+C-contiguous array, even when no cast is asked for. Big-endian input (``'>f4'``) is converted
+to the native byte order first (one copy); the result has the byte order of ``dtype``, else the
+input's.
 """
 import numpy
 
@@ -34,22 +36,47 @@ def _check(x, name, layout):
     if getattr(x, 'ndim', None) != 4:
         raise ValueError('{} must be a 4-D array {}; got shape {}'
                          .format(name, layout, getattr(x, 'shape', type(x).__name__)))
-    if x.dtype not in _SUFFIX:
+    if _native(x.dtype) not in _SUFFIX:
         raise TypeError('{} must be float16 or float32; got {}'.format(name, x.dtype))
     return x.shape
 
 
+def _native(dtype):
+    """``dtype`` in this machine's byte order (a big-endian '>f4' is float32's value)."""
+    return dtype.newbyteorder('=')
+
+
 def _out_dtype(x, dtype):
-    out = x.dtype if dtype is None else numpy.dtype(dtype)
-    if out not in _SUFFIX:
+    """The result's dtype: ``dtype`` (any byte order), else ``x``'s."""
+    if dtype is None:
+        return x.dtype
+    try:
+        out = numpy.dtype(dtype)
+    except TypeError:
+        hint = ''
+        if isinstance(dtype, str) and dtype == 'mixed16':
+            hint = (" (mixed16 is Chainer's configuration of float16 values with float32 "
+                    "parameters, not an array dtype: pass numpy.float16)")
+        raise TypeError('dtype must be float16 or float32 (a NumPy dtype or its name); got '
+                        '{!r}{}'.format(dtype, hint)) from None
+    if _native(out) not in _SUFFIX:
         raise TypeError('dtype must be float16 or float32; got {}'.format(out))
     return out
 
 
 def _transpose(x, batch, rows, cols, out_shape, dtype):
-    """Transpose each of ``batch`` (rows x cols) matrices of ``x`` into ``out_shape``."""
+    """Transpose each of ``batch`` (rows x cols) matrices of ``x`` into ``out_shape``.
+
+    A non-native byte order (``'>f4'`` on a little-endian machine) is the same value: the input
+    is read as such, the result computed in the native dtype and converted to the byte order
+    asked for (``dtype``, else the input's) with one more copy."""
     xp = _array_module(x)
     out_dtype = _out_dtype(x, dtype)
+    native = _native(out_dtype)
+    if out_dtype != native:
+        return _transpose(x, batch, rows, cols, out_shape, native).astype(out_dtype)
+    if x.dtype != _native(x.dtype):
+        x = x.astype(_native(x.dtype))
     if max(batch, rows, cols) > 2 ** 31 - 1:
         raise ValueError('x has a dimension product over 2^31-1 (N={}, rows={}, cols={}); split '
                          'the batch'.format(batch, rows, cols))
