@@ -83,6 +83,7 @@ class CapturedStep:
         self.loss = loss.array
         self.grads = [(e.param, g) for e, g in zip(flat.entries, grads)]
         self.untrained = list(trace.untrained_grads)
+        self.refill = _program.leaves_none(flat, recorded_grads)
         self.marks = [(e.param, e.param._loss_scale) for e in flat.entries]
         self.flat = flat
         self.program = None
@@ -174,6 +175,8 @@ class CapturedStep:
                 opt.update()
             else:
                 opt.t += 1
+                if self.refill:             # as update(): zeros where there was no gradient
+                    opt.reallocate_cleared_grads()
             if report:
                 self.program.report()
             return chainer.Variable(self.loss.copy(), requires_grad=False)

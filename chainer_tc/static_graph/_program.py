@@ -364,6 +364,13 @@ def reduce_untrained(step, pairs):
     return [(p, f.reshape(p.shape)) for p, f in zip(params, flats)]
 
 
+def leaves_none(flat, grads):
+    """Whether a replay's update leaves a parameter without a gradient (``grads``: the
+    recorded step's, per optimizer entry), which ``optimizer.update()`` fills with zeros
+    afterwards, as Chainer's: one this step gave none, or one the optimizer does not train."""
+    return any(g is None for g in grads) or bool(flat.untrained)
+
+
 def give_marks(pairs):
     """``param._loss_scale = mark`` for each (param, mark): the loss-scale marks the recorded
     step's backward left on the parameters, for an optimizer update that reads them (with

@@ -614,6 +614,7 @@ class _CpuReplay:
         # with a reduction every parameter's gradient is its view (zeros if it has none)
         self.reduced_grads = [(e.param, v) for e, v in zip(plan.flat.entries, views)]
         self.grads += self.untrained
+        self.refill = _program.leaves_none(plan.flat, trace.grads)
 
     def run(self, step):
         opt = step.optimizer
@@ -632,6 +633,8 @@ class _CpuReplay:
             opt.update()
         else:
             opt._step(self.plan)
+            if self.refill:                 # as update(): zeros where there was no gradient
+                opt.reallocate_cleared_grads()
         self.program.report()
         return chainer.Variable(self.program.loss[0].copy(), requires_grad=False)
 
