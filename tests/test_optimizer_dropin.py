@@ -866,3 +866,85 @@ def test_check_nan_in_grads_and_is_safe_to_update_answer_like_chainer(dynamic):
         assert answers[o] == ([], True, True)
         o.update_loss_scale()               # nothing to do, as with Chainer
         assert o.loss_scale == 8.0
+
+
+def _nan_loss(model, x, t):
+    return lambda: F.softmax_cross_entropy(model(x), t) * numpy.float32('nan')
+
+
+def test_steps_skipped_by_dynamic_loss_scaling_are_said_once_per_burst(path):
+    # Chainer warns at every skipped step; ours says it once per burst of skipped steps, and
+    # again when the scale has fallen to min_scale (a diverged model), naming the counts
+    x, t = data()
+    model = Net()
+    o = optimizers.MomentumSGD(lr=0.1).setup(model)
+    o.loss_scaling(min_scale=2.0 ** 10)
+    o.update(lossfun(model, x, t))
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter('always')
+        for _ in range(10):
+            o.update(_nan_loss(model, x, t))
+    said = [str(m.message) for m in w if issubclass(m.category, UserWarning)]
+    assert len(said) == 2, said
+    assert 'skipped 1 update step(s)' in said[0] and 'min_scale' not in said[0]
+    assert 'min_scale=1024.0' in said[1] and 'diverged' in said[1]
+    assert all(m.filename == __file__ for m in w)       # the caller's line
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter('always')
+        o.update(lossfun(model, x, t))                  # applied: the burst ends
+        o.update(_nan_loss(model, x, t))                # a new one: said again
+        o.update(_nan_loss(model, x, t))
+        o.new_epoch()
+    said = [str(m.message) for m in w]
+    assert len(said) == 1 and 'skipped 1 update step(s)' in said[0], said
+    assert o.skipped_steps == 12
+
+
+def test_skipped_steps_on_a_gpu_are_said_without_a_per_step_synchronisation(monkeypatch):
+    # the device's count is read from an asynchronous copy made every WATCH_EVERY updates, or
+    # at new_epoch(); here a NumPy state posing as a device one, and a fake copy
+    x, t = data()
+    model = Net()
+    o = optimizers.MomentumSGD(lr=0.1).setup(model)
+    o.loss_scaling()
+    watch = o._skip_watch
+    started = []
+
+    class Done:
+        done = True
+
+    def start(state):
+        started.append(o.t)
+        watch._probe = (state.copy(), Done())
+    monkeypatch.setattr(watch, '_start', start)
+    monkeypatch.setattr(_scaler, 'WATCH_EVERY', 4)
+    monkeypatch.setattr(watch, '_on_host', lambda state: False)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter('always')
+        for _ in range(3):
+            o.update(_nan_loss(model, x, t))
+        assert not w and started == []                  # no look yet
+        o.update(_nan_loss(model, x, t))                # t = 4: a copy starts
+        assert started == [4] and not w
+        o.update(lossfun(model, x, t))                  # the copy is done: read
+    said = [str(m.message) for m in w]
+    assert len(said) == 1 and 'skipped 4 update step(s)' in said[0], said
+
+
+@pytest.mark.gpu
+def test_skipped_steps_on_a_gpu_are_said(monkeypatch):
+    import cupy
+    monkeypatch.setattr(_scaler, 'WATCH_EVERY', 2)
+    model = Net()
+    model.to_device('@cupy:0')
+    o = optimizers.MomentumSGD(lr=0.1).setup(model)
+    o.loss_scaling()
+    x, t = (cupy.asarray(a) for a in data())
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter('always')
+        for _ in range(3):
+            o.update(_nan_loss(model, x, t))
+        cupy.cuda.Device().synchronize()
+        o.update(_nan_loss(model, x, t))        # the copy made at t = 2 is done: read
+    said = [str(m.message) for m in w]
+    assert len(said) == 1 and 'skipped 2 update step(s)' in said[0], said

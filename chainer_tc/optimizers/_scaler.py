@@ -10,6 +10,8 @@ inf or nan is skipped entirely and the scale halves (not below ``min_scale``); a
 clean steps in a row it doubles (not above ``max_scale``). This is the policy of NVIDIA apex and
 PyTorch's GradScaler; Chainer's own grows by 2^(1/interval) every clean step instead.
 """
+import warnings
+
 import numpy
 
 import chainer.functions
@@ -157,6 +159,93 @@ class LossScaler:
             st[SCALE_F16] = numpy.float16(scale).view(numpy.uint16)
         st[FOUND_INF] = 0
         st[DONE] = 0
+
+
+#: updates between two looks at a device state's skipped count (:class:`SkipWatch`)
+WATCH_EVERY = 200
+
+
+class SkipWatch:
+    """Says when dynamic loss scaling skipped steps (Chainer warns at each one), without a
+    per-step synchronisation: a NumPy state (the CPU and emulated paths) is read after every
+    step; a GPU state is copied to the host asynchronously every ``WATCH_EVERY`` updates and
+    read once that copy is done, and synchronously where the caller synchronises anyway
+    (``new_epoch()``, saving a snapshot). One warning per burst of skipped steps, and another
+    when the scale reaches ``min_scale`` while steps are still skipped."""
+
+    def __init__(self):
+        self.seen = 0            # the skipped count at the last look
+        self.burst = False       # the last look found new skipped steps
+        self.at_min = False      # ... with the scale at min_scale
+        self._probe = None       # (pinned host copy, event) of a copy under way
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state['_probe'] = None
+        return state
+
+    def rebase(self, skipped):
+        """The count starts again from ``skipped`` (a new configuration, a loaded snapshot)."""
+        self.seen, self.burst, self.at_min, self._probe = int(skipped), False, False, None
+
+    def after_step(self, scaler, t, stacklevel):
+        if scaler.mode != DYNAMIC:
+            return
+        state = scaler.state
+        if self._on_host(state):
+            self._look(scaler, state, t, stacklevel + 1)
+            return
+        probe = self._probe
+        if probe is not None:
+            if probe[1].done:
+                self._probe = None
+                self._look(scaler, probe[0], t, stacklevel + 1)
+        elif t % WATCH_EVERY == 0:
+            self._start(state)
+
+    def now(self, scaler, t, stacklevel):
+        """Look now (synchronises with a GPU state)."""
+        if scaler.mode == DYNAMIC:
+            self._probe = None
+            self._look(scaler, _host(scaler.state), t, stacklevel + 1)
+
+    @staticmethod
+    def _on_host(state):
+        return isinstance(state, numpy.ndarray)
+
+    def _start(self, state):
+        import cupy
+        import cupyx
+        with cupy.cuda.Device(state.device.id):
+            if cupy.cuda.get_current_stream().is_capturing():
+                return                              # (never inside a captured graph)
+            host = cupyx.empty_pinned(state.shape, state.dtype)
+            state.get(out=host, blocking=False)
+            event = cupy.cuda.Event(disable_timing=True)
+            event.record()
+        self._probe = (host, event)
+
+    def _look(self, scaler, host, t, stacklevel):
+        skipped = int(host[SKIPPED])
+        new = skipped - self.seen
+        self.seen = skipped
+        if new <= 0:
+            self.burst = self.at_min = False
+            return
+        scale = float(host[SCALE:SCALE + 1].view(numpy.float32)[0])
+        at_min = scale <= scaler.min_scale
+        if self.burst and (self.at_min or not at_min):
+            return
+        self.burst, self.at_min = True, at_min
+        message = ('dynamic loss scaling skipped {} update step(s) for an inf or nan gradient '
+                   '(iteration {}, {} skipped so far; loss scale now {})'
+                   .format(new, t, skipped, scale))
+        if at_min:
+            message += ('; the scale is at min_scale={}: the gradients are not finite even '
+                        'unscaled that far, which usually means that the model diverged (a '
+                        'nan or inf loss); parameters are not updated while this '
+                        'lasts'.format(scaler.min_scale))
+        warnings.warn(message, UserWarning, stacklevel=stacklevel + 1)
 
 
 def _initial_state(scale):

@@ -83,6 +83,7 @@ class MomentumSGD(chainer_optimizer.GradientMethod):
         self._versions = _rule.Versions()
         self._scaler = _scaler.LossScaler()
         self._clock = _rule.Clock(self._scaler)
+        self._skip_watch = _scaler.SkipWatch()
         super().__init__()
         self.hyperparam.lr = lr
         self.hyperparam.momentum = momentum
@@ -241,6 +242,7 @@ class MomentumSGD(chainer_optimizer.GradientMethod):
         """
         self._clock.reconfiguring()
         self._scaler.configure(interval, scale, initial_scale, min_scale, max_scale)
+        self._skip_watch.rebase(0)
 
     def set_loss_scale(self, loss_scale):
         self.loss_scaling(scale=loss_scale)
@@ -383,6 +385,12 @@ class MomentumSGD(chainer_optimizer.GradientMethod):
         self._table.refresh(self.hyperparam, self._versions, self._set_globals)
         self.t += 1
         plan()
+        self._skip_watch.after_step(self._scaler, self.t, stacklevel=3)
+
+    def new_epoch(self, auto=False):
+        super().new_epoch(auto)
+        # (a synchronisation per epoch: says whether steps were skipped since the last look)
+        self._skip_watch.now(self._scaler, self.t, stacklevel=2)
 
     def _plan(self, flat, grads, flat_grads=None, marks=None, checked=None):
         """A callable that updates every parameter from ``grads`` (one array or None per entry
@@ -434,6 +442,7 @@ class MomentumSGD(chainer_optimizer.GradientMethod):
         validated (an error names the key and the value), and if anything fails, every value
         the load had changed is put back."""
         if not isinstance(serializer, chainer.serializer.Deserializer):
+            self._skip_watch.now(self._scaler, self.t, stacklevel=2)   # (saving synchronises)
             self._serialize(serializer)
             return
         backup = self._backup()
@@ -443,6 +452,7 @@ class MomentumSGD(chainer_optimizer.GradientMethod):
         except Exception:
             self._restore(backup)
             raise
+        self._skip_watch.rebase(self._scaler.skipped)
 
     def _serialize(self, serializer):
         self.t = serializer('t', self.t)
