@@ -7,6 +7,7 @@ one step into the next keeps its inputs; a used step pickles and deep-copies.
 Found by an adversarial review on the CPU replay (each of these was a silent difference from
 eager steps). Every comparison is bit for bit against eager ``optimizer.update`` steps.
 """
+import contextlib
 import copy
 import pickle
 import re
@@ -276,6 +277,38 @@ def test_a_reporter_the_step_makes_current_gets_the_replayed_reports():
         numpy.testing.assert_array_equal(me.stats['mean'].array, ms.stats['mean'].array,
                                          err_msg='step {}'.format(i))
     assert step.replays == 3
+
+
+def test_steps_logged_now_and_then_report_like_eager_steps():
+    """Steps called outside any reporter, and every third one inside a reporter's scope (a
+    loop that logs now and then, or a Trainer made after a warm-up loop): chainer.report does
+    nothing without a reporter, so a step traced outside one recorded no reports, and its
+    replays inside one reported nothing. Whether a reporter is current is part of the
+    signature. Found by review."""
+    def run(use_step):
+        model = L.Classifier(MLP())
+        opt = optimizers.MomentumSGD(lr=0.1).setup(model)
+        rep = reporter_module.Reporter()
+        rep.add_observer('main', model)
+        step = TrainStep(model, opt) if use_step else None
+        seen = []
+        with warnings.catch_warnings():
+            warnings.simplefilter('ignore', RuntimeWarning)      # the new signature, said
+            for i, (x, t) in enumerate(data(15)):
+                logged = i % 3 == 2
+                observation = {}
+                with rep.scope(observation) if logged else contextlib.nullcontext():
+                    step(x, t) if use_step else opt.update(model, x, t)
+                if logged:
+                    seen.append({k: v.array.copy() for k, v in observation.items()})
+        return seen, step
+    eager, _ = run(False)
+    replayed, step = run(True)
+    assert step.replays >= 6 and len(replayed) == 5
+    for i, (a, b) in enumerate(zip(eager, replayed)):
+        assert a.keys() == b.keys() == {'main/loss', 'main/accuracy'}, i
+        for k in a:
+            numpy.testing.assert_array_equal(a[k], b[k], err_msg='{} {}'.format(i, k))
 
 
 def test_a_replaced_persistent_array_retraces_and_is_updated():

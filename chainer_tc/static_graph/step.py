@@ -22,6 +22,7 @@ import numpy
 
 import chainer
 from chainer import configuration
+from chainer import reporter as reporter_module
 from chainer import variable
 
 from chainer_tc.optimizers import _scaler
@@ -254,7 +255,10 @@ class TrainStep:
         return (tuple((a.shape, a.dtype.str, type(a).__module__) for a in inputs), self._names,
                 bool(config.train), bool(config.enable_backprop),
                 (sc.mode, sc.interval, sc.min_scale, sc.max_scale), opt.nesterov,
-                opt._has_hooks('pre') or opt._has_hooks('post'))
+                opt._has_hooks('pre') or opt._has_hooks('post'),
+                # reports are recorded only where a reporter is current (chainer.report does
+                # nothing without one): a step traced outside one would replay none inside one
+                bool(reporter_module._get_reporters()))
 
     def _call_lossfun(self, inputs):
         n, names = self._names
@@ -672,7 +676,8 @@ def _apply_update(opt, flat, buffers, views):
 
 _SIGNATURE_PARTS = ('the input shapes and dtypes', 'the keyword inputs', 'chainer.config.train',
                     'chainer.config.enable_backprop', "the optimizer's loss scaling",
-                    "the optimizer's nesterov", 'whether the optimizer has hooks')
+                    "the optimizer's nesterov", 'whether the optimizer has hooks',
+                    'whether a reporter is current')
 _SCALING = {_scaler.NONE: 'off', _scaler.STATIC: 'static', _scaler.DYNAMIC: 'dynamic'}
 
 
