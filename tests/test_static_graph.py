@@ -179,10 +179,13 @@ def test_float64_dynamic_loss_scaling_replays_the_current_scale():
     assert step.replays == 13
 
 
-def test_gradients_without_the_loss_scale_mark_make_the_step_run_eagerly():
+@pytest.mark.parametrize('reduce', [False, True])
+def test_gradients_without_the_loss_scale_mark_make_the_step_run_eagerly(reduce):
     """F.forget runs its inner backward without the loss scale, so Chainer marks those
     parameters' gradients unscaled and an eager update leaves them scaled; a replay would
-    unscale every gradient. The step says so and runs eagerly: the same as eager steps."""
+    unscale every gradient. The step says so and runs eagerly: the same as eager steps, also
+    with a gradient reduction (a multi-node step: its eager update unscaled every gradient,
+    found by review; here a reduction that changes nothing)."""
     class Forgetting(StockNet):
         def forward(self, x):
             h = F.forget(lambda a: F.relu(self.bn(a)), self.conv(x))
@@ -194,9 +197,10 @@ def test_gradients_without_the_loss_scale_mark_make_the_step_run_eagerly():
         opt = optimizers.MomentumSGD(lr=0.05).setup(model)
         opt.loss_scaling(scale=64.0)
         if use_step:
+            kw = dict(reduce_gradients=lambda buffers: None) if reduce else {}
             with pytest.warns(RuntimeWarning, match=r'gradients of /bn/beta, /bn/gamma were not '
                                                     r'computed by the loss-scaled backward'):
-                losses, step = run_step(model, opt, data)
+                losses, step = run_step(model, opt, data, **kw)
             assert step.replays == 0
         else:
             losses = run_eager(model, opt, data)

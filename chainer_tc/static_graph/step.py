@@ -665,8 +665,13 @@ def _caller_level():
 
 
 def _apply_update(opt, flat, buffers, views):
-    """The update from gradients held in flat ``buffers`` (``views``: one per entry)."""
-    if opt._has_hooks('pre') or opt._has_hooks('post'):
+    """The update from gradients held in flat ``buffers`` (``views``: one per entry): by
+    ``optimizer.update()`` where it has hooks, or where a gradient lacks the loss-scale mark
+    (``F.forget``'s, which it leaves scaled, as after ChainerMN's allreduce; the flat plan
+    unscales every gradient)."""
+    if opt._has_hooks('pre') or opt._has_hooks('post') or (
+            opt._scaler.mode != _scaler.NONE and any(
+                e.param._loss_scale is not _scaler.SCALED_ON_DEVICE for e in flat.entries)):
         for e, v in zip(flat.entries, views):
             e.param.grad = v
         opt.update()
