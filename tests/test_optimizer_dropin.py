@@ -948,3 +948,49 @@ def test_skipped_steps_on_a_gpu_are_said(monkeypatch):
         o.update(_nan_loss(model, x, t))        # the copy made at t = 2 is done: read
     said = [str(m.message) for m in w]
     assert len(said) == 1 and 'skipped 2 update step(s)' in said[0], said
+
+
+# ---- decay_filter on lazy links -------------------------------------------------------------
+
+def test_decay_filter_on_a_lazy_link_is_asked_when_it_gets_its_array_like_chainer_hooks(path):
+    x, t = data()
+    ref = WithLazy()
+    ref.use_late = True
+    ours = copy.deepcopy(ref)
+    o_ref = chainer.optimizers.MomentumSGD(lr=0.1).setup(ref)
+    for name, p in ref.namedparams():               # what skip_bn_and_bias means, as hooks
+        if name.endswith('/W'):
+            p.update_rule.add_hook(chainer.optimizer_hooks.WeightDecay(1e-2))
+    o = optimizers.MomentumSGD(lr=0.1, weight_decay=1e-2,
+                               decay_filter=optimizers.skip_bn_and_bias).setup(ours)
+    assert ours.late.W.array is None
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        step_both(ref, o_ref, ours, o, x, t, 3)
+    assert_same_params(ref, ours)
+    assert ours.late.W.update_rule.hyperparam.weight_decay == 1e-2
+    assert ours.late.b.update_rule.hyperparam.weight_decay == 0.0
+
+
+def test_decay_filter_on_a_lazy_link_keeps_a_weight_decay_set_by_hand_and_names_a_failure():
+    x, t = data()
+    model = WithLazy()
+    model.use_late = True
+    o = optimizers.MomentumSGD(weight_decay=1e-2,
+                               decay_filter=optimizers.skip_bn_and_bias).setup(model)
+    model.late.b.update_rule.hyperparam.weight_decay = 3e-3     # before its first call
+    o.update(lossfun(model, x, t))
+    assert model.late.b.update_rule.hyperparam.weight_decay == 3e-3
+
+    def bad(name, param):
+        if param.array is None:
+            raise AssertionError('asked too early')
+        raise ValueError('no answer')
+    model = WithLazy()
+    model.use_late = True
+    o = optimizers.MomentumSGD(weight_decay=1e-2, decay_filter=bad)
+    with pytest.raises(ValueError, match='no answer') as e:
+        o.setup(model)
+    notes = getattr(e.value, '__notes__', None)
+    if notes is not None:                           # (Python 3.11+: the parameter is named)
+        assert any(n.startswith('in decay_filter(') and 'parameter /' in n for n in notes)

@@ -124,6 +124,7 @@ class Rule(chainer_optimizer.UpdateRule):
     """
 
     is_elementwise = True
+    _decay_pending = None     # the parameter's name while its decay_filter waits for its array
 
     def __init__(self, parent_hyperparam, clock, versions):
         self._clock = clock

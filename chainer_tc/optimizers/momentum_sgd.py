@@ -58,8 +58,8 @@ class MomentumSGD(chainer_optimizer.GradientMethod):
         weight_decay (float): L2 coefficient added to the gradient, as ``WeightDecay(rate)``.
         nesterov (bool): Nesterov momentum: ``p += momentum * v - lr * g`` after updating ``v``.
         decay_filter (callable): ``decay_filter(name, param) -> bool``, whether the parameter at
-            path ``name`` takes weight decay, asked once per parameter at ``setup()``: a
-            parameter it excludes gets its own ``update_rule.hyperparam.weight_decay = 0``.
+            path ``name`` takes weight decay, asked once per parameter at ``setup()`` (for a
+            lazy link's parameter, when it gets its array): a parameter it excludes gets its own ``update_rule.hyperparam.weight_decay = 0``.
             Default: every parameter. :func:`skip_bn_and_bias` excludes BatchNorm parameters
             and biases.
 
@@ -122,8 +122,12 @@ class MomentumSGD(chainer_optimizer.GradientMethod):
         optimizer's flat buffers now, or at the first update if some are not initialized yet."""
         super().setup(link)
         for name, param in link.namedparams():
-            if not self.decay_filter(name, param):
-                param.update_rule.hyperparam.weight_decay = 0.0
+            if param.array is None:
+                # a lazy link: decay_filter is asked when the parameter gets its array (it
+                # may read param.ndim, as skip_bn_and_bias does), before it enters the buffers
+                param.update_rule._decay_pending = name
+            else:
+                self._filter_decay(name, param)
             if param._loss_scale is None:
                 # no backward pass has marked this parameter: a gradient set by hand before
                 # the first backward is taken as scaled by this optimizer's loss scale (a
@@ -132,6 +136,20 @@ class MomentumSGD(chainer_optimizer.GradientMethod):
         self._flat = None
         self._try_build()
         return self
+
+    def _filter_decay(self, name, param):
+        rule = param.update_rule
+        rule._decay_pending = None
+        if 'weight_decay' in rule.hyperparam.__dict__:
+            return                 # set on the rule since setup(): the user's choice stays
+        try:
+            decay = self.decay_filter(name, param)
+        except Exception as e:
+            if hasattr(e, 'add_note'):          # (Python 3.11+)
+                e.add_note('in decay_filter({!r}, param), parameter {}'.format(name, name))
+            raise
+        if not decay:
+            rule.hyperparam.weight_decay = 0.0
 
     def _try_build(self, required=False, walk=False):
         """The flat buffers, (re)built if missing or stale; None while lazy parameters wait.
@@ -169,6 +187,8 @@ class MomentumSGD(chainer_optimizer.GradientMethod):
                         'setup(); call optimizer.setup(model) again (one optimizer per '
                         'parameter)'.format(name))
                 else:
+                    if rule._decay_pending is not None:
+                        self._filter_decay(name, p)
                     trained.append((name, p))
             if untrained:
                 names = ', '.join(n for n, _ in untrained)
