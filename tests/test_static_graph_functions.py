@@ -268,6 +268,26 @@ def test_a_constant_inside_a_tuple_attribute_that_changes_is_refused_naming_its_
                    r"GetItem\): its attribute 'slices'\[1\] differs between steps")
 
 
+def test_a_second_derivative_through_batch_normalization_is_refused_by_name():
+    """A gradient penalty through L.BatchNormalization: Chainer's second derivative of batch
+    normalization uses arrays computed in Python. The refusal names the function (it named
+    an array as if the user's loss had computed it; found by review)."""
+    class PenaltyNet(Net):
+        def __init__(self):
+            super().__init__('plain')
+            with self.init_scope():
+                self.bn = L.BatchNormalization(8)
+
+        def forward(self, x, t, mask):
+            x = chainer.Variable(x)
+            y = self.l2(F.relu(self.bn(self.l1(x))))
+            loss = F.softmax_cross_entropy(y, t, enable_double_backprop=True)
+            gx, = chainer.grad([loss], [x], enable_double_backprop=True)
+            return loss + 0.1 * F.sum(gx * gx)
+    assert_refused(PenaltyNet(), r'the gradient of F\.batch_normalization '
+                                 r'\(L\.BatchNormalization\) differentiated twice needs')
+
+
 @pytest.mark.parametrize('name', ['sign', 'floor'])
 def test_functions_that_are_not_function_nodes_are_refused_with_their_names(name):
     """F.sign and F.floor compute on the array directly (no FunctionNode): their result reaches
