@@ -17,6 +17,7 @@ from chainer import serializers
 from chainer_tc import kernels
 from chainer_tc import optimizers
 from chainer_tc.optimizers import _scaler
+from chainer_tc import serializers as tc_serializers
 
 from nets import ConvBNLinear as Net
 
@@ -994,3 +995,48 @@ def test_decay_filter_on_a_lazy_link_keeps_a_weight_decay_set_by_hand_and_names_
     notes = getattr(e.value, '__notes__', None)
     if notes is not None:                           # (Python 3.11+: the parameter is named)
         assert any(n.startswith('in decay_filter(') and 'parameter /' in n for n in notes)
+
+
+# ---- tied weights in snapshots --------------------------------------------------------------
+
+class _Tied(chainer.Chain):
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.a = L.Linear(4, 4, initialW=numpy.eye(4, dtype=numpy.float32) * 0.5)
+            self.b = L.Linear(4, 4, nobias=True, initialW=numpy.eye(4, dtype=numpy.float32))
+        self.b.W = self.a.W               # the same Parameter in both links
+
+    def forward(self, x):
+        return F.sum(self.b(F.tanh(self.a(x))) ** 2)
+
+
+def test_tied_weights_are_saved_under_every_path_like_chainer_and_chainer_loads_them(tmp_path):
+    x = numpy.random.RandomState(0).randn(3, 4).astype(numpy.float32)
+    model = _Tied()
+    o = optimizers.MomentumSGD(lr=0.01).setup(model)
+    o.update(lambda: model(x))
+    o.update(lambda: model(x))
+    ref = _Tied()
+    o_ref = chainer.optimizers.MomentumSGD(lr=0.01).setup(ref)
+    o_ref.update(lambda: ref(x))
+    for name, opt in (('ours.npz', o), ('ref.npz', o_ref)):
+        serializers.save_npz(str(tmp_path / name), opt)
+    keys = [set(k for k in numpy.load(str(tmp_path / n)).files if k.count('/') == 2)
+            for n in ('ours.npz', 'ref.npz')]
+    assert keys[0] == keys[1] == {'a/W/t', 'a/W/v', 'a/b/t', 'a/b/v', 'b/W/t', 'b/W/v'}
+    other = _Tied()
+    o_other = chainer.optimizers.MomentumSGD(lr=0.01).setup(other)
+    serializers.load_npz(str(tmp_path / 'ours.npz'), o_other)       # (a KeyError before)
+    numpy.testing.assert_array_equal(other.b.W.update_rule.state['v'],
+                                     model.a.W.update_rule.state['v'])
+    # a file of an earlier chainer_tc (the tied parameter under one path) still loads
+    with numpy.load(str(tmp_path / 'ours.npz')) as f:
+        old = {k: f[k] for k in f.files if not k.startswith('b/W/')}
+    numpy.savez(str(tmp_path / 'old.npz'), **old)
+    again = _Tied()
+    o_again = optimizers.MomentumSGD(lr=0.01).setup(again)
+    tc_serializers.load_npz(str(tmp_path / 'old.npz'), o_again)
+    numpy.testing.assert_array_equal(again.a.W.update_rule.state['v'],
+                                     model.a.W.update_rule.state['v'])
+    assert again.a.W.update_rule.t == 2

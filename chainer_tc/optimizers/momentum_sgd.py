@@ -490,11 +490,17 @@ class MomentumSGD(chainer_optimizer.GradientMethod):
         self._clock.forget()
         layout = self._filter_state_layout(serializer)
         filters = _file_layout.filters_with_file_layout(self.target)
+        seen = set()
         with variable._AllowArrayAccessWithNonstandardLayout():
-            for name, param in _flat.unique_params(self.target.namedparams()):
+            # every path, as Chainer's: a Parameter held by two links (tied weights) is saved
+            # under both, so that Chainer's optimizer can load the file
+            for name, param in self.target.namedparams():
                 if param.update_rule is None:        # (as Chainer's: untrained, skipped)
                     continue
                 inner = serializer[name]
+                if id(param) in seen and not saving and not _has_key(inner, 't'):
+                    continue            # an earlier chainer_tc's file: saved under one path
+                seen.add(id(param))
                 link = filters.get(id(param))
                 if link is not None and layout is None:
                     inner = _file_layout.SaveState(inner, link)
