@@ -105,6 +105,31 @@ def test_a_skipped_overflow_step_does_not_count_in_rule_t(path):
     assert (o.t, model.fc.W.update_rule.t) == (3, 2)
 
 
+def test_rule_t_is_its_own_count_like_chainer_across_t_assignments_and_a_second_setup(path):
+    x, t = data()
+    counts = {}
+    for name in ('chainer', 'ours'):
+        model = Net()
+        opt = (chainer.optimizers.MomentumSGD(lr=0.1) if name == 'chainer'
+               else optimizers.MomentumSGD(lr=0.1)).setup(model)
+        opt.loss_scaling()
+        with warnings.catch_warnings():
+            warnings.simplefilter('ignore')
+            for i in range(4):                         # 3 overflow steps, then 1 applied
+                _plain_grads(model, x, t, inf_at=(0, 0) if i < 3 else None)
+                opt.update()
+            got = [model.fc.W.update_rule.t]
+            opt.t = 0                                  # the rules keep their count
+            got.append(model.fc.W.update_rule.t)
+            second = Net()
+            opt.setup(second)                          # t = 0 again; new rules
+            for _ in range(2):
+                _plain_grads(second, x, t)
+                opt.update()
+        counts[name] = got + [second.fc.W.update_rule.t, model.fc.W.update_rule.t, opt.t]
+    assert counts['ours'] == counts['chainer'] == [1, 1, 2, 1, 2]
+
+
 # ---- per-parameter hyperparameters ----------------------------------------------------------------
 
 def test_per_parameter_lr_and_momentum_equal_chainer(path):

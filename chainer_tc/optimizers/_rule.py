@@ -87,22 +87,42 @@ def resolve(hyperparam, name, root):
 
 class Clock:
     """The optimizer's step count ``t``, and the steps that were applied (not skipped for an
-    overflow), from which each rule's own ``t`` follows without a per-step loop."""
+    overflow), from which each rule's own ``t`` follows without a per-step loop.
 
-    def __init__(self, scaler):
+    ``steps`` counts the updates this clock saw, apart from the public ``t`` (which users
+    and snapshots assign: Chainer's rules keep their own count when they do). A ``setup()``
+    freezes the clock of the rules it replaces, as Chainer's old rules stop counting."""
+
+    steps = None                 # (a clock pickled before it had its own count: t's)
+    _frozen = None
+
+    def __init__(self, scaler, skipped_before=0):
         self.t = 0
+        self.steps = 0
         self.scaler = scaler
         self._cached = (None, 0)
-        self._skipped_before = 0     # skipped steps the scaler's count lost to a reconfigure
+        # added to the scaler's skipped count: the skips it lost to a reconfigure, less those
+        # it had counted before this clock started
+        self._skipped_before = skipped_before
+
+    def step(self):
+        self.t += 1
+        self.steps = (self.t - 1 if self.steps is None else self.steps) + 1
 
     def applied(self):
-        """Steps applied so far (reads the skipped count from the device when t has moved)."""
-        if self.t == 0:
+        """Steps applied so far (reads the skipped count from the device when a step ran)."""
+        if self._frozen is not None:
+            return self._frozen
+        steps = self.t if self.steps is None else self.steps
+        if steps == 0:
             return 0
-        if self._cached[0] != self.t:
-            self._cached = (self.t,
-                            self.t - self._skipped_before - self.scaler.skipped)
+        if self._cached[0] != steps:
+            self._cached = (steps, steps - self._skipped_before - self.scaler.skipped)
         return self._cached[1]
+
+    def freeze(self):
+        """No more steps for this clock's rules (their optimizer was set up anew)."""
+        self._frozen = self.applied()
 
     def reconfiguring(self):
         """Before the scaler starts its skipped count again (``loss_scaling()``)."""

@@ -120,6 +120,11 @@ class MomentumSGD(chainer_optimizer.GradientMethod):
     def setup(self, link):
         """Register ``link``: every parameter gets an update rule now; their arrays move into the
         optimizer's flat buffers now, or at the first update if some are not initialized yet."""
+        if self._clock.steps:
+            # the rules of the previous setup() stop counting, as Chainer's (no longer updated);
+            # the new ones count from 0 whatever was skipped before
+            self._clock.freeze()
+            self._clock = _rule.Clock(self._scaler, -self._scaler.skipped)
         super().setup(link)
         for name, param in link.namedparams():
             if param.array is None:
@@ -403,7 +408,7 @@ class MomentumSGD(chainer_optimizer.GradientMethod):
         """Apply one prepared update: hyperparameters to the device if they changed, then the
         kernels (or the NumPy path)."""
         self._table.refresh(self.hyperparam, self._versions, self._set_globals)
-        self.t += 1
+        self._clock.step()          # t += 1, and the rules' own count
         plan()
         self._skip_watch.after_step(self._scaler, self.t, stacklevel=3)
 
