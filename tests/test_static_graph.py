@@ -360,6 +360,13 @@ def test_bad_arguments_are_named():
     step = TrainStep(model, optimizers.MomentumSGD().setup(model))
     with pytest.raises(TypeError, match='input 1 is list'):
         step(numpy.zeros((1, 3, 8, 8), numpy.float32), [1])
+    # an optimizer set up on a copy: replays would train the copy (found by review); a link
+    # under the target, or one holding it, is fine
+    with pytest.raises(ValueError, match=r'model must be optimizer.target, a link under it or '
+                                         r'a link holding it; got a StockNet'):
+        TrainStep(model, optimizers.MomentumSGD().setup(copy.deepcopy(model)))
+    TrainStep(model.conv, optimizers.MomentumSGD().setup(model))
+    TrainStep(L.Classifier(model), optimizers.MomentumSGD().setup(model))
 
 
 # ---- inside a Trainer -----------------------------------------------------------------------------

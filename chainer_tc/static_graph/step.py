@@ -54,7 +54,8 @@ class TrainStep:
     """One training iteration of ``model`` with ``optimizer``, replayed after it was traced.
 
     Args:
-        model (chainer.Link): the model; it must be ``optimizer.target`` or a link under it.
+        model (chainer.Link): the model; it must be ``optimizer.target``, a link under it or
+            a link holding it (refused otherwise).
         optimizer (chainer_tc.optimizers.MomentumSGD): set up on the model. Its loss scaling
             (static or dynamic), lr schedules, per-parameter settings and frozen links work
             under replay; its hooks run eagerly after the replayed forward and backward.
@@ -102,6 +103,14 @@ class TrainStep:
             raise RuntimeError('optimizer is not set up: call optimizer.setup(model) first')
         if not isinstance(model, chainer.Link):
             raise TypeError('model must be a chainer.Link; got {}'.format(type(model).__name__))
+        target = optimizer.target
+        if model is not target and not any(link is model for link in target.links()) and \
+                not any(link is target for link in model.links()):
+            raise ValueError(
+                'model must be optimizer.target, a link under it or a link holding it; got a '
+                '{} that is none of these (an optimizer set up on a copy of the model?): the '
+                'step would update the target while the loss runs through this model'
+                .format(type(model).__name__))
         if lossfun is not None and not callable(lossfun):
             raise TypeError('lossfun must be callable(*inputs) -> loss; got {!r}'
                             .format(lossfun))
