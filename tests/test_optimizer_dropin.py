@@ -1065,3 +1065,52 @@ def test_tied_weights_are_saved_under_every_path_like_chainer_and_chainer_loads_
     numpy.testing.assert_array_equal(again.a.W.update_rule.state['v'],
                                      model.a.W.update_rule.state['v'])
     assert again.a.W.update_rule.t == 2
+
+
+# ---- bad arguments are named ------------------------------------------------------------------
+
+@pytest.mark.parametrize('call, error, message', [
+    (lambda: optimizers.MomentumSGD(lr=None), TypeError, 'lr must be a number; got None'),
+    (lambda: optimizers.MomentumSGD(momentum='0.9'), TypeError,
+     "momentum must be a number; got '0.9'"),
+    (lambda: optimizers.MomentumSGD(weight_decay=[1e-4]), TypeError,
+     r'weight_decay must be a number; got \[0.0001\]'),
+    (lambda: optimizers.MomentumSGD().loss_scaling(min_scale=None), TypeError,
+     'min_scale must be a number; got None'),
+    (lambda: optimizers.MomentumSGD().loss_scaling(max_scale='1e6'), TypeError,
+     "max_scale must be a number; got '1e6'"),
+    (lambda: optimizers.MomentumSGD().loss_scaling(initial_scale=None), TypeError,
+     'initial_scale must be a number; got None'),
+    (lambda: optimizers.MomentumSGD().loss_scaling(scale='8'), TypeError,
+     "scale must be a number; got '8'"),
+    (lambda: optimizers.MomentumSGD().loss_scaling(scale=float('nan')), ValueError,
+     r'scale \(the loss scale\) must be a positive finite number; got nan'),
+    (lambda: optimizers.MomentumSGD().loss_scaling(interval='x'), TypeError,
+     "interval must be a number; got 'x'"),
+    (lambda: optimizers.MomentumSGD().loss_scaling(interval=2.5), ValueError,
+     'interval must be a whole number of steps >= 1; got 2.5'),
+])
+def test_bad_arguments_are_refused_naming_them(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
+
+
+def test_interval_as_a_whole_float_is_taken():
+    o = optimizers.MomentumSGD()
+    o.loss_scaling(interval=1e3)
+    assert o._scaler.interval == 1000
+
+
+@pytest.mark.parametrize('where', ['optimizer', 'rule'])
+def test_a_hyperparameter_set_to_none_is_refused_at_the_update_naming_it(path, where):
+    x, t = data()
+    model = Net()
+    o = optimizers.MomentumSGD().setup(model)
+    if where == 'optimizer':
+        o.lr = None
+        message = "the optimizer's lr must be a number; got None"
+    else:
+        model.fc.W.update_rule.hyperparam.momentum = 'high'
+        message = "parameter /fc/W: update_rule.hyperparam.momentum must be a number; got 'high'"
+    with pytest.raises(TypeError, match=message):
+        o.update(lossfun(model, x, t))

@@ -17,6 +17,7 @@ NumPy does when Chainer's update multiplies a float32 array by a Python float.
 import numpy
 
 from chainer_tc.optimizers import _rule
+from chainer_tc.optimizers import _scaler
 
 ENABLED, OWN_LR, OWN_MOMENTUM, OWN_WD = 1, 2, 4, 8
 _OWN = (OWN_LR, OWN_MOMENTUM, OWN_WD)
@@ -64,7 +65,8 @@ class HyperTable:
     @staticmethod
     def _globals(root):
         try:
-            return [float(getattr(root, name)) for name in _rule.HYPERPARAMETERS]
+            return [_scaler.number('the optimizer\'s ' + name, getattr(root, name))
+                    for name in _rule.HYPERPARAMETERS]
         except AttributeError as e:
             raise AttributeError('the optimizer has no hyperparameter {}'.format(e)) from None
 
@@ -80,6 +82,8 @@ class HyperTable:
                     value, own = _rule.resolve(rule.hyperparam, name, root)
                 except AttributeError as err:
                     raise AttributeError('parameter {}: {}'.format(e.name, err)) from None
+                except TypeError as err:
+                    raise TypeError('parameter {}: update_rule.{}'.format(e.name, err)) from None
                 if own:
                     flags |= _OWN[j]
                     host[i, j] = value

@@ -12,6 +12,8 @@ import numpy
 from chainer import optimizer as chainer_optimizer
 from chainer import serializer as serializer_module
 
+from chainer_tc.optimizers import _scaler
+
 HYPERPARAMETERS = ('lr', 'momentum', 'weight_decay')
 _PRIVATE = ('_parent', '_versions', '_is_global')
 
@@ -80,7 +82,7 @@ def resolve(hyperparam, name, root):
             return None, False
         d = h.__dict__
         if name in d:
-            return float(d[name]), True
+            return _scaler.number('hyperparam.' + name, d[name]), True
         h = d.get('_parent')
     raise AttributeError('hyperparameter {!r} is not set (nor inherited)'.format(name))
 

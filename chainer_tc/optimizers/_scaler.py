@@ -56,8 +56,15 @@ class LossScaler:
 
     def configure(self, interval, scale, initial_scale, min_scale, max_scale):
         if scale is None:
-            if int(interval) < 1:
+            n = number('interval', interval)
+            if not n.is_integer():
+                raise ValueError('interval must be a whole number of steps >= 1; got {!r}'
+                                 .format(interval))
+            if n < 1:
                 raise ValueError('interval must be >= 1; got {}'.format(interval))
+            initial_scale = number('initial_scale', initial_scale)
+            min_scale = number('min_scale', min_scale)
+            max_scale = number('max_scale', max_scale)
             if not 0 < min_scale <= initial_scale <= max_scale < numpy.inf:
                 raise ValueError('need 0 < min_scale <= initial_scale <= max_scale < inf; got '
                                  'min_scale={}, initial_scale={}, max_scale={}'
@@ -66,8 +73,9 @@ class LossScaler:
             self.min_scale, self.max_scale = float(min_scale), float(max_scale)
             value = initial_scale
         else:
+            scale = number('scale', scale)
             if not 0 < scale < numpy.inf:
-                raise ValueError('loss scale must be a positive finite number; got {}'
+                raise ValueError('scale (the loss scale) must be a positive finite number; got {}'
                                  .format(scale))
             self.mode, value = STATIC, scale
         host = _initial_state(value)
@@ -246,6 +254,17 @@ class SkipWatch:
                         'nan or inf loss); parameters are not updated while this '
                         'lasts'.format(scaler.min_scale))
         warnings.warn(message, UserWarning, stacklevel=stacklevel + 1)
+
+
+def number(name, value):
+    """``value`` as a float, or a TypeError naming ``name`` (None, a string, an array of several
+    elements are not numbers)."""
+    if value is None or isinstance(value, (str, bytes)):
+        raise TypeError('{} must be a number; got {!r}'.format(name, value))
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise TypeError('{} must be a number; got {!r}'.format(name, value)) from None
 
 
 def _initial_state(scale):

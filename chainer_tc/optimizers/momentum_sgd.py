@@ -59,8 +59,8 @@ class MomentumSGD(chainer_optimizer.GradientMethod):
         nesterov (bool): Nesterov momentum: ``p += momentum * v - lr * g`` after updating ``v``.
         decay_filter (callable): ``decay_filter(name, param) -> bool``, whether the parameter at
             path ``name`` takes weight decay, asked once per parameter at ``setup()`` (for a
-            lazy link's parameter, when it gets its array): a parameter it excludes gets its own ``update_rule.hyperparam.weight_decay = 0``.
-            Default: every parameter. :func:`skip_bn_and_bias` excludes BatchNorm parameters
+            lazy link's parameter, when it gets its array): a parameter it excludes gets its
+            own ``update_rule.hyperparam.weight_decay = 0``. Default: every parameter. :func:`skip_bn_and_bias` excludes BatchNorm parameters
             and biases.
 
     Every parameter gets an update rule, as with Chainer: ``update_rule.enabled`` (so
@@ -75,7 +75,8 @@ class MomentumSGD(chainer_optimizer.GradientMethod):
     def __init__(self, lr=0.01, momentum=0.9, weight_decay=0.0, nesterov=False,
                  decay_filter=None):
         for name, value in (('lr', lr), ('momentum', momentum), ('weight_decay', weight_decay)):
-            if not numpy.isfinite(value) or value < 0:
+            v = _scaler.number(name, value)
+            if not numpy.isfinite(v) or v < 0:
                 raise ValueError('{} must be a finite number >= 0; got {}'.format(name, value))
         if decay_filter is not None and not callable(decay_filter):
             raise TypeError('decay_filter must be callable(name, param) -> bool; got {!r}'
