@@ -130,6 +130,36 @@ def test_rule_t_is_its_own_count_like_chainer_across_t_assignments_and_a_second_
     assert counts['ours'] == counts['chainer'] == [1, 1, 2, 1, 2]
 
 
+def test_rule_t_goes_on_from_a_snapshot_taken_after_skipped_steps(path, tmp_path):
+    """A resumed run: the snapshot restores t, the rules' t and the skipped count into an
+    optimizer whose clock has not stepped yet; its next steps count on from there (the skips
+    before the snapshot were counted against the new clock's steps: the rule's t fell behind
+    an uninterrupted run's by the number of skips; the example's resume test found it)."""
+    x, t = data()
+
+    def steps(model, opt, overflows):
+        with warnings.catch_warnings():
+            warnings.simplefilter('ignore')
+            for inf in overflows:
+                _plain_grads(model, x, t, inf_at=(0, 0) if inf else None)
+                opt.update()
+    plan = [True, True, False, False]                  # 2 skipped, then 2 applied
+    model = Net()
+    opt = optimizers.MomentumSGD(lr=0.1).setup(model)
+    opt.loss_scaling()
+    steps(model, opt, plan)
+    chainer.serializers.save_npz(str(tmp_path / 'opt.npz'), opt)
+    steps(model, opt, [False, False])
+    resumed_model = Net()
+    resumed = optimizers.MomentumSGD(lr=0.1).setup(resumed_model)
+    resumed.loss_scaling()
+    chainer.serializers.load_npz(str(tmp_path / 'opt.npz'), resumed)
+    assert resumed_model.fc.W.update_rule.t == 2 and resumed.t == 4
+    steps(resumed_model, resumed, [False, False])
+    assert (resumed.t, resumed_model.fc.W.update_rule.t) == (opt.t, model.fc.W.update_rule.t) \
+        == (6, 4)
+
+
 # ---- per-parameter hyperparameters ----------------------------------------------------------------
 
 def test_per_parameter_lr_and_momentum_equal_chainer(path):

@@ -98,16 +98,22 @@ class Clock:
     steps = None                 # (a clock pickled before it had its own count: t's)
     _frozen = None
 
-    def __init__(self, scaler, skipped_before=0):
+    def __init__(self, scaler):
         self.t = 0
         self.steps = 0
         self.scaler = scaler
         self._cached = (None, 0)
         # added to the scaler's skipped count: the skips it lost to a reconfigure, less those
-        # it had counted before this clock started
-        self._skipped_before = skipped_before
+        # it had counted before this clock's first step
+        self._skipped_before = 0
 
     def step(self):
+        """Before an update: t and the clock's own count move on. At the clock's first step,
+        the skips the scaler counted before it (a snapshot's, loaded after this clock began:
+        a resumed run) are left out of the count from then on."""
+        if self.steps == 0:               # (none of the skips so far are this clock's)
+            self._skipped_before = -self.scaler.skipped
+            self._cached = (None, 0)
         self.t += 1
         self.steps = (self.t - 1 if self.steps is None else self.steps) + 1
 

@@ -125,7 +125,7 @@ class MomentumSGD(chainer_optimizer.GradientMethod):
             # the rules of the previous setup() stop counting, as Chainer's (no longer updated);
             # the new ones count from 0 whatever was skipped before
             self._clock.freeze()
-            self._clock = _rule.Clock(self._scaler, -self._scaler.skipped)
+            self._clock = _rule.Clock(self._scaler)    # (its skips count from its 1st step)
         super().setup(link)
         for name, param in link.namedparams():
             if param.array is None:

@@ -174,7 +174,7 @@ class CapturedStep:
                 _program.give_marks(self.marks)
                 opt.update()
             else:
-                opt.t += 1
+                opt._clock.step()           # t += 1, and the rules' own count
                 if self.refill:             # as update(): zeros where there was no gradient
                     opt.reallocate_cleared_grads()
             if report:
