@@ -60,8 +60,8 @@ class MomentumSGD(chainer_optimizer.GradientMethod):
         decay_filter (callable): ``decay_filter(name, param) -> bool``, whether the parameter at
             path ``name`` takes weight decay, asked once per parameter at ``setup()`` (for a
             lazy link's parameter, when it gets its array): a parameter it excludes gets its
-            own ``update_rule.hyperparam.weight_decay = 0``. Default: every parameter. :func:`skip_bn_and_bias` excludes BatchNorm parameters
-            and biases.
+            own ``update_rule.hyperparam.weight_decay = 0``. Default: every parameter.
+            :func:`skip_bn_and_bias` excludes BatchNorm parameters and biases.
 
     Every parameter gets an update rule, as with Chainer: ``update_rule.enabled`` (so
     ``Link.disable_update()``), ``update_rule.hyperparam.lr`` / ``momentum`` / ``weight_decay``
