@@ -196,7 +196,7 @@ class Recorder(chainer.FunctionHook):
         # read as it is, as a replay reads it.
         self._known = None if externals is None else {id(a) for a in externals}
         self._learned = 0           # ops whose results are in _known
-        self._watch = {id(a): (a, a.copy()) for a in watch}
+        self._watch = {id(a): a.copy() for a in watch}     # (the arrays: held by that step)
 
     def __enter__(self):
         super().__enter__()
@@ -282,8 +282,8 @@ class Recorder(chainer.FunctionHook):
             if b is not None:
                 continue
             constants[id(a)] = a
-            watched = self._watch.get(id(a))
-            if watched is not None and not same_bits(a, watched[1]):
+            before = self._watch.get(id(a))
+            if before is not None and not same_bits(a, before):
                 self.trace.written.append('an array function #{} ({}) reads (shape {})'.format(
                     len(ops) - 1, op.label, a.shape))
 

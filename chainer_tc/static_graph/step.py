@@ -408,10 +408,9 @@ class TrainStep:
         replayed = entry.since_check - 1
         entry.since_check = 0
         self.checks += 1
-        program = getattr(entry.replay, 'program', None)
-        trace, result = self._recorded(inputs, None, None if program is None else program.trace)
+        traced = entry.replay.program.trace
+        trace, result = self._recorded(inputs, None, traced)
         try:
-            traced = entry.replay.program.trace
             _compare.check_same_step(traced, trace, traced.externals, trace.externals)
         except _program.NotReplayable as e:
             self._warn('changed', 'TrainStep: the step changed after it was traced ({}); the '
@@ -473,14 +472,17 @@ class TrainStep:
         and checks only)."""
         out = [('input {}'.format(k), b) for k, b in enumerate(buffers)]
         seen = set()
-        roots = (self.model,) if self.optimizer.target is self.model else (
-            self.model, self.optimizer.target)
-        for root in roots:
+        for root in self._roots():
             for name, p in root.namedparams(include_uninit=False):
                 if id(p) not in seen and isinstance(p.array, _trace.array_types()):
                     seen.add(id(p))
                     out.append(('parameter ' + name.lstrip('/'), p.array))
         return out
+
+    def _roots(self):
+        """The model, and the optimizer's target where it is another link."""
+        target = self.optimizer.target
+        return (self.model,) if target is self.model else (self.model, target)
 
     def _links(self):
         """The model's links and the optimizer target's, each once."""
@@ -518,9 +520,7 @@ class TrainStep:
         """('persistent <path>', array) of every persistent array of the model and the
         optimizer's target, each once."""
         out, seen = [], set()
-        roots = (self.model,) if self.optimizer.target is self.model else (
-            self.model, self.optimizer.target)
-        for root in roots:
+        for root in self._roots():
             for path, link in root.namedlinks():
                 for name in link._persistent:
                     a = link.__dict__[name]
