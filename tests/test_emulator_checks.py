@@ -861,3 +861,146 @@ def test_a_memset_past_a_shared_array_is_caught():
     }'''
     with pytest.raises(KernelLaunchError, match=r"__shared__ variable 's'"):
         emulator.RawModule(code=code).get_function('k')((1,), (1,), (numpy.zeros(1, 'i'),))
+
+
+# ---- fences and volatile: a volatile access orders nothing ---------------------------------------
+# The programming guide's last-block sum (its __threadfence() example) written four ways: partial
+# sums stored through a volatile or a plain pointer, with or without the fence between the store
+# and the ticket. The last block reads them through a volatile pointer, with no fence after its
+# ticket, as the guide does (a volatile read goes to L2: the atomic that saw the release orders it).
+LAST_BLOCK = r'''
+template <bool Fence, typename P>
+__device__ void guide(const float* x, P* partial, unsigned* count, float* out, int n) {
+  __shared__ bool last;
+  if (threadIdx.x == 0) {
+    float v = 0.0f;
+    for (int i = blockIdx.x; i < n; i += gridDim.x) v += x[i];
+    partial[blockIdx.x] = v;
+    if (Fence) __threadfence();
+    last = atomicInc(count, gridDim.x) == gridDim.x - 1;
+  }
+  __syncthreads();
+  if (last && threadIdx.x == 0) {
+    volatile P* vp = partial;
+    float total = 0.0f;
+    for (unsigned b = 0; b < gridDim.x; ++b) total += vp[b];
+    out[0] = total;
+    *count = 0;
+  }
+}
+extern "C" __global__ void volatile_fenced(const float* x, volatile float* p, unsigned* c, float* o,
+                                           int n) { guide<true>(x, p, c, o, n); }
+extern "C" __global__ void volatile_unfenced(const float* x, volatile float* p, unsigned* c, float* o,
+                                             int n) { guide<false>(x, p, c, o, n); }
+extern "C" __global__ void plain_fenced(const float* x, float* p, unsigned* c, float* o, int n) {
+  guide<true>(x, p, c, o, n);
+}
+extern "C" __global__ void plain_unfenced(const float* x, float* p, unsigned* c, float* o, int n) {
+  guide<false>(x, p, c, o, n);
+}
+
+// Block 0 publishes data[0..32) and raises a volatile flag; block 1 spins on the flag, then reads
+// the data (message passing through a volatile flag instead of an atomic).
+template <bool WriterFence, bool ReaderFence, typename D>
+__device__ void message(D* data, volatile unsigned* flag, float* out) {
+  if (blockIdx.x == 0) {
+    data[threadIdx.x] = 1.0f + threadIdx.x;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      if (WriterFence) __threadfence();
+      *flag = 1u;
+    }
+  } else {
+    if (threadIdx.x == 0) {
+      while (*flag == 0u) __nanosleep(100);
+      if (ReaderFence) __threadfence();
+    }
+    __syncthreads();
+    out[threadIdx.x] = data[threadIdx.x];
+  }
+}
+extern "C" __global__ void flag_volatile_data(volatile float* d, volatile unsigned* f, float* o) {
+  message<true, false>(d, f, o);
+}
+extern "C" __global__ void flag_volatile_data_unfenced(volatile float* d, volatile unsigned* f,
+                                                       float* o) {
+  message<false, false>(d, f, o);
+}
+extern "C" __global__ void flag_plain_data(float* d, volatile unsigned* f, float* o) {
+  message<true, true>(d, f, o);
+}
+extern "C" __global__ void flag_plain_data_unfenced(float* d, volatile unsigned* f, float* o) {
+  message<false, true>(d, f, o);
+}
+'''
+
+
+@pytest.fixture(scope='module')
+def last_block():
+    return emulator.RawModule(code=LAST_BLOCK)
+
+
+def _last_block_sum(last_block, name, blocks):
+    x = numpy.arange(1000, dtype=numpy.float32) % 7
+    partial, count, out = numpy.zeros(blocks, numpy.float32), numpy.zeros(1, numpy.uint32), \
+        numpy.zeros(1, numpy.float32)
+    last_block.get_function(name)((blocks,), (64,), (x, partial, count, out, numpy.int32(x.size)))
+    assert out[0] == x.sum() and count[0] == 0
+
+
+@pytest.mark.parametrize('kernel', ['volatile_fenced', 'plain_fenced'])
+@pytest.mark.parametrize('blocks', [1, 7])
+def test_the_guides_last_block_sum_with_its_fence_passes(last_block, kernel, blocks):
+    # plain_fenced (a plain store, the volatile read after the ticket) was reported as a race
+    with emulator.checking(**RACE):
+        _last_block_sum(last_block, kernel, blocks)
+
+
+def test_the_guides_volatile_last_block_sum_without_its_fence_is_a_stale_read(last_block):
+    # Volatile stores and volatile loads never race with each other, so this passed: but without
+    # the fence a GPU may let the ticket be seen before the partial sum it announces.
+    _last_block_sum(last_block, 'volatile_unfenced', 7)         # right here, in one order
+    with emulator.checking(**RACE):
+        with pytest.raises(KernelLaunchError, match=(
+                r"kernel 'volatile_unfenced': stale read: a volatile read of argument 1 \(float\*, "
+                r"float32 array of shape \(7,\)\) at byte offset \d+ \(element \d of 7\) by thread "
+                r"\(0,0,0\) of block \(\d,0,0\) \(at <string>:\d+\) may return the value from before "
+                r"the volatile write by thread \(0,0,0\) of block \(\d,0,0\) \(at <string>:\d+\): "
+                r"that block announced the write afterwards through argument 2 \(unsigned int\*, "
+                r"uint32 array of shape \(1,\)\) at byte offset 0 .* no __threadfence\(\) between "
+                r"the write and that announcement")):
+            _last_block_sum(last_block, 'volatile_unfenced', 7)
+
+
+def test_the_guides_plain_last_block_sum_without_its_fence_is_a_race(last_block):
+    with emulator.checking(**RACE):
+        with pytest.raises(KernelLaunchError, match=r"kernel 'plain_unfenced': data race on "
+                                                    r"argument 1 .* a volatile read by .* and an "
+                                                    r"earlier write by .* in different blocks"):
+            _last_block_sum(last_block, 'plain_unfenced', 7)
+
+
+def _message(last_block, name):
+    data, flag, out = numpy.zeros(32, numpy.float32), numpy.zeros(1, numpy.uint32), \
+        numpy.zeros(32, numpy.float32)
+    # both blocks live at once: random schedules only (the reader spins)
+    with emulator.checking(race=True, schedules=['random:1', 'random:2', 'random:3']):
+        last_block.get_function(name)((2,), (32,), (data, flag, out))
+    assert (out == 1 + numpy.arange(32)).all()
+
+
+@pytest.mark.parametrize('kernel', ['flag_volatile_data', 'flag_plain_data'])
+def test_a_fence_then_a_volatile_flag_releases(last_block, kernel):
+    # flag_plain_data (fence, volatile store; volatile spin, fence) was reported as a race: only
+    # an atomic released
+    _message(last_block, kernel)
+
+
+def test_a_volatile_flag_without_a_fence_publishes_nothing(last_block):
+    with pytest.raises(KernelLaunchError, match=r"kernel 'flag_volatile_data_unfenced': stale "
+                                                r"read: a volatile read of argument 0 .* announced "
+                                                r"the write afterwards through argument 1 "):
+        _message(last_block, 'flag_volatile_data_unfenced')
+    with pytest.raises(KernelLaunchError, match=r"kernel 'flag_plain_data_unfenced': data race on "
+                                                r"argument 0 "):
+        _message(last_block, 'flag_plain_data_unfenced')

@@ -30,7 +30,12 @@
 //   mask names both) between them; across blocks by release/acquire through an atomic: a
 //   thread's __threadfence then atomic on X releases what the thread did before the fence, what
 //   its block did before the barrier preceding it (fences are cumulative) and what both had
-//   acquired by then; an atomic on X then a __threadfence acquires what was released on X.
+//   acquired by then; an atomic on X then a __threadfence acquires what was released on X. A
+//   volatile access of global memory is a relaxed atomic one: it releases after a fence, a
+//   volatile read acquires, and a volatile read needs no fence after the atomic that saw the
+//   release. Volatile accesses never race with each other, but a volatile read of another
+//   block's volatile write that the writer announced afterwards (an atomic or a volatile write
+//   the reader has read since) without a fence between is a stale read (Seen).
 #include "chainer_tc_emu_abi.h"
 
 #include <dlfcn.h>
@@ -144,6 +149,29 @@ struct ReadSet {
 };
 struct ReadSets { std::vector<ReadSet*> all, spare; };  // a region's sets; those free for reuse
 
+// Relaxed observation, for the stale-read check: an atomic on global address x made at atomic
+// clock t (one count per launch) has read the value every earlier atomic on x left, so its thread
+// has seen each of those atomics happen, whether or not they released anything. A volatile read
+// of a byte whose last write another block made, announced by such an atomic of that block
+// (made after the write) but not released by it (no __threadfence() between the write and the
+// atomic), may return the value from before the write on a GPU: volatile is a relaxed access,
+// which orders nothing. The emulator returns the written value, so the read is reported.
+struct Seen { uintptr_t x; u64 clock; };
+struct SeenAt {          // the latest atomic on x of one block
+  uint32_t gen, fences;  //   its barrier generation and its thread's fence count
+  uint16_t tid;
+  u64 clock;
+};
+struct SeenKey {
+  uintptr_t x;
+  uint32_t blk;
+  bool operator==(const SeenKey& o) const { return x == o.x && blk == o.blk; }
+};
+struct SeenHash {
+  size_t operator()(const SeenKey& k) const { return std::hash<uintptr_t>()(k.x * 0x9e3779b97f4a7c15ull ^ k.blk); }
+};
+enum { kSeenPerThread = 16 };    // the distinct atomic addresses a thread or block remembers
+
 struct Warp {
   unsigned live;           // lanes that exist and have not returned
   unsigned arrived;        // lanes waiting in a warp collective (cleared when it completes)
@@ -176,6 +204,7 @@ struct Fiber : Thread {
   bool known_grew;         //   since the block's last barrier
   VC* fence_known;         // the block's `known` at this thread's last fence (never changed after)
   VC* pending;             // releases seen by its atomics, not yet fenced
+  std::vector<Seen> seen;  // atomics it made on global memory (relaxed observations, see Seen)
 };
 
 enum RegionKind { kArg, kTarget, kShared, kDyn };
@@ -219,6 +248,7 @@ struct Block {
   uint32_t sealed_fences;   // least fence count of the threads at their sealed fences
   VC* known;
   VC* pending;
+  std::vector<Seen> seen;   // its threads' atomics before its last barrier (see Seen)
 };
 
 struct SharedVar {
@@ -278,6 +308,8 @@ struct Runtime {
   bool yield_atomics;
   const Schedule* schedule;
   std::unordered_map<uintptr_t, VC*> sync;       // releases per atomic address
+  std::unordered_map<SeenKey, SeenAt, SeenHash> seen_at;   // per atomic address and block
+  u64 atomic_clock;                              // atomics on global memory so far
   std::vector<uint32_t> releases;                // per block: releases made (fence, then atomic)
   std::vector<VC*> vcs;                          // every VC of this schedule, freed after it
   // fault handling
@@ -560,12 +592,18 @@ bool covered(const VC* v, const Acc& a) {
   return a.gen < c.all || a.fences < c.sealed || (c.self && a.tid == c.tid && a.fences < c.self);
 }
 
+// Across blocks, a release reaches a plain read through an acquire (the atomic, then a fence: a
+// GPU's L1 may hold a stale line until the fence). A volatile read goes to L2 (ld.volatile is not
+// cached in L1), so an atomic that observed the release orders it already, as the programming
+// guide's last-block sum reads its volatile partial sums with no fence after its ticket.
 bool ordered(const Acc& prev, const Acc& me, const Fiber* f) {
   if (prev.blk == me.blk)
     return prev.tid == me.tid || prev.gen < me.gen ||
            (prev.tid / 32 == me.tid / 32 &&
             f->blk->warps[me.tid / 32].met[prev.tid % 32][me.tid % 32] > prev.wgen);
-  return covered(f->known, prev) || covered(f->blk->known, prev);
+  if (covered(f->known, prev) || covered(f->blk->known, prev)) return true;
+  return (me.flags & (kVolatile | kWrite | kAtomic)) == kVolatile &&
+         (covered(f->pending, prev) || covered(f->blk->pending, prev));
 }
 
 const char* access_name(uint8_t flags) {
@@ -834,6 +872,58 @@ void drop_read_set(Region& r, Cell& c) {
   c.r0.blk = c.r1.blk = 0;
 }
 
+// ---- stale volatile reads (see Seen) ----
+void note_seen(std::vector<Seen>& v, uintptr_t x, u64 clock) {
+  for (Seen& s : v)
+    if (s.x == x) { if (clock > s.clock) s.clock = clock; return; }
+  if (v.size() >= kSeenPerThread) v.erase(v.begin());          // the oldest address
+  v.push_back({x, clock});
+}
+
+// An atomic of the block of write `w`, made after it (by its thread, or by any thread after a
+// __syncthreads() that followed it) and before an atomic of this thread or block on the same
+// address: the write was announced to the reader. Returns that atomic's address, or 0.
+uintptr_t announced(const Acc& w, const Fiber* f) {
+  for (int k = 0; k < 2; ++k) {
+    const std::vector<Seen>& v = k ? f->blk->seen : f->seen;
+    for (const Seen& s : v) {
+      auto it = rt.seen_at.find(SeenKey{s.x, w.blk});
+      if (it == rt.seen_at.end()) continue;
+      const SeenAt& e = it->second;
+      if (e.clock >= s.clock) continue;
+      if (w.gen < e.gen || (e.tid == w.tid && e.gen == w.gen && e.fences >= w.fences)) return s.x;
+    }
+  }
+  return 0;
+}
+
+[[noreturn]] void report_stale(const Region& r, size_t byte, const Acc& w, const Acc& me, uintptr_t x) {
+  char what[192], via[192], a[128], b[128], ta[48], tb[48];
+  describe_region(what, sizeof what, r);
+  int xr = region_at((const char*)x);
+  if (xr >= 0) {
+    const Region& q = rt.regions[xr];
+    char d[160];
+    describe_region(d, sizeof d, q);
+    snprintf(via, sizeof via, "%s at byte offset %lld", d, (long long)((const char*)x - q.data));
+  } else {
+    snprintf(via, sizeof via, "address %p", (void*)x);
+  }
+  thread_of(a, sizeof a, me.blk - 1, me.tid);
+  thread_of(b, sizeof b, w.blk - 1, w.tid);
+  pc_tag(ta, sizeof ta, pc_address(me.pc));
+  pc_tag(tb, sizeof tb, pc_address(w.pc));
+  long long off = (long long)(r.pages + byte - r.data);
+  fail("kernel '%s': stale read: a volatile read of %s at byte offset %lld (element %lld of %zu) by "
+       "%s%s may return the value from before the %s by %s%s: that block announced the write "
+       "afterwards through %s (an atomic, or a volatile write), which this block has read since "
+       "(an atomic or a volatile read), but nothing released it: no __threadfence() between the "
+       "write and that announcement. volatile accesses do not race with each other, but they "
+       "order nothing (PTX treats them as relaxed): put a __threadfence() between the write and "
+       "the atomic, as the programming guide's last-block sum does (schedule %s)", rt.kernel_name, what, off, off / (long long)r.itemsize,
+       r.nbytes / r.itemsize, a, ta, access_name(w.flags), b, tb, via, rt.schedule->name);
+}
+
 void race_access(Region& r, char* a, size_t n, int flags, uint64_t pc) {
   Fiber* f = rt.running;
   Block* b = f->blk;
@@ -852,6 +942,11 @@ void race_access(Region& r, char* a, size_t n, int flags, uint64_t pc) {
     size_t byte = first + i;
     Cell& c = r.shadow[byte];
     if (conflict(c.w, me, f)) report_race(r, byte, c.w, me);
+    if (flags == kVolatile && c.w.blk && c.w.blk != me.blk && (c.w.flags & (kAtomic | kVolatile)) &&
+        (r.kind == kArg || r.kind == kTarget) && !ordered(c.w, me, f)) {
+      uintptr_t x = announced(c.w, f);
+      if (x) report_stale(r, byte, c.w, me, x);
+    }
     if (c.r0.blk == kReadSet) {
       if (!write) {
         set_add(*set_of(c), me, (int)(b - rt.slots), rt.releases[b->seq]);
@@ -882,12 +977,27 @@ void race_access(Region& r, char* a, size_t n, int flags, uint64_t pc) {
 
 // An atomic on X in global memory: acquire what was released on X, then release (if this thread
 // fenced before) what its block did before its fences, and what it knew then.
-void sync_atomic(uintptr_t x) {
+// A volatile access to global memory is a relaxed one (PTX): a volatile write after a
+// __threadfence() releases as an atomic does, and a volatile read acquires what was released on
+// its address by then (a spin on a volatile flag, then a fence); both take part in the stale-read
+// check (Seen) as atomics do. `reads`: it reads the location; `writes`: it writes it.
+void sync_atomic(uintptr_t x, bool reads = true, bool writes = true) {
   Fiber* f = rt.running;
   Block* b = f->blk;
-  auto it = rt.sync.find(x);
-  if (it != rt.sync.end()) join(f->pending, it->second);
-  if (f->last_fence < 0) return;
+  u64 clock = ++rt.atomic_clock;
+  if (reads) note_seen(f->seen, x, clock);
+  if (writes) {
+    SeenAt& at = rt.seen_at[SeenKey{x, b->seq + 1}];
+    at.gen = b->bar_gen;
+    at.fences = f->fences;
+    at.tid = (uint16_t)f->linear;
+    at.clock = clock;
+  }
+  if (reads) {
+    auto it = rt.sync.find(x);
+    if (it != rt.sync.end()) join(f->pending, it->second);
+  }
+  if (!writes || f->last_fence < 0) return;
   rt.releases[b->seq]++;
   VC*& s = rt.sync[x];
   if (!s) s = new_vc();
@@ -965,7 +1075,11 @@ __attribute__((noinline)) void checked_access(char* a, size_t n, int flags, uint
   if (r.written && rt.running) track_shared_write(r, a, n, flags, pc);
   flags &= ~kExchange;
   if (rt.counting) count_access(r, n, flags);
-  if (rt.race && rt.running) race_access(r, a, n, flags, pc);
+  if (rt.race && rt.running) {
+    race_access(r, a, n, flags, pc);
+    if ((flags & (kVolatile | kAtomic)) == kVolatile && (r.kind == kArg || r.kind == kTarget))
+      sync_atomic((uintptr_t)a, !(flags & kWrite), flags & kWrite);
+  }
 }
 
 // Memory outside the arena that instrumented code may touch: the module's own image (its
@@ -1084,6 +1198,7 @@ void release_block_barrier(Block* b) {
         f.known_grew = false;
       }
       if (f.pending) { join(b->pending, f.pending); f.pending = nullptr; }
+      for (const Seen& s : f.seen) note_seen(b->seen, s.x, s.clock);
     }
     if (grown) b->known = grown;
     b->sealed_gen = gen;
@@ -1216,6 +1331,7 @@ void start_block(Block& b, u64 seq) {
   b.sealed_gen = -1;
   b.sealed_fences = 0;
   b.known = b.pending = nullptr;
+  b.seen.clear();
   for (unsigned w = 0; w < kMaxWarps; ++w) {
     b.warps[w].live = b.warps[w].arrived = 0;
     b.warps[w].sync_count = 0;
@@ -1236,6 +1352,7 @@ void start_block(Block& b, u64 seq) {
     f.last_fence = f.sealed_fence = -1;
     f.fences = f.sealed_fences = 0;
     f.known = f.pending = f.fence_known = nullptr;
+    f.seen.clear();
     f.known_grew = false;
     b.warps[f.warp].live |= 1u << f.lane;
     f.ctx.uc_stack.ss_sp = b.stacks + (size_t)i * (rt.stack_bytes + rt.page) + rt.page;
@@ -1280,6 +1397,8 @@ void free_vcs() {
   }
   rt.vcs.clear();
   rt.sync.clear();
+  rt.seen_at.clear();
+  rt.atomic_clock = 0;
 }
 
 // One full round of a block in thread order (forward) or reverse order: resume every thread that
