@@ -5,17 +5,16 @@
     loss = step(x, t)                                       # this rank's shard of the batch
 
 Before the first step the model is broadcast from rank 0, every parameter in its own precision
-(:func:`bcast_data`). Every step (eager, recorded, replayed
+(:func:`chainer_tc.multinode.bcast.bcast_data`). Every step (eager, recorded, replayed
 or captured) averages the gradients over the ranks with one collective on one buffer
 (:class:`~chainer_tc.multinode.allreduce.GradientAllreduce`) before the batched update. The
 dynamic loss scale stays identical on every rank: an inf or nan on one rank reaches every rank
 through the mean, so every rank skips that step and halves its scale.
 """
-import numpy
-
 import chainer
 
 from chainer_tc.multinode import allreduce
+from chainer_tc.multinode.bcast import bcast_data
 from chainer_tc.static_graph import step as step_module
 
 
@@ -63,22 +62,6 @@ class TrainStep(step_module.TrainStep):
             bcast_data(self.communicator, self.optimizer.target)
             self._broadcast_names = names
         super()._update(grads)
-
-
-def bcast_data(communicator, model):
-    """``communicator.bcast_data(model)`` without rounding any parameter: ChainerMN's
-    ``pure_nccl`` communicator packs every parameter into ``chainer.get_dtype()`` (float16
-    under ``dtype`` float16 or mixed16) for the broadcast, so float32 parameters (BatchNorm's,
-    the float16 ResNet-50's classifier) would come back rounded to float16 on every rank. The
-    broadcast runs with ``dtype`` float32 (float64 if a parameter is float64), which holds
-    every parameter's value exactly; the naive communicator sends each parameter in its own
-    dtype either way."""
-    wide = numpy.dtype(numpy.float32)
-    for p in model.params():
-        if p.array is not None and p.array.dtype == numpy.float64:
-            wide = numpy.dtype(numpy.float64)
-    with chainer.using_config('dtype', wide):
-        communicator.bcast_data(model)
 
 
 def _initialized(target):
