@@ -22,19 +22,28 @@
 //             HYPER_ENABLED (a frozen link) is not touched at all.
 //           In device memory, so that a captured CUDA graph reads the values of each replay.
 //   scaler  uint32[8], the loss-scale state (SCALER_* below)
+//   divisors double[parameters]: each parameter's own divisor (0: the device loss scale), read
+//           only when sp.grad_divisor < 0 (a step whose gradients carry different loss scales)
 // Gradients are wherever Chainer's backward put them: their addresses come with every launch in
 // StepParams.grad (a null address means "no gradient": zero, as Chainer reallocates it), in the
 // parameter's dtype and C-contiguous. Bit 0 of an address (free: every gradient is at least
 // 2-byte aligned) says whether that gradient is divided before use: set for a gradient computed
 // with a loss scale (Chainer's param._loss_scale, read by the optimizer), which is then
-// sp.grad_divisor, or the device loss scale (scaler[SCALER_SCALE]) when sp.grad_divisor is 0.
+// sp.grad_divisor, or the device loss scale (scaler[SCALER_SCALE]) when sp.grad_divisor is 0,
+// or divisors[parameter] when sp.grad_divisor < 0. Bit 1 (free in float32 and float64
+// gradients, which are 4-byte aligned; never set for a float16 one) says that the update writes
+// the divided gradient back over it, as Chainer's update rule divides a float32 or float64
+// param.grad in place (a float16 parameter's stays as it is: Chainer divides a float32 copy).
+// The host sets it only on a gradient whose memory no other gradient of the step shares (see
+// chainer_tc/optimizers/_grads.py): a block must not read what another one writes back.
 //
 // Per element, each operation rounded once (the _rn intrinsics forbid fma contraction), in
 // float32 for float32 and float16 parameters (hyperparameters rounded to float32 first) and in
 // float64 for float64 ones. For float32 and float64 parameters this is bit for bit what NumPy
 // computes for chainer.optimizers.MomentumSGD with the WeightDecay hook; for float16 ones the
 // decay uses the float32 master (Chainer's use_fp32_update adds it in float16, before the cast):
-//   g = grad / divisor                     (gradients marked by bit 0 of their address)
+//   g = grad / divisor                     (gradients marked by bit 0 of their address;
+//                                           bit 1 as well: grad = g, written back)
 //   g = g + weight_decay * p               (if weight_decay != 0)
 //   v = v * momentum - lr * g
 //   p = p + v                              (nesterov: p = p + (v * momentum - lr * g))
@@ -49,13 +58,14 @@
 // time otherwise, with the same roundings in the same order either way.
 //
 // Entry points (launch: grid = number of chunks handled by the launch, block = OPT_BLOCK):
-//   momentum_sgd_check(sp, chunks, scaler)
+//   momentum_sgd_check(sp, chunks, divisors, scaler)
 //     Dynamic loss scaling only, before the update: sets scaler[SCALER_FOUND_INF] if any unscaled
 //     gradient element is inf or nan (of every parameter, frozen ones too, as Chainer checks
 //     them all). Reads gradients; writes only that flag.
-//   momentum_sgd_update(sp, chunks, p32, p16, master, mom32, mom16, p64, mom64, hyper, scaler)
+//   momentum_sgd_update(sp, chunks, divisors, p32, p16, master, mom32, mom16, p64, mom64, hyper,
+//                       scaler)
 //     Applies the update unless scaler[SCALER_FOUND_INF] is set, in which case it writes nothing
-//     at all to parameters, masters or momenta. With dynamic scaling, the last block of the step
+//     at all to parameters, masters, momenta or gradients. With dynamic scaling, the last block of the step
 //     (sp.total_blocks blocks over all update launches) then updates the scale: halve on overflow
 //     (not below sp.min_scale), double after sp.interval clean steps in a row (not above
 //     sp.max_scale), counts skipped steps, and clears the flag and its own block counter.
@@ -97,7 +107,8 @@ struct StepParams {
   unsigned interval;        // dynamic: clean steps before the scale doubles
   float min_scale, max_scale;
   unsigned total_blocks;    // dynamic: update blocks of this step, over all launches
-  double grad_divisor;      // divides the marked gradients; 0: the device loss scale
+  double grad_divisor;      // divides the marked gradients; 0: the device loss scale;
+                            // < 0: each parameter's divisors[] entry
   unsigned long long grad[OPT_GRAD_TABLE];   // addresses; bit 0: divide this gradient
 };
 static_assert(sizeof(StepParams) == 32 + 8 * OPT_GRAD_TABLE, "StepParams layout is shared with Python");
@@ -154,25 +165,37 @@ __device__ __forceinline__ float read_scale(const unsigned* scaler) {
   return __uint_as_float(scaler[SCALER_SCALE]);
 }
 
-// One gradient of the step: its address, and whether it is divided (bit 0 of StepParams.grad).
+// One gradient of the step, as StepParams.grad holds it: its address, whether it is divided
+// (bit 0) and, for a float32 or float64 gradient, whether the quotient is written back (bit 1).
+// The address is masked with a constant per gradient type (Half: a float16 gradient, whose bit
+// 1 is part of its address): a mask chosen at run time kept NVVM from seeing that the address
+// is global, and every access became a generic LD/ST instead of LDG/STG.
 struct GradRef {
-  const void* ptr;
-  bool divide;
+  unsigned long long bits;
+  bool present, divide;
+  template <bool Half>
+  __device__ __forceinline__ void* address() const {
+    return reinterpret_cast<void*>(bits & (Half ? ~1ULL : ~3ULL));
+  }
+  template <bool Half>
+  __device__ __forceinline__ bool write() const { return !Half && (bits & 2ULL) != 0; }
 };
 
 __device__ __forceinline__ GradRef load_grad(const StepParams& sp, const Chunk& k) {
-  const unsigned long long a = sp.grad[k.grad_index];
   GradRef r;
-  r.ptr = reinterpret_cast<const void*>(a & ~1ULL);
-  r.divide = (a & 1ULL) != 0;
+  r.bits = sp.grad[k.grad_index];
+  r.present = (r.bits & ~3ULL) != 0;      // a null address ("no gradient") has no flag set
+  r.divide = (r.bits & 1ULL) != 0;
   return r;
 }
 
-// What divides a marked gradient, in the arithmetic type T: the device loss scale, or the
-// host value of a backward pass's loss_scale.
+// What divides a marked gradient, in the arithmetic type T: the device loss scale, the host
+// value of a backward pass's loss_scale, or (a step mixing them) the parameter's own.
 template <typename T>
-__device__ __forceinline__ T grad_divisor(const StepParams& sp, const unsigned* scaler) {
-  return sp.grad_divisor == 0.0 ? (T)read_scale(scaler) : (T)sp.grad_divisor;
+__device__ __forceinline__ T grad_divisor(const StepParams& sp, const double* divisors,
+                                          long long entry, const unsigned* scaler) {
+  const double d = sp.grad_divisor < 0.0 ? divisors[entry] : sp.grad_divisor;
+  return d == 0.0 ? (T)read_scale(scaler) : (T)d;
 }
 
 // How a chunk's gradient becomes g, decided once per chunk (a template argument of the element
@@ -212,11 +235,12 @@ __device__ __forceinline__ bool exact_reciprocal(double d) {
 // The mode of one chunk's gradient, and x: r for GRAD_MUL, d for GRAD_DIV (r = 1 / d is exact).
 template <typename T>
 __device__ __forceinline__ int grad_mode(const StepParams& sp, const GradRef& g,
+                                         const double* divisors, long long entry,
                                          const unsigned* scaler, T& x) {
   x = (T)1;
-  if (!g.ptr) return GRAD_ZERO;
+  if (!g.present) return GRAD_ZERO;
   if (!g.divide) return GRAD_PLAIN;
-  const T d = grad_divisor<T>(sp, scaler);
+  const T d = grad_divisor<T>(sp, divisors, entry, scaler);
   if (!exact_reciprocal(d)) {
     x = d;
     return GRAD_DIV;
@@ -258,9 +282,9 @@ struct Rule {
 // V (1 or 2) consecutive elements i, i + 1 of one chunk, each computed alone with the same
 // roundings in the same order whatever V is (the pair path's bits are the scalar path's):
 // V == 2 only moves them with one __half2/float2/double2 access per array. g, p, v, p16 point at
-// the chunk's first element.
-template <int V, int Mode, bool Half, typename T, typename G>
-__device__ __forceinline__ void update_elements(int i, const Rule<T>& h, T x, const G* g, T* p,
+// the chunk's first element. Write: the divided gradient is stored back over g (G is T then).
+template <int V, int Mode, bool Half, bool Write, typename T, typename G>
+__device__ __forceinline__ void update_elements(int i, const Rule<T>& h, T x, G* g, T* p,
                                                 T* v, __half* p16) {
   T grad[V], pe[V], ve[V];
   if constexpr (Mode == GRAD_ZERO) {
@@ -289,6 +313,7 @@ __device__ __forceinline__ void update_elements(int i, const Rule<T>& h, T x, co
     T gj = grad[j];
     if (Mode == GRAD_MUL) gj = mul_rn(gj, x);
     if (Mode == GRAD_DIV) gj = div_rn(gj, x);
+    if constexpr (Write) grad[j] = gj;
     if (h.decay) gj = add_rn(gj, mul_rn(h.wd, pe[j]));
     const T step = sub_rn(mul_rn(ve[j], h.momentum), mul_rn(h.lr, gj));
     ve[j] = step;
@@ -297,6 +322,7 @@ __device__ __forceinline__ void update_elements(int i, const Rule<T>& h, T x, co
   ctc::store_v<V>(v, i, ve);
   ctc::store_v<V>(p, i, pe);
   if constexpr (Half) ctc::store_v<V>(p16, i, pe);
+  if constexpr (Write) ctc::store_v<V>(g, i, grad);
 }
 
 // One chunk's elements in one gradient mode. Pairs where every array the chunk touches starts
@@ -306,8 +332,8 @@ __device__ __forceinline__ void update_elements(int i, const Rule<T>& h, T x, co
 // element, thread t taking pairs t, t + OPT_BLOCK, ... and one thread an odd count's last
 // element. Otherwise (a gradient that is a view at an odd element, a work list with odd offsets)
 // one element at a time. The zero and division modes are rare and stay scalar.
-template <int Mode, bool Half, typename T, typename G>
-__device__ __forceinline__ void update_mode(int n, const Rule<T>& h, T x, const G* g, T* p, T* v,
+template <int Mode, bool Half, bool Write, typename T, typename G>
+__device__ __forceinline__ void update_mode(int n, const Rule<T>& h, T x, G* g, T* p, T* v,
                                             __half* p16) {
   bool pairs = Mode == GRAD_PLAIN || Mode == GRAD_MUL;
   if (pairs) {
@@ -321,22 +347,22 @@ __device__ __forceinline__ void update_mode(int n, const Rule<T>& h, T x, const 
     // The thread's own pointers, stepped by adds: indexing the chunk's pointers with 2 * j made
     // NVVM fold the chunk offset back into a 64-bit index and rebuild every address from it.
     const int half_n = n >> 1, t = threadIdx.x;
-    const G* gt = g + 2 * t;
+    G* gt = g + 2 * t;
     T* pt = p + 2 * t;
     T* vt = v + 2 * t;
     __half* ht = Half ? p16 + 2 * t : nullptr;
     for (int j = t; j < half_n; j += OPT_BLOCK) {
-      update_elements<2, Mode, Half>(0, h, x, gt, pt, vt, ht);
+      update_elements<2, Mode, Half, Write>(0, h, x, gt, pt, vt, ht);
       gt += 2 * OPT_BLOCK;
       pt += 2 * OPT_BLOCK;
       vt += 2 * OPT_BLOCK;
       if constexpr (Half) ht += 2 * OPT_BLOCK;
     }
     if ((n & 1) && threadIdx.x == OPT_BLOCK - 1)
-      update_elements<1, Mode, Half>(n - 1, h, x, g, p, v, p16);
+      update_elements<1, Mode, Half, Write>(n - 1, h, x, g, p, v, p16);
   } else {
     for (int i = threadIdx.x; i < n; i += OPT_BLOCK)
-      update_elements<1, Mode, Half>(i, h, x, g, p, v, p16);
+      update_elements<1, Mode, Half, Write>(i, h, x, g, p, v, p16);
   }
 }
 
@@ -346,8 +372,8 @@ __device__ __forceinline__ void update_mode(int n, const Rule<T>& h, T x, const 
 // mode) is settled here; n <= 2048, so the element loops index in 32 bits.
 template <typename T, typename G, bool Half>
 __device__ __forceinline__ void update_chunk(const Chunk& k, const StepParams& sp, const Hyper& hy,
-                                             const GradRef& gr, const unsigned* scaler,
-                                             T* p, T* v, __half* p16) {
+                                             const GradRef& gr, const double* divisors,
+                                             const unsigned* scaler, T* p, T* v, __half* p16) {
   Rule<T> h;
   h.lr = (T)hy.lr;
   h.momentum = (T)hy.momentum;
@@ -355,16 +381,24 @@ __device__ __forceinline__ void update_chunk(const Chunk& k, const StepParams& s
   h.decay = h.wd != (T)0;
   h.nesterov = sp.nesterov != 0;
   T x;
-  const int mode = grad_mode<T>(sp, gr, scaler, x);
+  const int mode = grad_mode<T>(sp, gr, divisors, k.entry, scaler, x);
   const int n = (int)k.count;
-  const G* g = gr.ptr ? static_cast<const G*>(gr.ptr) + k.inner : nullptr;
+  G* g = gr.present ? static_cast<G*>(gr.address<Half>()) + k.inner : nullptr;
   p += k.flat;
   v += k.flat;
   if constexpr (Half) p16 += k.flat;
-  if (mode == GRAD_MUL) update_mode<GRAD_MUL, Half>(n, h, x, g, p, v, p16);
-  else if (mode == GRAD_PLAIN) update_mode<GRAD_PLAIN, Half>(n, h, x, g, p, v, p16);
-  else if (mode == GRAD_DIV) update_mode<GRAD_DIV, Half>(n, h, x, g, p, v, p16);
-  else update_mode<GRAD_ZERO, Half>(n, h, x, g, p, v, p16);
+  const bool write = gr.write<Half>();
+  if (mode == GRAD_MUL) {
+    if (write) update_mode<GRAD_MUL, Half, !Half>(n, h, x, g, p, v, p16);
+    else update_mode<GRAD_MUL, Half, false>(n, h, x, g, p, v, p16);
+  } else if (mode == GRAD_PLAIN) {
+    update_mode<GRAD_PLAIN, Half, false>(n, h, x, g, p, v, p16);
+  } else if (mode == GRAD_DIV) {
+    if (write) update_mode<GRAD_DIV, Half, !Half>(n, h, x, g, p, v, p16);
+    else update_mode<GRAD_DIV, Half, false>(n, h, x, g, p, v, p16);
+  } else {
+    update_mode<GRAD_ZERO, Half, false>(n, h, x, g, p, v, p16);
+  }
 }
 
 // The last update block of a dynamic step: move the scale, clear the flag and the counter.
@@ -387,7 +421,8 @@ __device__ void finish_step(const StepParams& sp, unsigned* scaler) {
 }  // namespace opt
 
 extern "C" __global__ void __launch_bounds__(OPT_BLOCK, OPT_MIN_BLOCKS)
-momentum_sgd_check(const StepParams sp, const long long* __restrict__ chunks, unsigned* scaler) {
+momentum_sgd_check(const StepParams sp, const long long* __restrict__ chunks,
+                   const double* __restrict__ divisors, unsigned* scaler) {
   volatile unsigned* found = scaler + SCALER_FOUND_INF;
   __shared__ unsigned already;                          // decided once, so the block agrees
   if (threadIdx.x == 0) already = *found;
@@ -395,25 +430,25 @@ momentum_sgd_check(const StepParams sp, const long long* __restrict__ chunks, un
   if (already) return;                                  // another block already found one
   const opt::Chunk k = opt::load_chunk(chunks);
   const opt::GradRef g = opt::load_grad(sp, k);
-  if (!g.ptr) return;
+  if (!g.present) return;
   bool bad;
   if (k.group == GROUP_F64) {
     double x;
-    const int mode = opt::grad_mode<double>(sp, g, scaler, x);
-    bad = opt::chunk_nonfinite(k, static_cast<const double*>(g.ptr), mode, x);
+    const int mode = opt::grad_mode<double>(sp, g, divisors, k.entry, scaler, x);
+    bad = opt::chunk_nonfinite(k, static_cast<const double*>(g.address<false>()), mode, x);
   } else {
     float x;
-    const int mode = opt::grad_mode<float>(sp, g, scaler, x);
+    const int mode = opt::grad_mode<float>(sp, g, divisors, k.entry, scaler, x);
     bad = k.group == GROUP_F16
-              ? opt::chunk_nonfinite(k, static_cast<const __half*>(g.ptr), mode, x)
-              : opt::chunk_nonfinite(k, static_cast<const float*>(g.ptr), mode, x);
+              ? opt::chunk_nonfinite(k, static_cast<const __half*>(g.address<true>()), mode, x)
+              : opt::chunk_nonfinite(k, static_cast<const float*>(g.address<false>()), mode, x);
   }
   if (__syncthreads_or(bad) && threadIdx.x == 0) *found = 1u;
 }
 
 extern "C" __global__ void __launch_bounds__(OPT_BLOCK, OPT_MIN_BLOCKS)
 momentum_sgd_update(const StepParams sp, const long long* __restrict__ chunks,
-                    float* __restrict__ p32, __half* __restrict__ p16, float* __restrict__ master,
+                    const double* __restrict__ divisors, float* __restrict__ p32, __half* __restrict__ p16, float* __restrict__ master,
                     float* __restrict__ mom32, float* __restrict__ mom16,
                     double* __restrict__ p64, double* __restrict__ mom64,
                     const double* __restrict__ hyper, unsigned* scaler) {
@@ -424,11 +459,12 @@ momentum_sgd_update(const StepParams sp, const long long* __restrict__ chunks,
     if (h.enabled) {
       const opt::GradRef g = opt::load_grad(sp, k);
       if (k.group == GROUP_F64)
-        opt::update_chunk<double, double, false>(k, sp, h, g, scaler, p64, mom64, nullptr);
+        opt::update_chunk<double, double, false>(k, sp, h, g, divisors, scaler, p64, mom64,
+                                                 nullptr);
       else if (k.group == GROUP_F16)
-        opt::update_chunk<float, __half, true>(k, sp, h, g, scaler, master, mom16, p16);
+        opt::update_chunk<float, __half, true>(k, sp, h, g, divisors, scaler, master, mom16, p16);
       else
-        opt::update_chunk<float, float, false>(k, sp, h, g, scaler, p32, mom32, nullptr);
+        opt::update_chunk<float, float, false>(k, sp, h, g, divisors, scaler, p32, mom32, nullptr);
     }
   }
   if (!dynamic) return;

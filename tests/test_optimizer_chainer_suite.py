@@ -56,6 +56,20 @@ def assert_same_params(ref, ours):
         numpy.testing.assert_array_equal(pb[name].array, pa[name].array, err_msg=name)
 
 
+def assert_same_grads(ref, ours):
+    """The gradients as the update left them: Chainer's update rule divides a float32 or
+    float64 parameter's gradient by its loss scale in place, and leaves a float16 one's (it
+    divides a float32 copy)."""
+    pa, pb = dict(ref.namedparams()), dict(ours.namedparams())
+    for name in pa:
+        ga, gb = pa[name].grad, pb[name].grad
+        assert (ga is None) == (gb is None), name
+        if ga is not None:
+            assert gb.dtype == ga.dtype, name
+            bits = numpy.dtype('u{}'.format(ga.dtype.itemsize))
+            numpy.testing.assert_array_equal(gb.view(bits), ga.view(bits), err_msg=name)
+
+
 # ---- the linear model (test_optimizers_by_linear_model.py) ---------------------------------------
 
 def linear_batches(dtype, steps=100, seed=0, n=32, units=10):
@@ -123,6 +137,7 @@ def test_linear_model_learns_and_equals_chainer(path, dtype, lazy, scaling, how)
     ours, o, acc = run_linear(lambda: optimizers.MomentumSGD(lr=0.1), dtype, lazy, scaling, how)
     assert acc > 0.9 and acc_ref > 0.9
     assert_same_params(ref, ours)
+    assert_same_grads(ref, ours)
     assert o.t == o_ref.t == 100
 
 
@@ -236,6 +251,156 @@ def test_gradients_are_divided_by_the_loss_scale_recorded_on_them(path, dtype, l
         o_ref.update()
         o.update()
         assert_same_params(ref, ours)
+        assert_same_grads(ref, ours)
+
+
+@pytest.mark.parametrize('scale', [10.0, 2.0 ** 10])
+@pytest.mark.parametrize('dtype', DTYPES)
+def test_gradients_after_a_scaled_update_are_chainers(path, dtype, scale):
+    """``update(lossfun)`` with a static loss scale, 3 steps: what the parameters and their
+    gradients hold afterwards, bit for bit against Chainer (float32 and float64 gradients
+    divided in place, by a division (10) or an exact reciprocal (2^10); float16 ones left
+    scaled). Post-update hooks and extensions such as ParameterStatistics read them."""
+    x, t = two_linear_data(dtype)
+    ref, ours = TwoLinear(dtype), TwoLinear(dtype)
+    o_ref = chainer_momentum_sgd(dtype, lr=0.1).setup(ref)
+    o = optimizers.MomentumSGD(lr=0.1).setup(ours)
+    for opt in (o_ref, o):
+        opt.loss_scaling(scale=scale)
+    for _ in range(3):
+        o_ref.update(lambda: F.softmax_cross_entropy(ref(x), t))
+        o.update(lambda: F.softmax_cross_entropy(ours(x), t))
+    assert_same_params(ref, ours)
+    assert_same_grads(ref, ours)
+    if dtype != numpy.float16:
+        ours.cleargrads()
+        F.softmax_cross_entropy(ours(x), t).backward()          # unscaled
+        plain = {n: p.grad.copy() for n, p in ours.namedparams()}
+        ours.cleargrads()
+        o.update(lambda: F.softmax_cross_entropy(ours(x), t))
+        for n, p in ours.namedparams():
+            numpy.testing.assert_allclose(p.grad, plain[n], rtol=1e-5 if dtype == numpy.float32
+                                          else 1e-12, err_msg=n)
+
+
+def test_a_skipped_step_leaves_the_gradients_scaled(path):
+    """Dynamic scaling that skips a step (an inf gradient): nothing is divided, as Chainer's
+    update() returns before its update rules run."""
+    model = TwoLinear()
+    o = optimizers.MomentumSGD(lr=0.1).setup(model)
+    o.loss_scaling(initial_scale=64.0)
+    x, t = two_linear_data()
+    model.cleargrads()
+    F.softmax_cross_entropy(model(x), t).backward(loss_scale=64.0)
+    model.b.b.grad[1] = numpy.inf
+    before = {n: p.grad.copy() for n, p in model.namedparams()}
+    with pytest.warns(UserWarning, match='skipped 1 update step'):
+        o.update()
+    assert o.skipped_steps == 1
+    for n, p in model.namedparams():
+        numpy.testing.assert_array_equal(p.grad, before[n], err_msg=n)
+
+
+def test_a_gradient_two_parameters_share_is_divided_once(path):
+    """Chainer's backward gives one array to both inputs of an addition: ``a.grad is b.grad``.
+    Chainer's update rules then divide it in place once per parameter, so ``b`` (updated
+    second) trains on grad / scale**2 (with lr 1, scale 4 and a gradient of 4: a ends at 0, b at
+    0.75). Ours reads it once for each, from private copies, and writes the quotient back once:
+    both parameters take the same step, and the shared gradient holds grad / scale."""
+    link = chainer.Link()
+    with link.init_scope():
+        link.a = chainer.Parameter(numpy.ones(300, numpy.float32))
+        link.b = chainer.Parameter(numpy.ones(300, numpy.float32))
+        link.c = chainer.Parameter(numpy.ones(300, numpy.float32))
+    o = optimizers.MomentumSGD(lr=1.0, momentum=0.0).setup(link)
+    o.loss_scaling(scale=4.0)
+    link.cleargrads()
+    F.sum(F.relu(link.a + link.b) + link.c * 2).backward(loss_scale=4.0)
+    assert link.a.grad is link.b.grad
+    o.update()
+    numpy.testing.assert_array_equal(link.a.array, 0.0)
+    numpy.testing.assert_array_equal(link.b.array, 0.0)
+    numpy.testing.assert_array_equal(link.c.array, -1.0)
+    assert link.a.grad is link.b.grad
+    numpy.testing.assert_array_equal(link.a.grad, 1.0)
+    numpy.testing.assert_array_equal(link.c.grad, 2.0)
+
+
+def test_a_strided_gradient_gets_its_quotient_back(path):
+    """A gradient that is a transposed view is read from a contiguous copy; its quotient is
+    copied back into it, as Chainer divides the view in place."""
+    models = []
+    for _ in range(2):
+        link = chainer.Link()
+        with link.init_scope():
+            link.w = chainer.Parameter(numpy.linspace(-1, 1, 12).astype(numpy.float32)
+                                       .reshape(3, 4))
+        models.append(link)
+    ref, ours = models
+    o_ref = chainer_momentum_sgd(numpy.float32, lr=0.5).setup(ref)
+    o = optimizers.MomentumSGD(lr=0.5).setup(ours)
+    g = numpy.random.RandomState(3).randn(4, 3).astype(numpy.float32) * 10
+    for model in (ref, ours):
+        model.w.grad = g.copy().T
+        model.w._loss_scale = 10.0
+    o_ref.update()
+    o.update()
+    assert not ours.w.grad.flags.c_contiguous
+    assert_same_params(ref, ours)
+    assert_same_grads(ref, ours)
+
+
+def test_a_read_only_gradient_is_used_and_left_as_it_is(path):
+    """``F.sum(p)``'s backward gives ``p`` a read-only broadcast view: Chainer's in-place
+    division fails on it ("output array is read-only"); ours updates from it and leaves it."""
+    link = chainer.Link()
+    with link.init_scope():
+        link.p = chainer.Parameter(numpy.ones(5, numpy.float32))
+    o = optimizers.MomentumSGD(lr=1.0, momentum=0.0).setup(link)
+    o.loss_scaling(scale=4.0)
+    link.cleargrads()
+    F.sum(link.p).backward(loss_scale=4.0)
+    assert not link.p.grad.flags.writeable
+    o.update()
+    numpy.testing.assert_array_equal(link.p.array, 0.0)
+    numpy.testing.assert_array_equal(link.p.grad, 4.0)
+
+
+def test_float16_gradients_of_different_loss_scales_are_divided_in_float32(path):
+    """A step mixing loss scales (the optimizer's static 16, and backward passes with 4 and 8):
+    each float16 gradient is divided by its own scale in float32, as Chainer's
+    use_fp32_update divides a float32 copy, and is left scaled. In float16 the small quotients
+    (2^-22 / 8) would be rounded to float16 subnormals or zero."""
+    r = numpy.random.RandomState(4)
+    names = ('dev', 'four', 'eight')
+    models = []
+    for _ in range(2):
+        link = chainer.Link()
+        with link.init_scope():
+            for name in names:
+                setattr(link, name, chainer.Parameter(
+                    (r.randn(40) * 1e-4).astype(numpy.float16)))
+        models.append(link)
+    ref, ours = models
+    for name in names:
+        getattr(ours, name).array[...] = getattr(ref, name).array
+    o_ref = chainer_momentum_sgd(numpy.float16, lr=1.0, momentum=0.0).setup(ref)
+    o = optimizers.MomentumSGD(lr=1.0, momentum=0.0).setup(ours)
+    o.loss_scaling(scale=16.0)
+    grads = {n: (r.randn(40) * 2.0 ** -20).astype(numpy.float16) for n in names}
+    marks = {'dev': 16.0, 'four': 4.0, 'eight': 8.0}
+    for model in (ref, ours):
+        for n in names:
+            p = getattr(model, n)
+            p.grad = grads[n].copy()
+            p._loss_scale = marks[n]
+    ours.dev._loss_scale = _scaler.SCALED_ON_DEVICE
+    o_ref.update()
+    o.update()
+    assert_same_params(ref, ours)
+    assert_same_grads(ref, ours)
+    for n in names:
+        numpy.testing.assert_array_equal(getattr(ours, n).grad, grads[n], err_msg=n)
 
 
 @pytest.mark.parametrize('scaling', ['none', 'static'])

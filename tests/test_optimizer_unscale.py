@@ -83,10 +83,15 @@ def reference(p, v, g, d, dtype, divide=True, p16=None, ftz=False):
 
 
 def launch(module, dtype, grads, scale, scaling=SCALE_STATIC, grad_divisor=0.0, offset=0,
-           divide=True, adopt=False):
+           divide=True, adopt=False, write=None, divisors=None):
     """One check + update over the gradients ``grads`` (one parameter each, laid out one after
     another from flat element ``offset``) with loss scale ``scale``; returns the outputs and the
-    inputs they started from."""
+    inputs they started from. ``write`` (default: divided float32 and float64 gradients, as the
+    optimizer asks): set bit 1, the quotients written back; they are returned as
+    ``out['grad']`` (``offset`` zeros first) and ``grads`` are given back as they were.
+    ``divisors``: each gradient's divisor (0: the device scale), with grad_divisor -1."""
+    if write is None:
+        write = divide and dtype != f16
     sizes = [g.size for g in grads]
     total = offset + sum(sizes)
     r = numpy.random.RandomState(len(sizes) + total)
@@ -126,27 +131,44 @@ def launch(module, dtype, grads, scale, scaling=SCALE_STATIC, grad_divisor=0.0, 
     sp['total_blocks'] = chunks.shape[0]
     sp['grad_divisor'] = grad_divisor
     for i, g in enumerate(grads):
-        sp['grad'][0, i] = g.ctypes.data | (1 if divide else 0)
+        sp['grad'][0, i] = g.ctypes.data | (1 if divide else 0) | (2 if write else 0)
+    div = numpy.zeros(len(grads)) if divisors is None else numpy.array(divisors, f64)
+    before = [g.copy() for g in grads]
+    start['grad'] = numpy.concatenate([numpy.zeros(offset, dtype)] + before)
     block = (kernel_cases.OPT['OPT_BLOCK'],)
     with emulator.checking(race=True, schedules=['forward', 'reverse', 'random:5']):
         if scaling == SCALE_DYNAMIC:
             module.get_function('momentum_sgd_check')((chunks.shape[0],), block,
-                                                      (sp, chunks, scaler))
+                                                      (sp, chunks, div, scaler))
         module.get_function('momentum_sgd_update')(
             (chunks.shape[0],), block,
-            (sp, chunks, a['p32'], a['p16'], a['master'], a['mom32'], a['mom16'], a['p64'],
+            (sp, chunks, div, a['p32'], a['p16'], a['master'], a['mom32'], a['mom16'], a['p64'],
              a['mom64'], hyper, scaler))
+    a['grad'] = numpy.concatenate([numpy.zeros(offset, dtype)] + [g.copy() for g in grads])
+    for g, b in zip(grads, before):
+        g[...] = b
     return a, start, scaler
 
 
 def expected(dtype, grads, d, start, offset=0, divide=True, ftz=False):
+    """The reference's outputs; ``d``: the divisor, or one per gradient. The gradients as the
+    update leaves them: float32 and float64 ones divided (written back), float16 ones as they
+    were."""
     p_name, v_name = {f32: ('p32', 'mom32'), f16: ('master', 'mom16'), f64: ('p64', 'mom64')}[dtype]
     g = numpy.concatenate([numpy.zeros(offset, grads[0].dtype)] + list(grads))
+    if numpy.ndim(d):
+        d = numpy.concatenate([numpy.ones(offset)] + [numpy.full(x.size, s)
+                                                      for x, s in zip(grads, d)])
     p, v, p16 = reference(start[p_name], start[v_name], g, d, dtype, divide,
                           start['p16'] if dtype == f16 else None, ftz)
-    out = {p_name: p, v_name: v}
+    out = {p_name: p, v_name: v, 'grad': g}
     if dtype == f16:
         out['p16'] = p16
+    elif divide:
+        t = f64 if dtype == f64 else f32
+        fz = flush if ftz else numpy.asarray
+        with numpy.errstate(all='ignore'):
+            out['grad'] = fz(fz(g) / fz(numpy.asarray(d).astype(t))).astype(dtype)
     return {k: x[offset:] for k, x in out.items()}
 
 
@@ -237,10 +259,38 @@ def test_pair_and_scalar_paths_give_the_same_bits(module, dtype, scale, where):
     g, t = numpy.dtype(dtype).itemsize, 8 if dtype == f64 else 4
     width, n = (2, 2049) if pairs else (1, 4098)
     assert update.of(grads[0]).reads == {width * g: n}
+    # the quotients written back (bit 1), the same way; never a float16 gradient
+    assert update.of(grads[0]).writes == ({} if dtype == f16 else {width * g: n})
     momentum = {f16: 'mom16', f32: 'mom32', f64: 'mom64'}[dtype]
     assert update.of(out[momentum]).writes == {width * t: n}
     if dtype == f16:
         assert update.of(out['p16']).writes == {width * 2: n}
+
+
+@pytest.mark.parametrize('dtype', [f16, f32, f64], ids=lambda d: d.__name__)
+def test_each_gradient_divided_by_its_own_divisor(module, dtype):
+    """A step whose gradients carry different loss scales (StepParams.grad_divisor -1): each is
+    divided by its parameter's entry of ``divisors`` (0: the device scale), a float16 one in
+    float32 as Chainer's use_fp32_update divides a float32 copy."""
+    grads = [special_gradient(dtype, 700, 7), special_gradient(dtype, 300, 8),
+             special_gradient(dtype, 41, 9)]
+    scale = 2.0 ** 10
+    divisors = [3.0, 0.0, 2.0 ** -3]
+    out, start, _ = launch(module, dtype, grads, scale, grad_divisor=-1.0, divisors=divisors)
+    assert_bits(out, expected(dtype, grads, [3.0, scale, 2.0 ** -3], start))
+
+
+@pytest.mark.parametrize('dtype', [f32, f64], ids=lambda d: d.__name__)
+def test_quotients_are_written_back_only_where_asked(module, dtype):
+    """Bit 1 clear: a divided float32 or float64 gradient is read, not written (the host clears
+    it where another gradient shares the memory)."""
+    grads = [special_gradient(dtype, 2049, 10)]
+    with emulator.recording() as launches:
+        out, start, _ = launch(module, dtype, grads, 2.0 ** 10, write=False)
+    want = expected(dtype, grads, 2.0 ** 10, start)
+    want['grad'] = start['grad']
+    assert_bits(out, want)
+    assert launches[0].of(grads[0]).writes == {}
 
 
 @pytest.mark.parametrize('dtype', [f16, f32, f64], ids=lambda d: d.__name__)

@@ -170,3 +170,22 @@ def test_command_unknown_kernel_exits_1(toy):
     p = run('toy', 'nope', CHAINER_TC_KERNEL_DIR=str(toy / 'kernels'),
             CHAINER_TC_CACHE_DIR=str(toy / 'cache'))
     assert p.returncode == 1 and 'no function nope' in p.stderr and 'axpy' in p.stderr
+
+
+@pytest.mark.parametrize('family', ['optimizer', 'batchnorm', 'layout', 'pooling'])
+def test_every_kernel_reaches_global_memory_with_global_accesses(family):
+    """NVVM proves an address global from how it was made; when it cannot, the access becomes
+    a generic LD/ST (an address-space check on each). The optimizer's gradient addresses come
+    from integers: masking their flag bits with a mask chosen at run time made its gradient
+    loads and stores generic (424 LD/ST on sm_90), the loops otherwise the same. Every kernel here reaches global
+    memory through LDG/STG (and shared memory through LDS/STS) only."""
+    from chainer_tc import kernels  # noqa: F401
+    options = sass.compile_options(sass.family_defines(family), 'sm_90')
+    text = sass._run_nvdisasm(sass._compile(family, (), options).binary)
+    generic = {}
+    for name in sass.functions(text):
+        instructions, _ = sass.parse(text, name)
+        ops = [i.opcode for i in instructions if i.opcode.split('.')[0] in ('LD', 'ST')]
+        if ops:
+            generic[name] = len(ops)
+    assert generic == {}

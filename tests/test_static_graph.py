@@ -95,6 +95,8 @@ def state(model, opt):
                 out['persistent' + link_name + '/' + name] = v.copy()
     for n, p in model.namedparams():
         out['v' + n] = p.update_rule.state['v'].copy()
+        if p.grad is not None:      # as the update left it (float32/64: divided, as Chainer)
+            out['grad' + n] = numpy.ascontiguousarray(p.grad)
     out['scaler'] = opt._scaler.state.copy()
     return out
 

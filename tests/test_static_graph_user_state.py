@@ -669,12 +669,19 @@ class StridedGradients(chainer.Chain):
         return loss
 
 
+@pytest.mark.parametrize('scaled', [False, True])
 @pytest.mark.parametrize('reduce', [False, True])
 @pytest.mark.parametrize('kind', ['depthwise', 'transposed', 'summed'])
-def test_a_strided_parameter_gradient_replays_like_eager_steps(kind, reduce):
+def test_a_strided_parameter_gradient_replays_like_eager_steps(kind, reduce, scaled):
     """Such a gradient is copied into the parameter's flat view after each replay (it used to
-    be refused as 'produced outside the recorded functions')."""
+    be refused as 'produced outside the recorded functions'). With loss scaling, the eager
+    update leaves a float32 gradient divided (as Chainer), the strided one included (its
+    quotient copied back; a read-only one, the summed parameter's, is left as it is); so
+    does a replay."""
     (me, oe), (ms, os_) = pair(lambda: StridedGradients(kind))
+    if scaled:
+        oe.loss_scaling(scale=8.0)
+        os_.loss_scaling(scale=8.0)
     step = TrainStep(ms, os_, reduce_gradients=(lambda buffers: None) if reduce else None)
     r = numpy.random.RandomState(1)
     with warnings.catch_warnings():
@@ -688,6 +695,9 @@ def test_a_strided_parameter_gradient_replays_like_eager_steps(kind, reduce):
             if reduce:                # (with a reduction an unused parameter's grad is zeros)
                 expect = {n: numpy.zeros_like(p.array) if expect[n] is None else expect[n]
                           for n, p in me.namedparams()}
+                if scaled and kind == 'summed':
+                    # the gradients are the flat buffers then: the read-only one's is divided
+                    expect['/p'] = expect['/p'] / numpy.float32(8)
             assert_same(expect, grads(ms), 'step {} grads'.format(i))
             assert_same(params(me), params(ms), 'step {} params'.format(i))
     assert step.replays == 5

@@ -107,6 +107,7 @@ class FlatParams:
             e.offset = sizes[e.group]
             sizes[e.group] += -(-e.size // ALIGN) * ALIGN
         self.entries = order
+        self.not_half = [e.group != F16 for e in order]
         self.sizes = sizes
         self.known = frozenset([id(e.param) for e in order] +
                                [id(p) for _, p in self.untrained + self.waiting])
@@ -124,6 +125,8 @@ class FlatParams:
             self.momentum = [_zeros(xp, self.sizes[g], STATE_DTYPES[g])
                              for g in range(len(DTYPES))]
             self.master = _zeros(xp, self.sizes[F16], numpy.float32)
+            # each parameter's loss-scale divisor, in a step whose gradients carry several
+            self.divisors = _zeros(xp, len(self.entries), numpy.float64)
             for e in self.entries:
                 sl = slice(e.offset, e.offset + e.size)
                 state = e.param.update_rule._state or {}
@@ -212,15 +215,18 @@ class FlatParams:
         gradient (optimizer hooks read them, as GradientClipping's norm does)."""
         return [(p, p.grad) for _, p in self.untrained if p.grad is not None]
 
-    def grads(self, contiguous=True):
+    def grads(self, contiguous=True, copied=None):
         """Each parameter's gradient (None where there is none), C-contiguous unless
         ``contiguous`` is False (a gradient that is a transposed or broadcast view stays one).
-        Chainer already guarantees that a gradient has its parameter's dtype and shape."""
+        Chainer already guarantees that a gradient has its parameter's dtype and shape.
+        ``copied``: a list given (index, gradient) of each gradient replaced by a copy."""
         out = []
         xp = self.xp
-        for e in self.entries:
+        for i, e in enumerate(self.entries):
             g = e.param.grad
             if contiguous and g is not None and not g.flags.c_contiguous:
+                if copied is not None:
+                    copied.append((i, g))
                 g = xp.ascontiguousarray(g)
             out.append(g)
         return out

@@ -22,6 +22,7 @@ import chainer.warnings
 from chainer_tc import kernels
 from chainer_tc.optimizers import _file_layout
 from chainer_tc.optimizers import _flat
+from chainer_tc.optimizers import _grads
 from chainer_tc.optimizers import _hyper
 from chainer_tc.optimizers import _rule
 from chainer_tc.optimizers import _scaler
@@ -137,7 +138,7 @@ class MomentumSGD(chainer_optimizer.GradientMethod):
             if param._loss_scale is None:
                 # no backward pass has marked this parameter: a gradient set by hand before
                 # the first backward is taken as scaled by this optimizer's loss scale (a
-                # backward pass replaces the mark; see _unscaling)
+                # backward pass replaces the mark; see _grads)
                 param._loss_scale = _scaler.SCALED_ON_DEVICE
         self._flat = None
         self._try_build()
@@ -375,8 +376,9 @@ class MomentumSGD(chainer_optimizer.GradientMethod):
                     self.call_hooks('pre')
                     # a hook may have replaced a parameter's array or update rule
                     flat = self._try_build(required=True, walk=True)
-                grads = flat.grads()
-                self._step(self._plan(flat, grads, checked=checked,
+                copied = []
+                grads = flat.grads(copied=copied)
+                self._step(self._plan(flat, grads, checked=checked, copied=copied,
                                       marks=[e.param._loss_scale for e in flat.entries]))
             except BaseException:
                 if checked is not None:
@@ -396,7 +398,9 @@ class MomentumSGD(chainer_optimizer.GradientMethod):
         synchronisation), the NumPy path returns it. None without dynamic scaling."""
         if self._scaler.mode != _scaler.DYNAMIC:
             return None
-        step = self._plan(flat, flat.grads(), marks=[e.param._loss_scale for e in flat.entries])
+        copied = []
+        step = self._plan(flat, flat.grads(copied=copied), copied=copied,
+                          marks=[e.param._loss_scale for e in flat.entries])
         return step.check_now()
 
     def _has_hooks(self, timing):
@@ -418,24 +422,27 @@ class MomentumSGD(chainer_optimizer.GradientMethod):
         # (a synchronisation per epoch: says whether steps were skipped since the last look)
         self._skip_watch.now(self._scaler, self.t, stacklevel=2)
 
-    def _plan(self, flat, grads, flat_grads=None, marks=None, checked=None):
+    def _plan(self, flat, grads, flat_grads=None, marks=None, checked=None, copied=()):
         """A callable that updates every parameter from ``grads`` (one array or None per entry
         of ``flat``), reading everything else (hyperparameters, loss scale) when it runs.
         ``flat_grads``: the gradients are views of these buffers (``flat.grad_buffers()``),
         which lets the CPU path update whole runs of parameters at once.
-        ``marks``: each entry's ``param._loss_scale`` (see :func:`_unscaling`); None: every
-        gradient comes from ``scaled_backward()``.
+        ``marks``: each entry's ``param._loss_scale`` (see ``_grads.StepGrads``); None: every
+        gradient comes from ``scaled_backward()``. ``copied``: ``(index, gradient)`` of each
+        gradient that ``grads`` holds a contiguous copy of (``flat.grads(copied=...)``): a
+        quotient written back goes there too.
         ``checked``: what ``check_now()`` of a step over this step's gradients returned before
         the pre-update hooks (dynamic loss scaling): the step skips on that check instead of
         checking again (as Chainer, which checks before its hooks only); None: it checks."""
-        if flat_grads is not None and (marks is not None or checked is not None):
+        if flat_grads is not None and (marks is not None or checked is not None or copied):
             raise ValueError('a step over flat gradient buffers takes its gradients from '
                              'scaled_backward(): marks must be None')
-        if kernels.backend(flat.xp) != 'numpy':
-            return _KernelStep(self, flat, grads, marks, checked)
-        if flat_grads is not None:
+        if flat_grads is not None and kernels.backend(flat.xp) == 'numpy':
             return _NumpyFlatStep(self, flat, grads, flat_grads)
-        return _NumpyStep(self, flat, grads, marks, checked)
+        step_grads = _grads.StepGrads(self._scaler.mode, flat, grads, marks, copied)
+        if kernels.backend(flat.xp) != 'numpy':
+            return _KernelStep(self, flat, step_grads, checked)
+        return _NumpyStep(self, flat, step_grads, checked)
 
     def _set_globals(self, row):
         flat = self._flat
@@ -586,9 +593,9 @@ class _KernelStep:
     """The GPU path (CuPy), or the emulated one under CHAINER_TC_EMULATE=1: at most 2 launches
     for up to GRAD_TABLE parameters (the finite check only with dynamic loss scaling). The
     gradient addresses are fixed here; the kernels read hyperparameters and the loss scale from
-    device memory, so the same step can run again (or be captured) on the same gradients."""
+    device memory, so the same step can be captured (each replay recomputing the gradients)."""
 
-    def __init__(self, opt, flat, grads, marks=None, checked=None):
+    def __init__(self, opt, flat, step_grads, checked=None):
         xp = flat.xp
         self.flat = flat
         self.dynamic = opt._scaler.mode == _scaler.DYNAMIC
@@ -596,96 +603,103 @@ class _KernelStep:
         self.update = kernels.get_function('optimizer', 'momentum_sgd_update', xp, _DEFINES)
         self.check = kernels.get_function('optimizer', 'momentum_sgd_check', xp, _DEFINES) \
             if self.dynamic else None
-        divide, divisor, self.host_divisions = _unscaling(opt, flat, grads, marks)
+        g = step_grads
         base = opt._step_params(flat)
-        base['grad_divisor'] = divisor
+        base['grad_divisor'] = g.divisor
+        if g.divisors is not None:          # a step mixing loss scales: each parameter's own
+            with flat.device_scope():
+                flat.divisors[...] = xp.asarray(numpy.array(g.divisors, numpy.float64))
         self.launches = []
         for c0, nc, e0, ne in flat.launches:
             if not nc:
                 continue
             sp = base.copy()
-            # bit 0 of an address (gradients are at least 2-byte aligned): divide it
-            sp['grad'][:ne] = [0 if g is None else _address(g) | d
-                               for g, d in zip(grads[e0:e0 + ne], divide[e0:e0 + ne])]
+            # bit 0 of an address (gradients are at least 2-byte aligned): divide it; bit 1
+            # (float32 and float64 ones, 4-byte aligned): write the quotient back
+            sp['grad'][:ne] = [0 if a is None else _grads._address(a) | d | (w << 1)
+                               for a, d, w in zip(g.read[e0:e0 + ne], g.divide[e0:e0 + ne],
+                                                  g.write[e0:e0 + ne])]
             # a size-1 structured NumPy array: CuPy (>= 9) passes it by value, as the struct
             self.launches.append((sp, flat.chunks[c0:c0 + nc], nc))
-        self.grads = grads            # keeps the gradients alive as long as their addresses
+        self.step_grads = g           # keeps the gradients alive as long as their addresses
         self.scaler_state = opt._scaler.state
         self.table = opt._table.device
 
     def check_now(self):
         """The overflow check alone, now (before the pre-update hooks): sets the flag on the
-        device, which the step built after the hooks reads. A gradient that the step would
-        divide on the host first (a step mixing loss-scale marks) is checked as it is, scaled,
-        as Chainer's check reads it. Returns True: the flag is on the device."""
+        device, which the step built after the hooks reads. Returns True: the flag is on the
+        device."""
         with self.flat.device_scope():
             for sp, chunks, nc in self.launches:
-                self.check((nc,), (BLOCK,), (sp, chunks, self.scaler_state))
+                self.check((nc,), (BLOCK,), (sp, chunks, self.flat.divisors, self.scaler_state))
         return True
 
     def __call__(self):
         flat, state = self.flat, self.scaler_state
         with flat.device_scope():
-            for g, s in self.host_divisions:
-                g /= s
             if self.dynamic and not self.checked:
                 for sp, chunks, nc in self.launches:
-                    self.check((nc,), (BLOCK,), (sp, chunks, state))
+                    self.check((nc,), (BLOCK,), (sp, chunks, flat.divisors, state))
             for sp, chunks, nc in self.launches:
                 self.update((nc,), (BLOCK,), (
-                    sp, chunks, flat.params[_flat.F32], flat.params[_flat.F16], flat.master,
-                    flat.momentum[_flat.F32], flat.momentum[_flat.F16], flat.params[_flat.F64],
-                    flat.momentum[_flat.F64], self.table, state))
+                    sp, chunks, flat.divisors, flat.params[_flat.F32], flat.params[_flat.F16],
+                    flat.master, flat.momentum[_flat.F32], flat.momentum[_flat.F16],
+                    flat.params[_flat.F64], flat.momentum[_flat.F64], self.table, state))
+            self.step_grads.copy_back()
 
 
 class _NumpyStep:
     """The CPU path: the kernel's arithmetic, in the same order, as vectorised NumPy over
     cache-sized blocks of each parameter, reading the gradients where they are."""
 
-    def __init__(self, opt, flat, grads, marks=None, checked=None):
+    def __init__(self, opt, flat, step_grads, checked=None):
         self.opt, self.flat = opt, flat
-        divide, self.divisor, self.host_divisions = _unscaling(opt, flat, grads, marks)
-        flat_grads = [None if g is None else g.reshape(-1) for g in grads]
-        self.blocks = [(i, flat_grads[i], divide[i]) + rest for i, rest in _cpu_blocks(opt, flat)]
-        self.grads = grads
+        g = self.step_grads = step_grads
+        flat_grads = [None if a is None else a.reshape(-1) for a in g.read]
+        self.blocks = [(i, flat_grads[i], g.divide[i], g.write[i]) + rest
+                       for i, rest in _cpu_blocks(opt, flat)]
         self.checked = checked
 
     def _load_grad(self):
-        """``load_grad(g, divide, a, b, out)``: g[a:b] / divisor in the arithmetic type."""
+        """``load_grad(i, g, divide, a, b, out)``: entry i's g[a:b] / its divisor, in the
+        arithmetic type of ``out``."""
         scale = self.opt._scaler.state[_scaler.SCALE:_scaler.SCALE + 1].view(numpy.float32)[0]
-        # the kernel's grad_divisor: 0 is the device loss scale (float32), else a host value
+        sg = self.step_grads
+        # the kernel's divisor: 0 is the device loss scale (float32), else a host value
         # rounded to the arithmetic type
-        divisor = {t: scale if self.divisor == 0.0 else t.type(self.divisor)
-                   for t in (numpy.dtype(numpy.float32), numpy.dtype(numpy.float64))}
+        divisors = {}
+        for number in ([sg.divisor] if sg.divisors is None else set(sg.divisors)):
+            divisors[number] = {t: scale if number == 0.0 else t.type(number)
+                                for t in (numpy.dtype(numpy.float32),
+                                          numpy.dtype(numpy.float64))}
+        of_entry = (lambda i: divisors[sg.divisor]) if sg.divisors is None else \
+            (lambda i: divisors[sg.divisors[i]])
 
-        def load_grad(g, divide, a, b, out):
+        def load_grad(i, g, divide, a, b, out):
             if g is None:
                 out[...] = 0
             elif not divide:
                 out[...] = g[a:b]
             else:
-                numpy.divide(g[a:b], divisor[out.dtype], out=out, dtype=out.dtype)
+                numpy.divide(g[a:b], of_entry(i)[out.dtype], out=out, dtype=out.dtype)
             return out
         return load_grad
 
     def _nonfinite(self, load_grad):
         with numpy.errstate(invalid='ignore', over='ignore', divide='ignore'):
             return not all(
-                numpy.isfinite(load_grad(g, d, a, b, temps[0][:b - a])).all()
-                for i, g, d, a, b, p, v, p16, temps in self.blocks if g is not None)
+                numpy.isfinite(load_grad(i, g, d, a, b, temps[0][:b - a])).all()
+                for i, g, d, w, a, b, p, v, p16, temps in self.blocks if g is not None)
 
     def check_now(self):
-        """The overflow check alone, before the pre-update hooks: whether a gradient holds an
-        inf or nan (a gradient the step would divide on the host first, in a step mixing
-        loss-scale marks, is checked as it is, scaled, as Chainer's check reads it)."""
+        """The overflow check alone, before the pre-update hooks: whether a divided gradient
+        holds an inf or nan."""
         return self._nonfinite(self._load_grad())
 
     def __call__(self):
         opt = self.opt
         sc = opt._scaler
         mode = sc.mode
-        for g, s in self.host_divisions:
-            g /= s
         load_grad = self._load_grad()
         if mode == _scaler.DYNAMIC and (
                 self._nonfinite(load_grad) if self.checked is None else self.checked):
@@ -693,14 +707,16 @@ class _NumpyStep:
             return
         hyper = opt._table.values
         nesterov = opt.nesterov
-        for i, g, d, a, b, p, v, p16, (t1, t2, t3) in self.blocks:
+        for i, g, d, w, a, b, p, v, p16, (t1, t2, t3) in self.blocks:
             lr, mom, wd, enabled = hyper[i]
             if not enabled:
                 continue
             n = b - a
             dt = t1.dtype.type
             lr, mom, wd = dt(lr), dt(mom), dt(wd)
-            gb, tb, ub = load_grad(g, d, a, b, t1[:n]), t2[:n], t3[:n]
+            gb, tb, ub = load_grad(i, g, d, a, b, t1[:n]), t2[:n], t3[:n]
+            if w:                                       # the quotient, as Chainer leaves it
+                g[a:b] = gb
             if p16 is not None:     # adopt float16 values written from outside the optimizer
                 stale = p16.view(numpy.uint16) != p.astype(numpy.float16).view(numpy.uint16)
                 if stale.any():
@@ -719,6 +735,7 @@ class _NumpyStep:
                 p += v
             if p16 is not None:
                 p16[...] = p                            # rounds to nearest even
+        self.step_grads.copy_back()
         if mode == _scaler.DYNAMIC:
             sc.finish_step_host(False)
 
@@ -789,9 +806,12 @@ class _NumpyFlatStep:
                             sc.finish_step_host(True)
                             return
         nesterov = opt.nesterov
+        write = mode != _scaler.NONE        # float32 and float64 quotients, as Chainer's
         for g, p, v, p16, (t1, t2, t3), lr, mom, wd in self._runs():
             n = g.size
             gb, tb, ub = load_grad(g, t1[:n]), t2[:n], t3[:n]
+            if write and p16 is None:
+                g[...] = gb
             if p16 is not None:
                 stale = p16.view(numpy.uint16) != p.astype(numpy.float16).view(numpy.uint16)
                 if stale.any():
@@ -838,70 +858,8 @@ def _cpu_blocks(opt, flat):
     return blocks
 
 
-def _unscaling(opt, flat, grads, marks):
-    """How each gradient of a step is unscaled, from ``marks``: each parameter's
-    ``_loss_scale``, which Chainer's backward sets on every parameter it reaches (None for a
-    plain ``backward()``, the number given as ``backward(loss_scale=...)``) and which
-    ``scaled_backward()`` sets to ``SCALED_ON_DEVICE`` (the optimizer's own scale, in device
-    memory). As Chainer's update rules do, a gradient is divided by its mark; a
-    ``SCALED_ON_DEVICE`` gradient by the device scale, and only while loss scaling is on.
-    ``marks`` None: every gradient is ``SCALED_ON_DEVICE``.
-
-    Returns ``(divide, divisor, host_divisions)``: per entry whether the kernel divides its
-    gradient, by ``divisor`` (0.0: the device scale; else a host number), and the
-    ``(gradient, scale)`` pairs divided in place before the kernel, as Chainer's update rule
-    does, when one step holds gradients of several different loss scales (the device scale,
-    when present, takes the kernel's divisor; otherwise the first number found)."""
-    on_device = opt._scaler.mode != _scaler.NONE
-    if marks is None:
-        return [on_device and g is not None for g in grads], 0.0, []
-    divide = []
-    numbers = False
-    device_used = False
-    for g, m in zip(grads, marks):
-        if g is None or m is None:
-            divide.append(False)
-        elif m is _scaler.SCALED_ON_DEVICE:
-            divide.append(on_device)
-            device_used |= on_device
-        else:
-            divide.append(None)                   # a number: decided below
-            numbers = True
-    if not numbers:
-        return divide, 0.0, []
-    divisor = 0.0 if device_used else None
-    host = []
-    for i, (g, m) in enumerate(zip(grads, marks)):
-        if divide[i] is not None:
-            continue
-        s = _number_scale(flat.entries[i].name, m)
-        if divisor is None:
-            divisor = s
-        divide[i] = s == divisor
-        if not divide[i]:
-            host.append((g, s))
-    return divide, divisor, host
-
-
-def _number_scale(name, mark):
-    try:
-        s = float(mark)
-    except (TypeError, ValueError):
-        raise TypeError('parameter {}: its gradient was computed with loss_scale={!r} '
-                        '(param._loss_scale), which is not a number'.format(name, mark)) from None
-    if not 0 < s < numpy.inf:
-        raise ValueError('parameter {}: its gradient was computed with loss_scale={} '
-                         '(param._loss_scale); a loss scale must be a positive finite number'
-                         .format(name, s))
-    return s
-
-
 def _has_none(items):
     for x in items:
         if x is None:
             return True
     return False
-
-
-def _address(a):
-    return a.ctypes.data if isinstance(a, numpy.ndarray) else a.data.ptr

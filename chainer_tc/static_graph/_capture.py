@@ -108,7 +108,9 @@ class CapturedStep:
                 opt.scaled_backward(loss)
             rec.trace.untrained_grads = flat.untrained_grads()
             recorded_grads = flat.grads(contiguous=False)      # checked as the CPU replay's
-            grads = flat.grads()       # a strided one copied, in the graph, for the kernel
+            copied = []
+            # a strided one copied, in the graph, for the kernel (its quotient copied back)
+            grads = flat.grads(copied=copied)
             if reduce is not None:
                 for view, g in zip(views, grads):
                     if g is None:
@@ -116,8 +118,10 @@ class CapturedStep:
                     else:
                         view[...] = g
                 reduce(buffers)
-                grads = views
-            plan = opt._plan(flat, grads)
+                grads, copied = views, []
+            # kept as long as the graph: copies it makes (of gradients that share memory) come
+            # from the capture's pool, and the graph reads them
+            self.plan = plan = opt._plan(flat, grads, copied=copied)
             if not self.hooks:
                 plan()
         except Exception as e:

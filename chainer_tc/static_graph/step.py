@@ -25,6 +25,7 @@ from chainer import configuration
 from chainer import reporter as reporter_module
 from chainer import variable
 
+from chainer_tc.optimizers import _flat
 from chainer_tc.optimizers import _scaler
 from chainer_tc.optimizers import _structure
 from chainer_tc.optimizers import momentum_sgd
@@ -571,8 +572,14 @@ class TrainStep:
         # a parameter without a gradient in this step: zeros in its view, which a reduction
         # overwrites with the other ranks' mean, and so refills before each one
         zeros = [view for g, view in zip(trace.grads, views) if g is None]
+        # a strided float32/64 gradient the parameter keeps (copied in above): with loss
+        # scaling the update divides its flat view, and the quotient goes back into it after
+        # each replay, as an eager update leaves it (a read-only one stays as it is)
+        quotients = [(g, view) for g, view, e in zip(trace.grads, views, flat.entries)
+                     if g is not None and g is not view and e.group != _flat.F16
+                     and g.flags.writeable]
         plan = self.optimizer._plan(flat, views, flat_grads=buffers)
-        return _CpuReplay(program, plan, trace, copies, buffers, views, zeros)
+        return _CpuReplay(program, plan, trace, copies, buffers, views, zeros, quotients)
 
     def _capture(self, entry, inputs):
         from chainer_tc.static_graph import _capture
@@ -615,10 +622,11 @@ class TrainStep:
 
 
 class _CpuReplay:
-    def __init__(self, program, plan, trace, copies, buffers, views, zeros):
+    def __init__(self, program, plan, trace, copies, buffers, views, zeros, quotients):
         self.program = program
         self.plan = plan
         self.copies = copies
+        self.quotients = quotients
         self.buffers = buffers
         self.zeros = zeros
         self.untrained = list(trace.untrained_grads)
@@ -646,6 +654,10 @@ class _CpuReplay:
             opt.update()
         else:
             opt._step(self.plan)
+            if self.quotients and step.reduce_gradients is None and \
+                    opt._scaler.mode != _scaler.NONE:
+                for dst, src in self.quotients:
+                    dst[...] = src
             if self.refill:                 # as update(): zeros where there was no gradient
                 opt.reallocate_cleared_grads()
         self.program.report()

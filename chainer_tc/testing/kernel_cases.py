@@ -393,6 +393,7 @@ def _optimizer(sizes, dtypes, inject_inf=False, big=False, seed=0, scale=1024.0)
         flags = 1 | (2 if i % 3 == 1 else 0)        # enabled; every third its own lr
         hyper[1 + i] = (0.05, 0.8, 5e-4, flags)
     arrays['hyper'] = hyper.reshape(-1)
+    arrays['divisors'] = numpy.zeros(len(entries))      # read only in a step mixing scales
     scaler = numpy.zeros(8, numpy.uint32)
     scaler[0] = numpy.float32(scale).view(numpy.uint32)
     scaler[1] = 3
@@ -420,24 +421,28 @@ def _optimizer(sizes, dtypes, inject_inf=False, big=False, seed=0, scale=1024.0)
             sp['min_scale'], sp['max_scale'] = 1.0, 2.0 ** 24
             sp['total_blocks'] = total
             for k, (i, n, d, off) in enumerate(batch):
-                sp['grad'][0, k] = address('grad{}'.format(i)) | 1      # bit 0: divide it
+                # bit 0: divide it; bit 1 (float32 and float64): write the quotient back
+                sp['grad'][0, k] = address('grad{}'.format(i)) | (1 if d == f16 else 3)
             return sp
 
         sp = Struct(build, ['grad{}'.format(i) for i, n, d, off in batch])
         launches.append((Launch('momentum_sgd_check', (count,), (OPT['OPT_BLOCK'],),
-                                (sp, name, 'scaler')),
+                                (sp, name, 'divisors', 'scaler')),
                          Launch('momentum_sgd_update', (count,), (OPT['OPT_BLOCK'],),
-                                (sp, name, 'p32', 'p16', 'master', 'mom32', 'mom16', 'p64', 'mom64',
-                                 'hyper', 'scaler'))))
+                                (sp, name, 'divisors', 'p32', 'p16', 'master', 'mom32', 'mom16',
+                                 'p64', 'mom64', 'hyper', 'scaler'))))
     glob = numpy.zeros(1, GLOBALS)
     glob['lr'], glob['momentum'], glob['weight_decay'] = 0.1, 0.9, 1e-4
     ordered = [c for c, u in launches] + [u for c, u in launches]
     ordered.append(Launch('momentum_sgd_set_globals', (1,), (1,), (Struct(lambda _: glob), 'hyper')))
     label = 'optimizer {} params, {} elements{}'.format(len(sizes), sum(sizes),
                                                         ' with an inf' if inject_inf else '')
-    outputs = ['p32', 'p16', 'master', 'mom32', 'mom16', 'p64', 'mom64', 'hyper', 'scaler']
-    # the update reads every gradient, parameter and momentum and writes parameters and momenta
+    outputs = ['p32', 'p16', 'master', 'mom32', 'mom16', 'p64', 'mom64', 'hyper', 'scaler'] + [
+        g for g, (i, n, d, off) in zip(grads, entries) if d != f16]     # quotients written back
+    # the update reads every gradient, parameter and momentum and writes parameters, momenta
+    # and the float32 and float64 gradients' quotients
     moved = sum(arrays[k].nbytes for k in ('p32', 'p16', 'master', 'mom32', 'mom16', 'p64', 'mom64'))
+    moved += sum(arrays[g].nbytes for g, (i, n, d, off) in zip(grads, entries) if d != f16)
     return Case('optimizer', label, OPT, (), arrays, ordered, outputs, big, extra_bytes=moved)
 
 
