@@ -24,6 +24,7 @@ import chainer_tc  # noqa: F401  (before chainer)
 import chainer
 
 from chainer_tc import serializers
+from chainer_tc.multinode import multi_node_optimizer
 
 import dali_data
 
@@ -547,6 +548,63 @@ def test_chainer_dtype_environment_variable_sets_the_precision(tiny, tmp_path):
 
 
 # ---- pieces -------------------------------------------------------------------------------------
+
+class _PackingInConfigDtype:
+    """A one-rank stand-in for ChainerMN's pure_nccl communicator: ``bcast_data`` packs every
+    parameter in ``chainer.get_dtype()`` and unpacks it (pure_nccl_communicator.py), recording
+    that dtype; the mean of the gradients over one rank is the gradient."""
+
+    size, rank, intra_rank = 1, 0, 0
+
+    def __init__(self):
+        self.packed = []
+
+    def bcast_data(self, model):
+        packed = chainer.get_dtype()
+        self.packed.append(packed)
+        for p in model.params():
+            if p.array is not None:
+                p.array[...] = p.array.astype(packed).astype(p.array.dtype)
+
+    def multi_node_mean_grad(self, model, zero_fill=False):
+        pass
+
+
+@pytest.mark.parametrize('flags, config_dtype', [
+    (['--nhwc'], numpy.float16),                 # NHWC: float32 BatchNorm under float16
+    (['--batched-update', '--loss-scale', 'dynamic'], chainer.mixed16)],
+    ids=['chainer-float16-nhwc', 'batched-mixed16'])
+def test_the_chainermn_wrapper_path_broadcasts_the_float16_model_exactly(flags, config_dtype):
+    """``--communicator`` without ``--static-graph``: ChainerMN's multi-node optimizer, whose
+    first update broadcasts rank 0's model; with pure_nccl under --dtype float16 ChainerMN's own
+    broadcast rounded the float32 parameters (BatchNorm's, the classifier's) to float16 on every
+    rank. make_optimizer's wrapper broadcasts with dtype float32: every parameter keeps its
+    bits. Found by review."""
+    args = train_imagenet.make_parser().parse_args(['train.txt', 'val.txt'] + TINY + flags)
+    args.comm = comm = _PackingInConfigDtype()
+    layout = 'NHWC' if args.nhwc else 'NCHW'
+    r = numpy.random.RandomState(0)
+    with chainer.using_config('dtype', config_dtype):
+        model = train_imagenet.make_model(args, layout)
+        float32 = [n for n, p in model.namedparams() if p.array.dtype == numpy.float32]
+        assert any('/fc/' in n for n in float32) and any(n.endswith('/gamma') for n in float32)
+        for name, p in model.namedparams():
+            if p.array.dtype == numpy.float32:          # no float16 number (BN's gamma is 1)
+                p.array[...] += r.uniform(1e-3, 2e-3, p.shape).astype(numpy.float32)
+        start = {n: p.array.copy() for n, p in model.namedparams()}
+        opt = train_imagenet.make_optimizer(args, model, numpy.dtype(numpy.float16))
+        shape = (2, 32, 32, 3) if layout == 'NHWC' else (2, 3, 32, 32)
+        opt.update(model, r.randn(*shape).astype(numpy.float16),
+                   r.randint(0, 2, 2).astype(numpy.int32))
+        assert chainer.config.dtype is config_dtype
+    for name, p in model.namedparams():
+        numpy.testing.assert_array_equal(p.array, start[name], err_msg=name)
+        if name in float32:
+            assert not numpy.array_equal(start[name].astype(numpy.float16).astype(numpy.float32),
+                                         start[name]), name + ' holds float16 numbers'
+    assert comm.packed == [numpy.float32]
+    assert isinstance(opt.communicator, multi_node_optimizer.ExactBroadcast)
+
 
 def test_learning_rate_schedules():
     lr = train_imagenet.LearningRate

@@ -356,8 +356,9 @@ def load_initmodel(path, model, args):
 def make_optimizer(args, model, dtype):
     opt = make_single_optimizer(args, model, dtype)
     if args.comm is not None and not args.static_graph:
-        import chainermn            # ChainerMN's own wrapper: it averages the gradients itself
-        opt = chainermn.create_multi_node_optimizer(opt, args.comm)
+        # ChainerMN's own wrapper (it averages the gradients itself), its broadcasts of the
+        # model exact: pure_nccl's own rounds float32 parameters to float16 under --dtype float16
+        opt = multinode.create_multi_node_optimizer(opt, args.comm)
     return opt
 
 
