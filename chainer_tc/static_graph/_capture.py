@@ -179,6 +179,9 @@ class CapturedStep:
                 opt.update()
             else:
                 opt._clock.step()           # t += 1, and the rules' own count
+                # skipped steps are said as after an eager update (an asynchronous copy of the
+                # scaler's state every few hundred steps: no synchronisation here)
+                opt._skip_watch.after_step(opt._scaler, opt.t, stacklevel=4)
                 if self.refill:             # as update(): zeros where there was no gradient
                     opt.reallocate_cleared_grads()
             if report:
