@@ -1004,3 +1004,94 @@ def test_a_volatile_flag_without_a_fence_publishes_nothing(last_block):
     with pytest.raises(KernelLaunchError, match=r"kernel 'flag_plain_data_unfenced': data race on "
                                                 r"argument 0 "):
         _message(last_block, 'flag_plain_data_unfenced')
+
+
+# ---- __restrict__ and the read-only cache --------------------------------------------------------
+RESTRICT = r'''
+extern "C" __global__ void scale(const float* __restrict__ x, float* __restrict__ y, int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) y[i] = 2.0f * x[i];
+}
+extern "C" __global__ void scale_plain(const float* x, float* y, int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) y[i] = 2.0f * x[i];
+}
+// mode 0 touches only a (the same array given for b is never accessed through b)
+extern "C" __global__ void add_to(float* __restrict__ a, float* __restrict__ b, int n, int mode) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  if (mode == 0) a[i] += 1.0f;
+  else a[i] = b[i] + 1.0f;
+}
+// Each thread writes its element, then (after a barrier) loads its neighbour's through __ldg.
+extern "C" __global__ void ldg_after_write(float* buf, float* out, int n) {
+  const int i = threadIdx.x;
+  buf[i] = (float)i;
+  __syncthreads();
+  out[i] = __ldg(&buf[(i + 1) % n]);
+}
+extern "C" __global__ void ldg_input(const float* in, float* out) {
+  out[threadIdx.x] = __ldg(&in[threadIdx.x]) + __ldg(&in[(threadIdx.x + 1) % blockDim.x]);
+}
+'''
+
+
+@pytest.fixture(scope='module')
+def restrict_mod():
+    return emulator.RawModule(code=RESTRICT)
+
+
+def test_restrict_arguments_given_one_array_are_reported(restrict_mod):
+    x = numpy.arange(40, dtype=numpy.float32)
+    with pytest.raises(KernelLaunchError, match=(
+            r"kernel 'scale': argument 0 \(const float\*, float32 array of shape \(40,\)\) and "
+            r"argument 1 \(float\*, float32 array of shape \(40,\)\) are the same array, but both "
+            r"are declared __restrict__ .*: byte offset 0 \(element 0 of 40\) is read through "
+            r"argument 0 and written through argument 1 \(this access: a write in thread "
+            r"\(0,0,0\) of block \(0,0,0\) \(at <string>:4\)\)")):
+        restrict_mod.get_function('scale')((2,), (32,), (x, x, numpy.int32(40)))
+    assert (x == numpy.arange(40)).all()              # a failed launch changes nothing
+    with pytest.raises(KernelLaunchError, match=r"kernel 'add_to': argument 0 .* and argument 1 "
+                                                r".* byte offset 0 \(element 0 of 40\) is written "
+                                                r"through argument 0 and read through argument 1"):
+        restrict_mod.get_function('add_to')((2,), (32,), (x, x, numpy.int32(40), numpy.int32(1)))
+
+
+def test_one_array_for_restrict_arguments_is_fine_where_one_of_them_is_used(restrict_mod):
+    x = numpy.arange(40, dtype=numpy.float32)
+    with emulator.checking(**RACE):
+        restrict_mod.get_function('add_to')((2,), (32,), (x, x, numpy.int32(40), numpy.int32(0)))
+        assert (x == numpy.arange(40) + 1).all()
+        y = numpy.zeros_like(x)
+        restrict_mod.get_function('scale')((2,), (32,), (x, y, numpy.int32(40)))   # distinct
+        assert (y == 2 * x).all()
+        restrict_mod.get_function('scale_plain')((2,), (32,), (x, x, numpy.int32(40)))
+        assert (x == 2 * (numpy.arange(40) + 1)).all()     # in place, without __restrict__
+    with emulator.recording() as launches:
+        restrict_mod.get_function('add_to')((2,), (32,), (x, x, numpy.int32(40), numpy.int32(0)))
+    assert launches[0].of(x).reads == {4: 40} and launches[0].of(x).writes == {4: 40}
+
+
+def test_an_ldg_of_bytes_the_launch_writes_is_reported(restrict_mod):
+    buf, out = numpy.zeros(32, numpy.float32), numpy.zeros(32, numpy.float32)
+    with pytest.raises(KernelLaunchError, match=(
+            r"kernel 'ldg_after_write': byte offset \d+ \(element \d+ of 32\) of argument 0 "
+            r"\(float\*, float32 array of shape \(32,\)\) is loaded through __ldg and also written "
+            r"in this launch \(this access: a __ldg read in thread \(\d+,0,0\) of block \(0,0,0\) "
+            r"\(at <string>:\d+\)\): the read-only non-coherent cache may return the value from "
+            r"before the write")):
+        restrict_mod.get_function('ldg_after_write')((1,), (32,), (buf, out, numpy.int32(32)))
+    x, out = numpy.arange(32, dtype=numpy.float32), numpy.zeros(32, numpy.float32)
+    restrict_mod.get_function('ldg_input')((1,), (32,), (x, out))      # read-only data: fine
+    assert (out == x + numpy.roll(x, -1)).all()
+
+
+def test_the_project_kernels_declare_restrict_parameters_where_the_emulator_sees_them():
+    # the check reads the definitions: every kernel with a __restrict__ parameter is found
+    for path, names in [('batchnorm.cu', ['bn_stats_partial', 'bn_apply', 'bn_backward_apply']),
+                        ('pooling.cu', ['max_pool_forward', 'avg_pool_backward'])]:
+        with open(os.path.join(kernels.kernel_dir(), path)) as f:
+            code = f.read()
+        for name in names:
+            flags = emulator._restrict_params(code, name + '<float>')
+            assert flags and 2 in flags and 1 in flags, (path, name, flags)

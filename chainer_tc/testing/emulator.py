@@ -321,6 +321,43 @@ def _launch_bounds(code, name):
     return expr
 
 
+def _restrict_params(code, name):
+    """Per parameter of kernel ``name`` (a templated kernel's name with or without its
+    arguments): 2 for a ``const ... * __restrict__`` pointer, 1 for another ``__restrict__``
+    one, 0 otherwise, read from the kernel's definition (the declaration followed by its body);
+    None where no definition is found (a kernel made by a macro). Top-level qualifiers of
+    parameters are not part of a function's type, so the compiled module cannot tell."""
+    plain = _blank(code, literals=True)
+    base = re.escape(name.split('<')[0].strip())
+    for m in re.finditer(r'\b' + base + r'\s*\(', plain):
+        head = plain[max(0, m.start() - 400):m.start()]
+        if '__global__' not in head[max(head.rfind(';'), head.rfind('}')) + 1:]:
+            continue
+        depth, close = 0, None
+        for i in range(m.end() - 1, len(plain)):
+            if plain[i] == '(':
+                depth += 1
+            elif plain[i] == ')':
+                depth -= 1
+                if depth == 0:
+                    close = i
+                    break
+        if close is None or not re.match(r'\s*\{', plain[close + 1:]):
+            continue                                     # a declaration or an instantiation
+        text = plain[m.end():close]
+        if not text.strip() or text.strip() == 'void':
+            return []
+        out = []
+        for param in _split_top(text):
+            if not re.search(r'\b__restrict(__)?\b', param):
+                out.append(0)
+                continue
+            before = re.split(r'\*\s*(?:const\s+)?__restrict', param)[0]
+            out.append(2 if re.search(r'\bconst\b', before) else 1)
+        return out
+    return None
+
+
 def _translation_unit(code, source_name, names):
     lines = ['#line 1 "{}"'.format(source_name.replace('\\', '/').replace('"', '')),
              _rewrite_shared(code),
@@ -744,6 +781,8 @@ class _LaunchArgs(ctypes.Structure):
         ('slot_bytes', ctypes.POINTER(ctypes.c_uint64)),
         ('counts', ctypes.POINTER(ctypes.c_uint64)),
         ('ftz', ctypes.c_int),
+        ('restrict', ctypes.POINTER(ctypes.c_int)),
+        ('nc_all', ctypes.c_int),
     ]
 
 
@@ -907,10 +946,16 @@ class Function:
     #: Like CuPy's attribute: dynamic shared memory beyond 48 KiB must be opted into.
     max_dynamic_shared_size_bytes = 48 * 1024
 
-    def __init__(self, lib, index, name, key=None, module=None):
+    def __init__(self, lib, index, name, key=None, module=None, source=None):
         self.name = name
         self._key = key
         self._module = module          # the RawModule, whose contracting build fmad launches use
+        if source is None and module is not None:
+            source = module.code
+        # per parameter: 2 const __restrict__, 1 __restrict__, 0 neither (None: not known)
+        self._restrict = _restrict_params(source, name) if source is not None else None
+        # the module loads through __ldg: every array's bytes written are tracked from the start
+        self._nc_all = bool(source is not None and re.search(r'\b__ldg\s*\(', _blank(source)))
         self._launch = getattr(lib, 'ctemu_launch_{}'.format(index))
         self._launch.argtypes = [ctypes.POINTER(_LaunchArgs)]
         self._launch.restype = ctypes.c_int
@@ -970,6 +1015,7 @@ class Function:
             raise TypeError('kernel {} takes {} arguments; got {}'
                             .format(self.signature, len(self.params), len(args)))
         n = len(args)
+        restrict = self._restrict if self._restrict and len(self._restrict) == n else [0] * n
         values, keep = (ctypes.c_void_p * n)(), []
         nbytes, itemsize = (ctypes.c_uint64 * n)(), (ctypes.c_uint64 * n)()
         writeback, alias = (ctypes.c_int * n)(), (ctypes.c_int * n)()
@@ -1037,7 +1083,10 @@ class Function:
             race=int(race), schedules=names, err=ctypes.cast(err, ctypes.c_char_p),
             slot_bytes=ctypes.pointer(slot_bytes),
             counts=None if counts is None else counts.ctypes.data_as(ctypes.POINTER(ctypes.c_uint64)),
-            ftz=int(current_ftz()))
+            ftz=int(current_ftz()),
+            restrict=array(ctypes.c_int, [r if self.params[i].is_pointer else 0
+                                          for i, r in enumerate(restrict)]),
+            nc_all=int(self._nc_all))
         with _launch_lock:
             rc = self._launch(ctypes.byref(la))
         if slot_bytes.value:
@@ -1227,7 +1276,7 @@ class RawModule:
             key, binary = _build(*self._build_args, extra_flags=_fmad_flags())
             lib = _load(key, binary)
             self._contracting_functions = {
-                n: Function(lib, i, n, key) for i, n in enumerate(self._names)}
+                n: Function(lib, i, n, key, source=self.code) for i, n in enumerate(self._names)}
         return self._contracting_functions[name]
 
 

@@ -283,8 +283,12 @@ static inline long long clock64() { return (long long)__builtin_ia32_rdtsc(); }
 #else
 static inline long long clock64() { static long long t; return ++t; }
 #endif
-// Loads and stores with cache hints: plain accesses here.
-template <typename T> static inline T __ldg(const T* p) { return *p; }
+// Loads and stores with cache hints: plain accesses here, except that __ldg (the read-only
+// non-coherent cache) of bytes the launch writes is an error (the runtime checks the load).
+template <typename T> CTEMU_ATOMIC_FN static inline T __ldg(const T* p) {
+  ::ctemu::nc_read(p, sizeof(T), CTEMU_CALLER);
+  return *p;
+}
 template <typename T> static inline T __ldca(const T* p) { return *p; }
 template <typename T> static inline T __ldcg(const T* p) { return *p; }
 template <typename T> static inline T __ldcs(const T* p) { return *p; }

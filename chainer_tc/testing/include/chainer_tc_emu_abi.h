@@ -65,6 +65,8 @@ struct LaunchArgs {
                                // target and for shared memory (emu_runtime.cpp: count_access)
   int ftz;                     // flush float32 subnormals, as CuPy's -ftz=true (floating-point
                                // control register: float64 ones flush too, unlike on a GPU)
+  const int* restrict_;        // per parameter: 2 const T* __restrict__, 1 T* __restrict__, else 0
+  int nc_all;                  // the module loads through __ldg: track every array's written bytes
 };
 
 enum { kErrLen = 2048, kMaxParams = 1024, kCountsPerRegion = 21 };
@@ -89,5 +91,7 @@ void* shared_var(int* slot, usize size, usize itemsize, const char* name, const 
 // exchange: the old value is not read by the operation (atomicExch), for the unwritten-shared check
 void atomic_access(void* p, usize size, const void* pc, int exchange);
 void check_width(int width);
+// __ldg: a load through the read-only non-coherent cache, of size bytes at p, called from pc
+void nc_read(const void* p, usize size, const void* pc);
 
 }  // namespace ctemu

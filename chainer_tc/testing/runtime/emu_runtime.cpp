@@ -69,6 +69,13 @@ enum { kMaxWarps = 32, kMaxSlots = 4, kMaxStaticShared = 48 * 1024,
 enum : unsigned char { kCanary = 0xA5, kUninit = 0xff };
 enum { kRead = 0, kWrite = 1, kAtomic = 2, kVolatile = 4 };
 enum { kExchange = 8 };    // an atomic that does not read the old value (atomicExch): checks only
+enum { kNC = 16 };         // a load through the read-only non-coherent cache (__ldg): checks only
+// Per byte of an array whose accesses are tracked (Region::track): which argument of its group
+// (the parameters given this one array) read or wrote it, and whether it was loaded through the
+// non-coherent cache (by __ldg, or through a const __restrict__ parameter) or written at all.
+enum : uint16_t { kTrackRead = 1, kTrackWrite = 1 << 4, kTrackLdg = 1 << 8, kTrackConst = 1 << 9,
+                  kTrackWritten = 1 << 10 };
+enum { kGroup = 4 };       // the arguments of one group told apart (a fifth counts as the fourth)
 // Access counts per region, as the ABI's LaunchArgs::counts lays them out: for reads, writes and
 // atomics in turn, the accesses of 1, 2, 4, 8 and 16 bytes and of any other size, then the bytes.
 enum { kSizeClasses = 6, kCountsPerKind = kSizeClasses + 1, kCounts = 3 * kCountsPerKind };
@@ -221,6 +228,15 @@ struct Region {
   size_t shadow_len;
   ReadSets* read_sets;      // race detector: the read sets its cells point to
   unsigned char* written;  // shared memory: 1 per byte some thread of the block wrote
+  // Arguments given one array twice or more, one of them __restrict__: each later parameter has
+  // its own region mapping the first one's memory (`mirror`: that region), so that an access
+  // tells which parameter it went through; the first region keeps the shadow and the counts.
+  int mirror;              // the region whose memory this one maps, or -1
+  int member;              // this parameter's place in its array's group (0: the first)
+  int members[kGroup];     // first region: the group's parameters by place (-1: none)
+  uint16_t* track;         // kTrack* bits per byte (first region), or null
+  bool shared_map;         // its pages are a shared mapping (a group with mirrors)
+  int mirror_fd;           //   of this memory file
   u64 count[kCounts];      // accesses counted (emulator.recording): see count_access
 };
 
@@ -445,6 +461,8 @@ void release_arena() {
   for (Region& r : rt.regions) {
     if (r.shadow) munmap(r.shadow, r.shadow_len);
     free(r.written);
+    free(r.track);
+    if (r.shared_map) close(r.mirror_fd);
     if (r.read_sets)
       for (ReadSet* x : r.read_sets->all) delete x;
     delete r.read_sets;
@@ -492,6 +510,8 @@ int new_region(size_t nbytes, size_t itemsize, int kind, int index, int slot, si
   if (mprotect(p, span, PROT_READ | PROT_WRITE) != 0) fail("emulator: cannot map %zu bytes", span);
   Region r;
   memset(&r, 0, sizeof r);
+  r.mirror = -1;
+  for (int m = 0; m < kGroup; ++m) r.members[m] = -1;
   r.pages = p;
   r.data = p + lead;
   r.span = span;
@@ -1067,13 +1087,104 @@ inline void track_shared_write(const Region& r, char* a, size_t n, int flags, ui
   if (flags & kWrite) memset(m, 1, n);
 }
 
+// ---- __restrict__ arguments that alias, non-coherent loads of bytes the launch writes ----------
+int restrict_of(int param) { return param >= 0 && rt.la->restrict_ ? rt.la->restrict_[param] : 0; }
+
+void track_alloc(Region& r) {
+  r.track = (uint16_t*)calloc(r.nbytes ? r.nbytes : 1, sizeof(uint16_t));
+  if (!r.track) fail("emulator: cannot allocate %zu bytes to track an array's accesses", r.nbytes * 2);
+}
+
+[[noreturn]] void report_alias(const Region& p, size_t off, uint16_t t, int x, int y, int flags,
+                               uint64_t pc) {
+  char w[128], tag[48], ax[64], ay[64];
+  where(w, sizeof w);
+  pc_tag(tag, sizeof tag, pc);
+  int px = p.members[x], py = p.members[y];
+  int rx = restrict_of(px), ry = restrict_of(py);
+  snprintf(ax, sizeof ax, "argument %d (%zu bytes)", px, p.nbytes);
+  snprintf(ay, sizeof ay, "argument %d (%zu bytes)", py, p.nbytes);
+  const char* decl = rx && ry ? "both are declared __restrict__" :
+                     rx ? "the first is declared __restrict__" : "the second is declared __restrict__";
+  fail("kernel '%s': %s and %s are the same array, but %s (the compiler may assume they do not "
+       "alias: keep a value it wrote through one in a register, or load it through the read-only "
+       "non-coherent cache): byte offset %zu (element %zu of %zu) is %s through argument %d and "
+       "%s through argument %d (this access: a %s in %s%s). Undefined behaviour on a GPU: pass "
+       "distinct arrays, or drop __restrict__", rt.kernel_name, ax, ay, decl, off,
+       off / p.itemsize, p.nbytes / p.itemsize, t & (kTrackWrite << x) ? "written" : "read", px,
+       t & (kTrackWrite << y) ? "written" : "read", py,
+       flags & kAtomic ? "atomic access" : flags & kWrite ? "write" : "read", w, tag);
+}
+
+[[noreturn]] void report_nc(const Region& p, size_t off, uint16_t t, int flags, uint64_t pc) {
+  char w[128], tag[48], what[192], how[160];
+  where(w, sizeof w);
+  pc_tag(tag, sizeof tag, pc);
+  describe_region(what, sizeof what, p);
+  if (t & kTrackLdg) {
+    snprintf(how, sizeof how, "loaded through __ldg");
+  } else {
+    int param = -1;
+    for (int m = 0; m < kGroup; ++m)
+      if (p.members[m] >= 0 && restrict_of(p.members[m]) == 2 && (t & (kTrackRead << m))) param = p.members[m];
+    if (param < 0 && restrict_of(p.index) == 2) param = p.index;
+    snprintf(how, sizeof how, "read through argument %d, a const __restrict__ parameter (which a "
+             "GPU may load as __ldg does)", param);
+  }
+  fail("kernel '%s': byte offset %zu (element %zu of %zu) of %s is %s and also written in this "
+       "launch (this access: a %s in %s%s): the read-only non-coherent cache may return the value "
+       "from before the write, as data loaded through it must not change during the kernel",
+       rt.kernel_name, off, off / p.itemsize, p.nbytes / p.itemsize, what, how,
+       flags & kAtomic ? "atomic access" : flags & kWrite ? "write" : flags & kNC ? "__ldg read" : "read",
+       w, tag);
+}
+
+// An access to an array whose accesses are tracked, or through a mirror: returns the region that
+// holds the memory (the group's first), `a` moved into it.
+__attribute__((noinline)) Region* tracked_access(Region* r, char*& a, size_t n, int flags, uint64_t pc) {
+  int member = r->member;
+  int param = r->kind == kArg ? r->index : -1;
+  if (r->mirror >= 0) {
+    Region* p = &rt.regions[r->mirror];
+    a = p->data + (a - r->data);
+    r = p;
+  }
+  bool write = flags & (kWrite | kAtomic);
+  uint16_t add = (uint16_t)(kTrackRead << member);
+  if (write) add |= (uint16_t)((kTrackWrite << member) | kTrackWritten);
+  else if (flags & kNC) add |= kTrackLdg;
+  else if (restrict_of(param) == 2) add |= kTrackConst;
+  if (!r->track) {
+    if (!(add & kTrackLdg) || (r->kind != kArg && r->kind != kTarget)) return r;
+    track_alloc(*r);          // an __ldg the source did not show: writes before it were not seen
+  }
+  uint16_t* t = r->track + (a - r->data);
+  for (size_t k = 0; k < n; ++k) {
+    uint16_t old = t[k], now = old | add;
+    if (now == old) continue;
+    t[k] = now;
+    size_t off = (size_t)(a - r->data) + k;
+    for (int x = 0; x < kGroup && r->members[1] >= 0; ++x) {
+      if (!(now & (kTrackRead << x))) continue;
+      for (int y = x + 1; y < kGroup; ++y) {
+        if (!(now & (kTrackRead << y)) || !(now & ((kTrackWrite << x) | (kTrackWrite << y)))) continue;
+        if (restrict_of(r->members[x]) || restrict_of(r->members[y])) report_alias(*r, off, now, x, y, flags, pc);
+      }
+    }
+    if ((now & kTrackWritten) && (now & (kTrackLdg | kTrackConst))) report_nc(*r, off, now, flags, pc);
+  }
+  return r;
+}
+
 __attribute__((noinline)) void checked_access(char* a, size_t n, int flags, uint64_t pc) {
   int id = region_at(a);
   if (id < 0) out_of_bounds(a, n, flags, pc, "SIGSEGV");
-  Region& r = rt.regions[id];
-  if (a < r.data || a + n > r.data + r.nbytes) out_of_bounds(a, n, flags, pc, "SIGSEGV");
+  Region* rp = &rt.regions[id];
+  if (a < rp->data || a + n > rp->data + rp->nbytes) out_of_bounds(a, n, flags, pc, "SIGSEGV");
+  if (rp->track || rp->mirror >= 0 || (flags & kNC)) rp = tracked_access(rp, a, n, flags, pc);
+  Region& r = *rp;
   if (r.written && rt.running) track_shared_write(r, a, n, flags, pc);
-  flags &= ~kExchange;
+  flags &= ~(kExchange | kNC);
   if (rt.counting) count_access(r, n, flags);
   if (rt.race && rt.running) {
     race_access(r, a, n, flags, pc);
@@ -1667,8 +1778,48 @@ void reset_for_schedule(const LaunchArgs* la) {
   for (Region& r : rt.regions) {
     fill_slack(r);
     reset_shadow(r);
+    if (r.track) memset(r.track, 0, (r.nbytes ? r.nbytes : 1) * sizeof(uint16_t));
   }
   free_vcs();
+}
+
+// Whether the arguments given the array of parameter `first` (its first) include a __restrict__ one.
+bool restrict_group(const LaunchArgs* la, int first) {
+  if (!la->restrict_) return false;
+  for (int k = first; k < la->nargs; ++k)
+    if ((k == first || la->alias[k] == first) && la->restrict_[k]) return true;
+  return false;
+}
+
+// A region for parameter `param` that maps the memory of region `first` (the array's first
+// parameter) at another address, so that an access says which parameter it went through.
+int new_mirror(int first, int param, const LaunchArgs* la) {
+  if (!rt.regions[first].shared_map) {
+    Region& p = rt.regions[first];
+    int fd = memfd_create("chainer_tc_emulator_alias", MFD_CLOEXEC);
+    if (fd < 0 || ftruncate(fd, (off_t)p.span) != 0)
+      fail("emulator: cannot create shared memory for an argument passed twice");
+    if (mmap(p.pages, p.span, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, 0) == MAP_FAILED)
+      fail("emulator: cannot map shared memory for an argument passed twice");
+    p.shared_map = true;
+    p.mirror_fd = fd;
+    fill_slack(p);
+  }
+  const Region& p0 = rt.regions[first];
+  int id = new_region(p0.nbytes, p0.itemsize, kArg, param, -1, (size_t)(p0.data - p0.pages));
+  Region& m = rt.regions[id];
+  Region& p = rt.regions[first];
+  if (mmap(m.pages, m.span, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, p.mirror_fd, 0) == MAP_FAILED)
+    fail("emulator: cannot map shared memory for an argument passed twice");
+  m.mirror = first;
+  m.host = p.host;
+  int k = 1;
+  while (k < kGroup - 1 && p.members[k] >= 0) ++k;
+  m.member = k;
+  if (p.members[k] < 0) p.members[k] = param;
+  if (!p.track) track_alloc(p);
+  (void)la;
+  return id;
 }
 
 }  // namespace
@@ -1744,6 +1895,10 @@ void fence(int device_scope) {
     f->fence_known = f->blk->known;
   }
   yield_now();
+}
+
+void nc_read(const void* p, usize size, const void* caller) {
+  access(const_cast<void*>(p), size, kRead | kNC, const_cast<void*>(caller));
 }
 
 void atomic_access(void* p, usize size, const void* caller, int exchange) {
@@ -1872,7 +2027,7 @@ int run_launch(const char* name, const LaunchArgs* la, int nparams, const usize*
     // static __shared__ variables (registered as they are reached) of each live block
     size_t nregions = (size_t)k * (1 + kSharedVarsPerBlock), largest = region_span(kMaxDynamicOptIn, 0);
     for (int i = 0; i < la->nargs; ++i)
-      if (la->nbytes[i] != ~0ull && la->alias[i] < 0) {
+      if (la->nbytes[i] != ~0ull) {        // an alias may get a region of its own (a mirror)
         ++nregions;
         largest = std::max(largest, region_span(la->nbytes[i], 256));
       }
@@ -1893,16 +2048,27 @@ int run_launch(const char* name, const LaunchArgs* la, int nparams, const usize*
       }
       if (la->alias[i] >= 0) {                   // the same array passed twice: one copy
         rt.arg_region[i] = rt.arg_region[la->alias[i]];
+        if (restrict_group(la, la->alias[i])) rt.arg_region[i] = new_mirror(rt.arg_region[i], i, la);
         continue;
       }
       int id = new_region(la->nbytes[i], la->itemsize[i], kArg, i, -1, la->misalign[i] % 256);
       rt.regions[id].host = (u64)(uintptr_t)*(void* const*)la->args[i];
       rt.regions[id].output = la->writeback[i] != 0;
       rt.arg_region[i] = id;
+      // tracked: a const __restrict__ parameter's array (loaded through the non-coherent cache),
+      // every array when the module uses __ldg, a group of arguments with a __restrict__ one
+      if (restrict_of(i) == 2 || la->nc_all || restrict_group(la, i)) track_alloc(rt.regions[id]);
+      rt.regions[id].members[0] = i;
     }
-    for (int i = 0; i < la->nargs; ++i)       // a pointer to const written through as well
-      if (la->alias[i] >= 0 && la->writeback[i]) rt.regions[rt.arg_region[i]].output = true;
+    for (int i = 0; i < la->nargs; ++i) {     // a pointer to const written through as well
+      int id = rt.arg_region[i];
+      if (id >= 0 && rt.regions[id].mirror >= 0) id = rt.regions[id].mirror;
+      if (la->alias[i] >= 0 && la->writeback[i]) rt.regions[id].output = true;
+    }
     map_tables(la, vals);
+    if (la->nc_all)
+      for (int t = 0; t < la->ntargets; ++t)
+        if (la->target_arg[t] < 0) track_alloc(rt.regions[rt.target_region[t]]);
     // the slot holding each array's device pointer (shared by aliases)
     static void* slots[kMaxParams];
     for (int i = 0; i < la->nargs; ++i) {
