@@ -275,7 +275,8 @@ def test_overflow_skips_the_step_exactly(path, monkeypatch, value, where):
     before = state_of(opt)
     model.set_grads(999)
     dict(model.namedparams())[where[0]].grad.flat[where[1]] = value
-    opt.update()
+    with pytest.warns(UserWarning, match=r'skipped 1 update step\(s\) .*iteration 3'):
+        opt.update()
     after = state_of(opt)
     for k in ('params', 'master', 'momentum'):
         for x, y in (zip(before[k], after[k]) if isinstance(before[k], list) else
@@ -301,7 +302,10 @@ def test_skipped_step_equals_a_control_run_that_never_saw_it(monkeypatch):
         model.set_grads(s, opt.loss_scale)
         if s == 3:
             model.p1.grad[7] = numpy.inf
-        opt.update()
+            with pytest.warns(UserWarning, match='dynamic loss scaling skipped'):
+                opt.update()
+        else:
+            opt.update()
         if s != 3:
             control.set_grads(s, copt.loss_scale)
             copt.update()
@@ -321,11 +325,14 @@ def test_scale_grows_after_interval_clean_steps_and_stays_in_bounds(path):
         opt.update()
         seen.append(opt.loss_scale)
     assert seen == [2, 2, 4, 4, 4, 8, 8, 8, 16, 16, 16, 16, 16, 16]
-    for s in range(6):      # overflow every step: halves down to the floor, never below
-        model.set_grads(s)
-        model.p0.grad[0] = numpy.nan
-        opt.update()
+    with pytest.warns(UserWarning) as said:
+        for s in range(6):      # overflow every step: halves down to the floor, never below
+            model.set_grads(s)
+            model.p0.grad[0] = numpy.nan
+            opt.update()
     assert opt.loss_scale == 1.0 and opt.skipped_steps == 6
+    # one warning for the burst, one more when the scale reaches min_scale
+    assert [str(w.message).count('min_scale') for w in said] == [0, 1]
 
 
 def test_loss_is_seeded_with_the_scale_and_grads_are_unscaled(path):
@@ -420,7 +427,8 @@ def test_resume_mid_run_is_bit_identical(path, monkeypatch, tmp_path, fmt):
     model, opt = make()
     run_steps(model, opt, 3, emulate, monkeypatch)
     model.p1.grad[0] = numpy.inf           # one skipped step before the snapshot
-    opt.update()
+    with pytest.warns(UserWarning, match='dynamic loss scaling skipped'):
+        opt.update()
     save(str(tmp_path / ('opt.' + fmt)), opt)
     save(str(tmp_path / ('model.' + fmt)), model)
     saved_scale, saved_skipped = opt.loss_scale, opt.skipped_steps

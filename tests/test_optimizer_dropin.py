@@ -97,7 +97,8 @@ def test_a_skipped_overflow_step_does_not_count_in_rule_t(path):
     o.loss_scaling(initial_scale=4.0)
     x, t = data()
     o.update(lossfun(model, x, t))
-    o.update(lossfun(model, x * numpy.float32(numpy.inf), t))
+    with pytest.warns(UserWarning, match='dynamic loss scaling skipped 1 update step'):
+        o.update(lossfun(model, x * numpy.float32(numpy.inf), t))
     assert (o.t, o.skipped_steps, model.fc.W.update_rule.t) == (2, 1, 1)
     o.loss_scaling(initial_scale=8.0)
     assert (o.skipped_steps, model.fc.W.update_rule.t) == (0, 1)
@@ -582,7 +583,10 @@ def test_mixed_float64_float32_float16_parameters_kernel_equals_numpy(monkeypatc
                 p.grad = (g.randn(*p.shape) * 16).astype(p.dtype)
             if s == 2:
                 link.p3.grad[5] = numpy.nan
-            o.update()
+                with pytest.warns(UserWarning, match='dynamic loss scaling skipped 1 update step'):
+                    o.update()
+            else:
+                o.update()
         return {n: (p.array.copy(), p.update_rule.state['v'].copy())
                 for n, p in link.namedparams()}, o.loss_scale
     a, sa = run(False)
