@@ -867,3 +867,64 @@ def test_matrix_scalar_and_empty_parameters(path, shape):
         numpy.testing.assert_allclose(results[1], results[0], rtol=2 ** -23)
     else:
         numpy.testing.assert_array_equal(results[1], results[0])
+
+
+@pytest.mark.parametrize('frozen', ['a', 'b'])
+def test_a_frozen_parameter_sharing_a_gradient_leaves_the_quotient(path, frozen):
+    """One array for both gradients, one of the two parameters frozen: only the trained one's
+    rule divides it, once, in Chainer; ours too, whichever of the two comes first (the frozen
+    one's private copy, never divided, was once copied back over the quotient)."""
+    results = []
+    for make in (lambda: chainer_momentum_sgd(numpy.float32, lr=1.0, momentum=0.0),
+                 lambda: optimizers.MomentumSGD(lr=1.0, momentum=0.0)):
+        link = chainer.Link()
+        with link.init_scope():
+            link.a = chainer.Parameter(numpy.ones(300, numpy.float32))
+            link.b = chainer.Parameter(numpy.ones(300, numpy.float32))
+        o = make().setup(link)
+        o.loss_scaling(scale=4.0)
+        getattr(link, frozen).update_rule.enabled = False
+        link.cleargrads()
+        F.sum(F.relu(link.a + link.b)).backward(loss_scale=4.0)
+        assert link.a.grad is link.b.grad
+        o.update()
+        results.append((link.a.array.copy(), link.b.array.copy(), link.a.grad.copy()))
+    for want, got in zip(*results):
+        numpy.testing.assert_array_equal(got, want)
+    numpy.testing.assert_array_equal(results[1][2], 1.0)
+
+
+def test_views_of_one_buffer_sharing_memory_are_found():
+    """Gradients that are views of a buffer NumPy did not allocate (numpy.frombuffer: the
+    array's base is the buffer, a view's base the array) are found to share memory: both
+    parameters train on grad / scale, which is written back once."""
+    link = chainer.Link()
+    with link.init_scope():
+        link.a = chainer.Parameter(numpy.zeros(4, numpy.float32))
+        link.b = chainer.Parameter(numpy.zeros(4, numpy.float32))
+    o = optimizers.MomentumSGD(lr=1.0, momentum=0.0).setup(link)
+    o.loss_scaling(scale=4.0)
+    g = numpy.frombuffer(bytearray(numpy.full(4, 8.0, numpy.float32).tobytes()), numpy.float32)
+    link.a.grad, link.b.grad = g, g[:]
+    o.update()
+    numpy.testing.assert_array_equal(link.a.array, -2.0)
+    numpy.testing.assert_array_equal(link.b.array, -2.0)
+    numpy.testing.assert_array_equal(g, 2.0)
+
+
+def test_a_misaligned_gradient_is_refused_by_name_on_the_kernel_path(monkeypatch):
+    """A float32 gradient at an address that is not a multiple of 4 (a view at an odd byte
+    offset): a GPU cannot load it; the kernel path says which parameter (the NumPy path, like
+    Chainer, trains from it)."""
+    monkeypatch.setenv('CHAINER_TC_EMULATE', '1')
+    link = chainer.Link()
+    with link.init_scope():
+        link.a = chainer.Parameter(numpy.zeros(2, numpy.float32))
+    o = optimizers.MomentumSGD(lr=1.0).setup(link)
+    raw = numpy.zeros(12, numpy.uint8)
+    skew = 2 if raw.ctypes.data % 4 == 0 else 0
+    link.a.grad = raw[skew:skew + 8].view(numpy.float32)
+    assert link.a.grad.ctypes.data % 4 == 2
+    with pytest.raises(ValueError, match=r'gradient of parameter\(s\) /a \(address 0x[0-9a-f]+, '
+                                         r'float32\) is not aligned'):
+        o.update()

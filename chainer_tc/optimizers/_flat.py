@@ -108,6 +108,7 @@ class FlatParams:
             sizes[e.group] += -(-e.size // ALIGN) * ALIGN
         self.entries = order
         self.not_half = [e.group != F16 for e in order]
+        self.align_masks = [DTYPES[e.group].itemsize - 1 for e in order]
         self.sizes = sizes
         self.known = frozenset([id(e.param) for e in order] +
                                [id(p) for _, p in self.untrained + self.waiting])

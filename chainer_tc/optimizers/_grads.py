@@ -49,7 +49,9 @@ class StepGrads:
         # the gradient each one is for: where a quotient goes back (a read-only one, a NumPy
         # broadcast view of F.sum's backward, stays as it is: Chainer's in-place division
         # raises there)
-        write = self.write = [d and h for d, h in zip(self.divide, flat.not_half)]
+        # (a frozen parameter's gradient is not divided: its rule does not run, as in Chainer)
+        write = self.write = [d and h and e.rule.enabled
+                              for d, h, e in zip(self.divide, flat.not_half, flat.entries)]
         if not any(write):
             return
         if flat.xp is numpy:        # (a CuPy array has no read-only flag; copies are checked)
@@ -85,8 +87,7 @@ def _overlapping(arrays):
     if first is None:
         return []
     if isinstance(first, numpy.ndarray):
-        # (NumPy sets a view's base to the array that owns the memory, whatever it views)
-        owners = [id(a if a.base is None else a.base) for a in arrays if a is not None]
+        owners = [id(a) if a.base is None else _root(a) for a in arrays if a is not None]
     else:
         owners = [id(a.data.mem) for a in arrays if a is not None]
     if len(set(owners)) == len(owners):
@@ -101,6 +102,16 @@ def _overlapping(arrays):
             groups += _chains([(_address(arrays[i]), _address(arrays[i]) + arrays[i].nbytes, i)
                                for i in members if arrays[i].size])
     return groups
+
+
+def _root(a):
+    """The id of the object that holds a NumPy view's memory: NumPy sets a view's base to the
+    array that owns it, or to the first array whose base is not an array (``frombuffer``'s,
+    whose base is the buffer), so the walk ends in one or two steps."""
+    b = a.base
+    while isinstance(b, numpy.ndarray) and b.base is not None:
+        b = b.base
+    return id(b)
 
 
 def _chains(spans):

@@ -609,16 +609,18 @@ class _KernelStep:
         if g.divisors is not None:          # a step mixing loss scales: each parameter's own
             with flat.device_scope():
                 flat.divisors[...] = xp.asarray(numpy.array(g.divisors, numpy.float64))
+        addresses = [0 if a is None else _grads._address(a) for a in g.read]
+        if any(a & m for a, m in zip(addresses, flat.align_masks)):
+            raise ValueError(_misaligned(flat, addresses))
         self.launches = []
         for c0, nc, e0, ne in flat.launches:
             if not nc:
                 continue
             sp = base.copy()
-            # bit 0 of an address (gradients are at least 2-byte aligned): divide it; bit 1
-            # (float32 and float64 ones, 4-byte aligned): write the quotient back
-            sp['grad'][:ne] = [0 if a is None else _grads._address(a) | d | (w << 1)
-                               for a, d, w in zip(g.read[e0:e0 + ne], g.divide[e0:e0 + ne],
-                                                  g.write[e0:e0 + ne])]
+            # bit 0 of an address (gradients are aligned to their element size): divide it;
+            # bit 1 (float32 and float64 ones, 4-byte aligned): write the quotient back
+            sp['grad'][:ne] = [a | d | (w << 1) for a, d, w in zip(
+                addresses[e0:e0 + ne], g.divide[e0:e0 + ne], g.write[e0:e0 + ne])]
             # a size-1 structured NumPy array: CuPy (>= 9) passes it by value, as the struct
             self.launches.append((sp, flat.chunks[c0:c0 + nc], nc))
         self.step_grads = g           # keeps the gradients alive as long as their addresses
@@ -856,6 +858,15 @@ def _cpu_blocks(opt, flat):
                                opt._temps[adt])))
     flat._cpu_blocks = blocks
     return blocks
+
+
+def _misaligned(flat, addresses):
+    names = ['{} (address {:#x}, {})'.format(e.name, a, e.view.dtype)
+             for e, a, m in zip(flat.entries, addresses, flat.align_masks) if a & m]
+    return ('the gradient of parameter(s) {} is not aligned to its element size, which a GPU '
+            'cannot load (a view at an odd byte offset; Chainer\'s backward allocates aligned '
+            'gradients): give the parameter a copy, param.grad = param.grad.copy()'
+            .format(', '.join(names)))
 
 
 def _has_none(items):
