@@ -1095,3 +1095,95 @@ def test_the_project_kernels_declare_restrict_parameters_where_the_emulator_sees
         for name in names:
             flags = emulator._restrict_params(code, name + '<float>')
             assert flags and 2 in flags and 1 in flags, (path, name, flags)
+
+
+# ---- one __syncthreads() reached through two calls -------------------------------------------------
+BARRIER_HELPERS = r'''
+__device__ __noinline__ void stage(float* s, float v) {
+  s[threadIdx.x] = v;
+  __syncthreads();
+}
+__device__ inline void stage_inline(float* s, float v) {
+  s[threadIdx.x] = v;
+  __syncthreads();
+}
+// The two halves of the block call the helper from different places: one barrier line, two
+// barriers (a GPU may let the halves pass each other, or hang).
+extern "C" __global__ void helper_twice(float* out) {
+  __shared__ float s[64];
+  if (threadIdx.x < 32) {
+    stage(s, 1.0f);
+    out[threadIdx.x] = s[threadIdx.x ^ 1];
+  } else {
+    stage(s, 2.0f);
+    out[threadIdx.x] = 2.0f * s[threadIdx.x ^ 1];
+  }
+}
+extern "C" __global__ void inline_helper_twice(float* out) {
+  __shared__ float s[64];
+  if (threadIdx.x < 32) {
+    stage_inline(s, 1.0f);
+    out[threadIdx.x] = s[threadIdx.x ^ 1];
+  } else {
+    stage_inline(s, 2.0f);
+    out[threadIdx.x] = 2.0f * s[threadIdx.x ^ 1];
+  }
+}
+extern "C" __global__ void one_line(float* out) {
+  __shared__ float s[64];
+  s[threadIdx.x] = 1.0f;
+  if (threadIdx.x < 32) { __syncthreads(); out[threadIdx.x] = s[threadIdx.x ^ 1]; } else { __syncthreads(); out[threadIdx.x] = 2.0f * s[threadIdx.x ^ 1]; }
+}
+// Every thread makes the same calls: fine, in a loop too.
+extern "C" __global__ void helper_converged(float* out) {
+  __shared__ float s[64];
+  stage(s, threadIdx.x < 32 ? 1.0f : 2.0f);
+  stage_inline(s, 3.0f);
+  for (int k = 0; k < 3; ++k) stage(s, (float)k);
+  stage(s, 5.0f);
+  out[threadIdx.x] = s[threadIdx.x ^ 1];
+}
+// One barrier after a branch on a condition tested again after it: g++'s jump threading copied
+// the barrier's call into both paths (turned off for kernel code), which read as two barriers.
+extern "C" __global__ void branch_around_one_barrier(const float* x, float* out) {
+  __shared__ float s[64];
+  const int t = threadIdx.x;
+  if (t < 32) s[t] = x[t] * 2.0f; else s[t] = 1.0f;
+  __syncthreads();
+  if (t < 32) out[t] = s[t + 1]; else out[t] = s[t - 1] + 1.0f;
+}
+'''
+
+
+@pytest.fixture(scope='module')
+def barrier_helpers():
+    return emulator.RawModule(code=BARRIER_HELPERS)
+
+
+@pytest.mark.parametrize('kernel,line,calls', [('helper_twice', 4, (18, 15)),
+                                               ('inline_helper_twice', 8, (28, 25)),
+                                               ('one_line', 35, (35, 35))])
+def test_one_barrier_line_reached_through_two_calls_is_reported(barrier_helpers, kernel, line,
+                                                                 calls):
+    # barriers were told apart by source line only: the helper's line for both calls
+    out = numpy.zeros(64, numpy.float32)
+    with pytest.raises(KernelLaunchError, match=(
+            r"kernel '{k}': threads of one block wait at two different __syncthreads\(\): this "
+            r"thread at <string>:{l} reached through the call \(at <string>:({l} inlined in "
+            r"<string>:)?{a}\), thread \(0,0,0\) of block \(0,0,0\) at <string>:{l} reached "
+            r"through the call \(at <string>:({l} inlined in <string>:)?{b}\) \(one "
+            r"__syncthreads\(\) in a function called from two places, or two on one line, in "
+            r"divergent code").format(k=kernel, l=line, a=calls[0], b=calls[1])):
+        barrier_helpers.get_function(kernel)((1,), (64,), (out,))
+
+
+def test_one_barrier_line_reached_through_the_same_calls_passes(barrier_helpers):
+    out = numpy.zeros(64, numpy.float32)
+    with emulator.checking(**RACE):
+        barrier_helpers.get_function('helper_converged')((1,), (64,), (out,))
+    assert (out == 5).all()
+    x = numpy.arange(64, dtype=numpy.float32)
+    with emulator.checking(**RACE):
+        barrier_helpers.get_function('branch_around_one_barrier')((1,), (64,), (x, out))
+    s = numpy.where(numpy.arange(64) < 32, 2 * x, 1)
+    assert (out == numpy.where(numpy.arange(64) < 32, numpy.roll(s, -1), numpy.roll(s, 1) + 1)).all()

@@ -483,9 +483,10 @@ _RUNTIME_FLAGS = ('-std=c++17', '-O2', '-fPIC', '-fvisibility=hidden', '-fno-str
 # fiber stack that would make an uninitialised accumulator look right. signed-integer-overflow (an
 # NCHW offset in int), shift (a count of the type's width: a GPU clamps, x86 takes it mod 32) and
 # float-cast-overflow (a GPU saturates a float converted to int, x86 does not) are undefined in
-# CUDA C++ as in C++, and the CPU's result is not a GPU's.
+# CUDA C++ as in C++, and the CPU's result is not a GPU's. -fno-omit-frame-pointer: at a barrier the
+# runtime walks the frames to tell apart two calls of a helper holding one __syncthreads().
 _KERNEL_FLAGS = ('-std=c++17', '-O1', '-fno-tree-sra', '-g1', '-gdwarf-4', '-fPIC', '-fno-strict-aliasing', '-fvisibility=hidden',
-                 '-U_FORTIFY_SOURCE', '-fsanitize=thread',
+                 '-U_FORTIFY_SOURCE', '-fno-omit-frame-pointer', '-fno-thread-jumps', '-fsanitize=thread',
                  '--param=tsan-instrument-func-entry-exit=0', '--param=tsan-distinguish-volatile=1',
                  '-fsanitize=bounds,alignment,integer-divide-by-zero,object-size',
                  '-fsanitize=signed-integer-overflow,shift-exponent,float-cast-overflow',

@@ -335,12 +335,22 @@ static inline unsigned long long ullmax(unsigned long long a, unsigned long long
 // Synchronisation and warp intrinsics
 // The default arguments are the caller's file and line: threads of a block waiting at two
 // different barriers are reported.
+// Not inlined, and kernel code keeps frame pointers: the runtime walks the call's frames to its
+// code address and those of the calls it is in. A helper holding a __syncthreads() has one source
+// line, but each copy inlined into a caller its own address, and each call of it its own frames.
 #define CTEMU_AT const char* ctemu_file_ = __builtin_FILE(), unsigned ctemu_line_ = __builtin_LINE()
-static inline void __syncthreads(CTEMU_AT) { ::ctemu::block_barrier(0, ctemu_file_, ctemu_line_); }
-static inline int __syncthreads_count(int p, CTEMU_AT) { return ::ctemu::block_barrier(p, ctemu_file_, ctemu_line_); }
-static inline int __syncthreads_or(int p, CTEMU_AT) { return ::ctemu::block_barrier(p, ctemu_file_, ctemu_line_) != 0; }
-static inline int __syncthreads_and(int p, CTEMU_AT) {
-  int yes = ::ctemu::block_barrier(p, ctemu_file_, ctemu_line_);
+#define CTEMU_BARRIER_FN __attribute__((noinline, no_sanitize("thread")))
+CTEMU_BARRIER_FN static void __syncthreads(CTEMU_AT) {
+  ::ctemu::block_barrier(0, ctemu_file_, ctemu_line_, __builtin_frame_address(0));
+}
+CTEMU_BARRIER_FN static int __syncthreads_count(int p, CTEMU_AT) {
+  return ::ctemu::block_barrier(p, ctemu_file_, ctemu_line_, __builtin_frame_address(0));
+}
+CTEMU_BARRIER_FN static int __syncthreads_or(int p, CTEMU_AT) {
+  return ::ctemu::block_barrier(p, ctemu_file_, ctemu_line_, __builtin_frame_address(0)) != 0;
+}
+CTEMU_BARRIER_FN static int __syncthreads_and(int p, CTEMU_AT) {
+  int yes = ::ctemu::block_barrier(p, ctemu_file_, ctemu_line_, __builtin_frame_address(0));
   return yes == ::ctemu::barrier_total();     // every thread that took part, not those left now
 }
 #undef CTEMU_AT

@@ -79,7 +79,9 @@ void yield_now();                 // fences and __nanosleep: let other threads r
 void fence(int device_scope);     // __threadfence (1) or __threadfence_block (0)
 // __syncthreads*: how many threads that took part passed pred; file and line of the call (threads
 // at two different barriers are an error)
-int block_barrier(int pred, const char* file, unsigned line);
+// frame: the frame of the __syncthreads() function (kernel code keeps frame pointers): the code
+// addresses of the call and of the calls it is in tell apart two calls of one helper.
+int block_barrier(int pred, const char* file, unsigned line, const void* frame);
 int barrier_total();              // threads that took part in the last barrier
 u64 warp_collective(unsigned char op, unsigned mask, u64 value, int src);
 unsigned active_mask();

@@ -177,7 +177,8 @@ struct SeenKey {
 struct SeenHash {
   size_t operator()(const SeenKey& k) const { return std::hash<uintptr_t>()(k.x * 0x9e3779b97f4a7c15ull ^ k.blk); }
 };
-enum { kSeenPerThread = 16 };    // the distinct atomic addresses a thread or block remembers
+enum { kSeenPerThread = 16 };
+enum { kCallDepth = 32 };        // frames a barrier's identity takes in (the innermost ones)    // the distinct atomic addresses a thread or block remembers
 
 struct Warp {
   unsigned live;           // lanes that exist and have not returned
@@ -211,6 +212,10 @@ struct Fiber : Thread {
   bool known_grew;         //   since the block's last barrier
   VC* fence_known;         // the block's `known` at this thread's last fence (never changed after)
   VC* pending;             // releases seen by its atomics, not yet fenced
+  // at a barrier: the return addresses of its frames, the __syncthreads() call's first (a
+  // barrier is its call's address and those of the calls it is in, not only its source line)
+  uintptr_t calls[kCallDepth];
+  unsigned depth;
   std::vector<Seen> seen;  // atomics it made on global memory (relaxed observations, see Seen)
 };
 
@@ -1464,6 +1469,7 @@ void start_block(Block& b, u64 seq) {
     f.fences = f.sealed_fences = 0;
     f.known = f.pending = f.fence_known = nullptr;
     f.seen.clear();
+    f.depth = 0;
     f.known_grew = false;
     b.warps[f.warp].live |= 1u << f.lane;
     f.ctx.uc_stack.ss_sp = b.stacks + (size_t)i * (rt.stack_bytes + rt.page) + rt.page;
@@ -1916,24 +1922,68 @@ void atomic_access(void* p, usize size, const void* caller, int exchange) {
 // Threads of one block at two different __syncthreads() (by source line): the condition around a
 // barrier differed between them, which CUDA leaves undefined (a GPU may let them pass each other
 // or hang); here the barrier would simply have matched them up.
-[[noreturn]] void divergent_barrier(const Block* b, const char* file, unsigned line) {
-  char first[128], msg[768];
+// `via`: the calls that differ, when the line is the same (a helper called from two places).
+[[noreturn]] void divergent_barrier(const Block* b, const char* file, unsigned line,
+                                    uintptr_t mine = 0, uintptr_t theirs = 0) {
+  char first[128], msg[1024], tm[48] = "", tt[48] = "";
   thread_of(first, sizeof first, b->seq, b->bar_tid);
-  snprintf(msg, sizeof msg, "threads of one block wait at two different __syncthreads(): this "
-           "thread at %s:%u, %s at %s:%u (a barrier in divergent code: every thread of the block "
-           "must reach the same one, or none)", file, line, first, b->bar_file, b->bar_line);
+  if (mine || theirs) {        // return addresses: the call is the byte before
+    pc_tag(tm, sizeof tm, mine ? mine - 1 : 0);
+    pc_tag(tt, sizeof tt, theirs ? theirs - 1 : 0);
+    snprintf(msg, sizeof msg, "threads of one block wait at two different __syncthreads(): this "
+             "thread at %s:%u reached through the call%s, %s at %s:%u reached through the call%s "
+             "(one __syncthreads() in a function called from two places, or two on one line, "
+             "in divergent code: every thread of the block must reach the same call, or none)", file, line, tm,
+             first, b->bar_file, b->bar_line, tt);
+  } else {
+    snprintf(msg, sizeof msg, "threads of one block wait at two different __syncthreads(): this "
+             "thread at %s:%u, %s at %s:%u (a barrier in divergent code: every thread of the block "
+             "must reach the same one, or none)", file, line, first, b->bar_file, b->bar_line);
+  }
   fail_here(msg);
 }
 
-int block_barrier(int pred, const char* file, unsigned line) {
+// The return addresses of a thread's frames from the __syncthreads() function's up, as far as
+// they are on its stack (the fiber's entry, in the runtime, keeps no frame pointer).
+void walk_frames(Fiber* f, const void* frame) {
+  uintptr_t lo = (uintptr_t)f->ctx.uc_stack.ss_sp, hi = lo + f->ctx.uc_stack.ss_size;
+  const uintptr_t* fp = (const uintptr_t*)frame;
+  unsigned d = 0;
+  while (d < kCallDepth && (uintptr_t)fp >= lo && (uintptr_t)fp + 16 <= hi && !((uintptr_t)fp & 7)) {
+    f->calls[d++] = fp[1];
+    const uintptr_t* up = (const uintptr_t*)fp[0];
+    if (up <= fp) break;
+    fp = up;
+  }
+  f->depth = d;
+}
+
+// The same source line: the same call of it, through the same calls? Compared from the outermost
+// frame in; the first thread to arrive still waits there, its frames as they were.
+void same_call(const Block* b, const Fiber* f, const char* file, unsigned line) {
+  const Fiber& g = b->fibers[b->bar_tid];
+  unsigned n = std::min(f->depth, g.depth);
+  for (unsigned k = 1; k <= n; ++k) {
+    uintptr_t mine = f->calls[f->depth - k], theirs = g.calls[g.depth - k];
+    if (mine != theirs) divergent_barrier(b, file, line, mine, theirs);
+  }
+  if (f->depth != g.depth)
+    divergent_barrier(b, file, line, f->depth > n ? f->calls[f->depth - n - 1] : f->calls[0],
+                      g.depth > n ? g.calls[g.depth - n - 1] : g.calls[0]);
+}
+
+int block_barrier(int pred, const char* file, unsigned line, const void* frame) {
   Fiber* f = rt.running;
   Block* b = f->blk;
+  walk_frames(f, frame);
   if (!b->bar_arrived) {
     b->bar_file = file;
     b->bar_line = line;
     b->bar_tid = f->linear;
   } else if (line != b->bar_line || (file != b->bar_file && strcmp(file, b->bar_file) != 0)) {
     divergent_barrier(b, file, line);
+  } else {
+    same_call(b, f, file, line);
   }
   b->bar_acc += pred ? 1 : 0;
   if (++b->bar_arrived >= b->live) {
