@@ -46,10 +46,10 @@ class StepGrads:
         self.divide, self.divisor, self.divisors = _unscaling(scaling_mode, flat, grads, marks)
         self.read = grads
         self.after = []
-        # the gradient each one is for: where a quotient goes back (a read-only one, a NumPy
-        # broadcast view of F.sum's backward, stays as it is: Chainer's in-place division
+        # a quotient goes back where Chainer's rule divides in place: a divided float32 or
+        # float64 gradient of an enabled rule (a frozen one's rule does not run), not a
+        # read-only one (NumPy's broadcast view from F.sum's backward: Chainer's division
         # raises there)
-        # (a frozen parameter's gradient is not divided: its rule does not run, as in Chainer)
         write = self.write = [d and h and e.rule.enabled
                               for d, h, e in zip(self.divide, flat.not_half, flat.entries)]
         if not any(write):
@@ -157,9 +157,8 @@ def _unscaling(scaling_mode, flat, grads, marks):
         if d and m is not _scaler.SCALED_ON_DEVICE:
             divisors[i] = _number_scale(flat.entries[i].name, m)
     used = {s for d, s in zip(divide, divisors) if d}
-    if len(used) == 1:
+    if len(used) == 1:          # (not empty: a number-marked gradient is divided)
         return divide, used.pop(), None
-    # (``numbers``: at least one gradient is divided, so ``used`` is not empty)
     return divide, MIXED, divisors
 
 
