@@ -81,7 +81,11 @@ class CapturedStep:
         self.graph = graph
         self.trace = trace               # keeps every array the graph touches referenced
         self.loss = loss.array
-        self.grads = [(e.param, g) for e, g in zip(flat.entries, grads)]
+        # each parameter holds its gradient as computed (a strided one gets its quotient
+        # copied back in the graph), or with a reduction its flat view, a view two parameters
+        # share once (the first sharer's): as after an eager step
+        self.grads = list(zip((e.param for e in flat.entries), recorded_grads if reduce is None
+                              else _program.shared_once(views, recorded_grads)))
         self.untrained = list(trace.untrained_grads)
         self.refill = _program.leaves_none(flat, recorded_grads)
         self.marks = [(e.param, e.param._loss_scale) for e in flat.entries]

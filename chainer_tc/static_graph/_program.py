@@ -339,6 +339,19 @@ def give_grads(pairs):
             param.grad = g
 
 
+def shared_once(arrays, grads):
+    """``arrays`` (one per optimizer entry), each one whose gradient in ``grads`` is an
+    earlier entry's array (Add's backward gives both inputs one) replaced by that entry's:
+    what the parameters hold after a step that moved their gradients into ``arrays``, so
+    that they share a gradient as after an eager step (a hook sees it once per sharer)."""
+    first = {}
+    out = list(arrays)
+    for i, g in enumerate(grads):
+        if g is not None:
+            out[i] = out[first.setdefault(id(g), i)]
+    return out
+
+
 def reduce_untrained(step, pairs):
     """(param, gradient) of the parameters the optimizer does not train, with a gradient
     reduction and optimizer hooks: their gradients averaged over the ranks too (new arrays),

@@ -317,10 +317,11 @@ class TrainStep:
                 view[...] = g
         self.reduce_gradients(buffers)
         # each parameter's grad is its reduced gradient, as after a replay (and as ChainerMN
-        # leaves it after its allreduce)
-        _program.give_grads([(e.param, v) for e, v in zip(flat.entries, views)] +
+        # leaves it after its allreduce, which writes into the gradients: a shared one stays so)
+        held = _program.shared_once(views, grads)
+        _program.give_grads(list(zip((e.param for e in flat.entries), held)) +
                             _program.reduce_untrained(self, flat.untrained_grads()))
-        _apply_update(opt, flat, buffers, views)
+        _apply_update(opt, flat, buffers, views, held)
 
     def _record(self, entry, inputs):
         """An eager step, recorded: the first of a signature on a copy of the batch of its
@@ -345,6 +346,7 @@ class TrainStep:
         if self.capture and _is_cupy(entry.buffers):
             return self._capture(entry, inputs)
         trace, result = self._recorded(inputs, entry.buffers, entry.first)
+        grads = list(trace.grads)         # as computed (the build moves them into its views)
         try:
             entry.replay = self._build(entry, trace)
             self.traces += 1
@@ -354,7 +356,7 @@ class TrainStep:
             self._warn('failed:' + str(e), 'TrainStep: this step cannot be replayed, it runs '
                                             'eagerly: {}'.format(e))
         entry.first = None
-        self._update(trace.grads)
+        self._update(grads)
         return result
 
     def _recorded(self, inputs, buffers=None, previous=None):
@@ -551,6 +553,7 @@ class TrainStep:
         buffers, views = flat.grad_buffers()
         copies = []
         moved = {}        # id of a relocated gradient -> the view it now lives in
+        computed = list(trace.grads)
         for i, (g, view) in enumerate(zip(trace.grads, views)):
             if g is None:
                 continue
@@ -564,7 +567,10 @@ class TrainStep:
             else:
                 program.pin(g)
                 copies.append((view, g))      # moved by a copy after each replay
-        for (param, g) in zip((e.param for e in flat.entries), trace.grads):
+        # the flat update reads every view, while the parameters hold a shared gradient once
+        # (the first sharer's array), as after an eager step: a hook sees it once per sharer
+        held = _program.shared_once(trace.grads, computed)
+        for (param, g) in zip((e.param for e in flat.entries), held):
             if g is not None:
                 param.grad = g
         for _, g in trace.untrained_grads:       # (read by hooks: GradientClipping's norm)
@@ -579,7 +585,8 @@ class TrainStep:
                      if g is not None and g is not view and e.group != _flat.F16
                      and g.flags.writeable]
         plan = self.optimizer._plan(flat, views, flat_grads=buffers)
-        return _CpuReplay(program, plan, trace, copies, buffers, views, zeros, quotients)
+        return _CpuReplay(program, plan, trace, held, _program.shared_once(views, computed), copies,
+                          buffers, zeros, quotients)
 
     def _capture(self, entry, inputs):
         from chainer_tc.static_graph import _capture
@@ -622,7 +629,7 @@ class TrainStep:
 
 
 class _CpuReplay:
-    def __init__(self, program, plan, trace, copies, buffers, views, zeros, quotients):
+    def __init__(self, program, plan, trace, held, reduced, copies, buffers, zeros, quotients):
         self.program = program
         self.plan = plan
         self.copies = copies
@@ -630,10 +637,13 @@ class _CpuReplay:
         self.buffers = buffers
         self.zeros = zeros
         self.untrained = list(trace.untrained_grads)
-        self.grads = [(e.param, g) for e, g in zip(plan.flat.entries, trace.grads)]
-        self.marks = [(e.param, m) for e, m in zip(plan.flat.entries, trace.marks)]
-        # with a reduction every parameter's gradient is its view (zeros if it has none)
-        self.reduced_grads = [(e.param, v) for e, v in zip(plan.flat.entries, views)]
+        entries = plan.flat.entries
+        # what each parameter's grad is after a step (``held``: a shared gradient once)
+        self.grads = [(e.param, g) for e, g in zip(entries, held)]
+        self.marks = [(e.param, m) for e, m in zip(entries, trace.marks)]
+        # with a reduction every parameter's gradient is its view (zeros if it has none), a
+        # shared one the first sharer's (``reduced``: the views reduced equal inputs alike)
+        self.reduced_grads = [(e.param, v) for e, v in zip(entries, reduced)]
         self.grads += self.untrained
         self.refill = _program.leaves_none(plan.flat, trace.grads)
 
@@ -685,15 +695,16 @@ def _caller_level():
     return level
 
 
-def _apply_update(opt, flat, buffers, views):
-    """The update from gradients held in flat ``buffers`` (``views``: one per entry): by
+def _apply_update(opt, flat, buffers, views, held):
+    """The update from gradients held in flat ``buffers`` (``views``: one per entry; ``held``:
+    what each parameter's grad is, a shared gradient the first sharer's view): by
     ``optimizer.update()`` where it has hooks, or where a gradient lacks the loss-scale mark
     (``F.forget``'s, which it leaves scaled, as after ChainerMN's allreduce; the flat plan
     unscales every gradient)."""
     if opt._has_hooks('pre') or opt._has_hooks('post') or (
             opt._scaler.mode != _scaler.NONE and any(
                 e.param._loss_scale is not _scaler.SCALED_ON_DEVICE for e in flat.entries)):
-        for e, v in zip(flat.entries, views):
+        for e, v in zip(flat.entries, held):
             e.param.grad = v
         opt.update()
         return
