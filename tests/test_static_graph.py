@@ -419,6 +419,50 @@ def test_trainer_with_lr_schedule_evaluator_and_reports_equals_standard_updater(
                 assert a[key] == b[key], key
 
 
+@pytest.mark.parametrize('scale', [None, 64.0])
+def test_trainer_extensions_that_read_the_step_see_what_they_see_with_standard_updater(
+        tmp_path, scale):
+    """Schedules of lr and momentum (WarmupShift, PolynomialShift), ParameterStatistics (it
+    reads every parameter's grad after the update: unscaled with loss scaling, as Chainer leaves
+    them), FailOnNonNumber, observe_lr and DumpGraph (its graph is the first iteration's, an
+    eager one): the same log entries and the same graph under TrainStepUpdater."""
+    data = batches(6)
+    xs = numpy.concatenate([x for x, _ in data])
+    ts = numpy.concatenate([t for _, t in data])
+    runs = []
+    for cls in (training.updaters.StandardUpdater, TrainStepUpdater):
+        it = chainer.iterators.SerialIterator(chainer.datasets.TupleDataset(xs, ts), 4,
+                                              shuffle=False)
+        model = StockNet()
+        classifier = L.Classifier(model)
+        opt = optimizers.MomentumSGD(lr=0.1, weight_decay=1e-3).setup(classifier)
+        if scale is not None:
+            opt.loss_scaling(scale=scale)
+        out = tmp_path / cls.__name__
+        trainer = training.Trainer(cls(it, opt), (14, 'iteration'), out=str(out))
+        trainer.extend(extensions.WarmupShift('lr', 0.01, 4, 0.1))
+        trainer.extend(extensions.PolynomialShift('momentum', 0.5, 40), trigger=(3, 'iteration'))
+        trainer.extend(extensions.ParameterStatistics(classifier, trigger=(1, 'iteration')))
+        trainer.extend(extensions.FailOnNonNumber())
+        trainer.extend(extensions.DumpGraph('main/loss'))
+        trainer.extend(extensions.observe_lr(), trigger=(1, 'iteration'))
+        trainer.extend(extensions.LogReport(trigger=(1, 'iteration')))
+        trainer.run()
+        runs.append((trainer.get_extension('LogReport').log, state(model, opt),
+                     (out / 'cg.dot').read_text()))
+    (log_a, state_a, graph_a), (log_b, state_b, graph_b) = runs
+    assert trainer.updater.step.replays == 11
+    assert_same(state_a, state_b)
+    assert len(log_a) == len(log_b) == 14
+    assert any(k.endswith('/grad/mean') for k in log_a[0])
+    for i, (a, b) in enumerate(zip(log_a, log_b)):
+        assert a.keys() == b.keys(), (i, set(a) ^ set(b))
+        for k in a:
+            if k != 'elapsed_time':
+                assert a[k] == b[k] or (numpy.isnan(a[k]) and numpy.isnan(b[k])), (i, k)
+    assert graph_a.count('->') == graph_b.count('->') > 10
+
+
 def test_trainer_resumed_from_a_snapshot_continues_like_an_uninterrupted_run(tmp_path):
     data = batches(6)
     model = StockNet()
