@@ -51,6 +51,19 @@
 //     mean[c], invstd[c] (float buffers of the acc type); when update != 0 also
 //     running_mean = decay * running_mean + (1 - decay) * mean and
 //     running_var = decay * running_var + (1 - decay) * var * rows / max(rows - 1, 1), as Chainer.
+//     The summaries may be any (count, mean, M2) triples whose counts add up to rows: the row
+//     blocks of bn_stats_partial, or one summary per rank (bn_stats_merge's, gathered); up to
+//     BN_FINAL_ROWS of them are merged in their order (thread y takes summary y), more in the
+//     fixed order above. Empty summaries (count 0) are skipped.
+//   bn_stats_merge<A>(partial, blocks, C, summary)   (A: float or double, the acc type)
+//     launched as bn_stats_finalize; merges the row blocks' summaries of each channel exactly as
+//     bn_stats_finalize does (the same threads, the same order) and writes the result,
+//     summary[c * 3 + {0,1,2}] = (count, mean, M2), instead of the statistics: one summary per
+//     channel of this process's rows, for a reduction across processes (chainer_tc.multinode:
+//     the summaries of every rank gathered into (ranks, C, 3), then bn_stats_finalize over them
+//     with blocks = ranks and rows = the global count). bn_stats_finalize over the one summary
+//     of a rank (blocks = 1) gives the bits it gives over the rank's row blocks: the first
+//     merge into the empty summary copies it exactly. Writes only summary.
 //   bn_apply<T,P,V>(x, z, gamma, beta, mean, invstd, y, rows, C, relu)
 //     2-D: thread x of block column blockIdx.x owns channels V*g .. V*g + V - 1 with
 //     g = blockIdx.x * blockDim.x + threadIdx.x < C / V (its gamma, beta, mean, invstd stay in
@@ -67,8 +80,13 @@
 //   bn_backward_finalize<P>(partial, blocks, C, sums, ggamma, gbeta)
 //     launched as bn_stats_finalize, the row blocks' sums added the same way:
 //     sums[c] = sum g, sums[C + c] = sum g * xhat (acc type); gbeta = sums[c], ggamma = sums[C + c].
-//   bn_backward_apply<T,P,V>(gy, y, x, gamma, mean, invstd, sums, rows, C, relu, gx, gz)
-//     gx = gamma * invstd * (g - (xhat * sum(g xhat) + sum(g)) / rows);  gz = g (gz may be null).
+//   bn_backward_apply<T,P,V>(gy, y, x, gamma, mean, invstd, sums, rows, count, C, relu, gx, gz)
+//     gx = gamma * invstd * (g - (xhat * sum(g xhat) + sum(g)) / count);  gz = g (gz may be
+//     null). rows: the rows of gy, y, x, gx, gz; count: the rows the statistics and the sums
+//     were taken over (rows for one process; the global count when sums are summed over the
+//     ranks of chainer_tc.multinode). A count argument instead of sums scaled by rows / count:
+//     scaling would add a rounding to every sum, and with count == rows the launch computes
+//     the bits it computed before the argument existed.
 //     Launched as bn_apply (V = 2 needs gy, y, x, gx, gz aligned). Writes gx and gz only.
 #include "dtype.cuh"
 
@@ -268,6 +286,40 @@ bn_stats_partial(const T* __restrict__ x, long long rows, int C, long long rows_
   }
 }
 
+namespace bn {
+
+// The (count, mean, M2) of channel c (< C) over `blocks` summaries partial[(b * C + c) * 3 + ..]:
+// the BN_FINAL_ROWS threads of the channel (threadIdx.y) each merge every BN_FINAL_ROWS-th
+// summary, then thread y = 0 merges theirs in order of y (a short serial chain: one thread per
+// channel walking 512 summaries one after another took 0.25 ms on an H100 for C = 64, more than
+// the statistics pass). Every thread of the block calls it (it holds a barrier); the result is
+// in thread y = 0's n, mean, m2. The same code, so the same bits, in bn_stats_finalize and
+// bn_stats_merge.
+template <typename A>
+__device__ __forceinline__ void merge_blocks(const A* __restrict__ partial, int blocks, int C,
+                                             int c, A (&sn)[BN_FINAL_ROWS][BN_TILE_C],
+                                             A (&smean)[BN_FINAL_ROWS][BN_TILE_C],
+                                             A (&sm2)[BN_FINAL_ROWS][BN_TILE_C], A& n, A& mean,
+                                             A& m2) {
+  n = mean = m2 = A(0);
+  if (c < C) {
+    for (int b = threadIdx.y; b < blocks; b += BN_FINAL_ROWS) {
+      const A* p = partial + ((long long)b * C + c) * 3;
+      merge(n, mean, m2, p[0], p[1], p[2]);
+    }
+  }
+  sn[threadIdx.y][threadIdx.x] = n;
+  smean[threadIdx.y][threadIdx.x] = mean;
+  sm2[threadIdx.y][threadIdx.x] = m2;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < C) {
+    for (int k = 1; k < BN_FINAL_ROWS; ++k)
+      merge(n, mean, m2, sn[k][threadIdx.x], smean[k][threadIdx.x], sm2[k][threadIdx.x]);
+  }
+}
+
+}  // namespace bn
+
 template <typename P>
 __global__ void __launch_bounds__(BN_TILE_C * BN_FINAL_ROWS)
 bn_stats_finalize(const typename bn::Acc<P>::type* __restrict__ partial, int blocks, int C,
@@ -278,20 +330,9 @@ bn_stats_finalize(const typename bn::Acc<P>::type* __restrict__ partial, int blo
   __shared__ A sn[BN_FINAL_ROWS][BN_TILE_C], smean[BN_FINAL_ROWS][BN_TILE_C],
       sm2[BN_FINAL_ROWS][BN_TILE_C];
   const int c = blockIdx.x * BN_TILE_C + threadIdx.x;
-  A n = 0, mean = 0, m2 = 0;
-  if (c < C) {
-    for (int b = threadIdx.y; b < blocks; b += BN_FINAL_ROWS) {
-      const A* p = partial + ((long long)b * C + c) * 3;
-      bn::merge(n, mean, m2, p[0], p[1], p[2]);
-    }
-  }
-  sn[threadIdx.y][threadIdx.x] = n;
-  smean[threadIdx.y][threadIdx.x] = mean;
-  sm2[threadIdx.y][threadIdx.x] = m2;
-  __syncthreads();
+  A n, mean, m2;
+  bn::merge_blocks(partial, blocks, C, c, sn, smean, sm2, n, mean, m2);
   if (threadIdx.y == 0 && c < C) {
-    for (int k = 1; k < BN_FINAL_ROWS; ++k)
-      bn::merge(n, mean, m2, sn[k][threadIdx.x], smean[k][threadIdx.x], sm2[k][threadIdx.x]);
     const A var = m2 / A(rows);
     mean_out[c] = mean;
     invstd_out[c] = bn::inv_sqrt(var + A(eps));
@@ -300,6 +341,25 @@ bn_stats_finalize(const typename bn::Acc<P>::type* __restrict__ partial, int blo
       bn::store(running_mean, c, bn::load(running_mean, c) * d + (A(1) - d) * mean);
       bn::store(running_var, c, bn::load(running_var, c) * d + (A(1) - d) * adjust * var);
     }
+  }
+}
+
+// One block per SM asked for: with the block size alone, NVRTC 12.9's ptxas gave the double
+// merge 40 registers on sm_90 and spilled 12 bytes; with this bound it takes 46 and spills none
+// (one launch of ceil(C / BN_TILE_C) blocks per layer: occupancy is not what limits it).
+template <typename A>
+__global__ void __launch_bounds__(BN_TILE_C * BN_FINAL_ROWS, 1)
+bn_stats_merge(const A* __restrict__ partial, int blocks, int C, A* __restrict__ summary) {
+  __shared__ A sn[BN_FINAL_ROWS][BN_TILE_C], smean[BN_FINAL_ROWS][BN_TILE_C],
+      sm2[BN_FINAL_ROWS][BN_TILE_C];
+  const int c = blockIdx.x * BN_TILE_C + threadIdx.x;
+  A n, mean, m2;
+  bn::merge_blocks(partial, blocks, C, c, sn, smean, sm2, n, mean, m2);
+  if (threadIdx.y == 0 && c < C) {
+    A* out = summary + (long long)c * 3;
+    out[0] = n;
+    out[1] = mean;
+    out[2] = m2;
   }
 }
 
@@ -412,13 +472,13 @@ __global__ void __launch_bounds__(BN_THREADS)
 bn_backward_apply(const T* __restrict__ gy, const T* __restrict__ y, const T* __restrict__ x,
                   const P* __restrict__ gamma, const typename bn::Acc<T>::type* __restrict__ mean,
                   const typename bn::Acc<T>::type* __restrict__ invstd,
-                  const typename bn::Acc<T>::type* __restrict__ sums, long long rows, int C,
-                  int relu, T* __restrict__ gx, T* __restrict__ gz) {
+                  const typename bn::Acc<T>::type* __restrict__ sums, long long rows,
+                  long long count, int C, int relu, T* __restrict__ gx, T* __restrict__ gz) {
   typedef typename bn::Acc<T>::type A;
   const unsigned group = blockIdx.x * blockDim.x + threadIdx.x;
   if (group >= (unsigned)(C / V)) return;
   const int c = (int)group * V;
-  const A inv_m = A(1) / A(rows);
+  const A inv_m = A(1) / A(count);
   A gam[V], m[V], s[V], sum_g[V], sum_gx[V];
   for (int k = 0; k < V; ++k) {
     gam[k] = A(bn::load(gamma, c + k));
@@ -460,8 +520,8 @@ bn_backward_apply(const T* __restrict__ gy, const T* __restrict__ y, const T* __
   template __global__ void bn_apply<T, P, V>(const T*, const T*, const P*, const P*, \
       const bn::Acc<T>::type*, const bn::Acc<T>::type*, T*, long long, int, int); \
   template __global__ void bn_backward_apply<T, P, V>(const T*, const T*, const T*, const P*, \
-      const bn::Acc<T>::type*, const bn::Acc<T>::type*, const bn::Acc<T>::type*, long long, int, int, \
-      T*, T*);
+      const bn::Acc<T>::type*, const bn::Acc<T>::type*, const bn::Acc<T>::type*, long long, \
+      long long, int, int, T*, T*);
 #define BN_PAIR(T, P) BN_PAIR_V(T, P, 1) BN_PAIR_V(T, P, 2)
 BN_DATA(__half)
 BN_DATA(float)
@@ -469,6 +529,8 @@ BN_DATA(double)
 BN_PARAM(__half)
 BN_PARAM(float)
 BN_PARAM(double)
+template __global__ void bn_stats_merge<float>(const float*, int, int, float*);
+template __global__ void bn_stats_merge<double>(const double*, int, int, double*);
 BN_PAIR(__half, __half)
 BN_PAIR(__half, float)
 BN_PAIR(float, float)

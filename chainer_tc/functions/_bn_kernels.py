@@ -25,6 +25,7 @@ _NAMES = tuple(['{}<{}, {}>'.format(k, t, v) for k in ('bn_stats_partial', 'bn_b
            for t in ('__half', 'float', 'double') for v in (1, 2)]
           + ['bn_stats_finalize<{}>'.format(t) for t in ('__half', 'float', 'double')]
           + ['bn_backward_finalize<{}>'.format(t) for t in ('__half', 'float', 'double')]
+          + ['bn_stats_merge<float>', 'bn_stats_merge<double>']
           + ['{}<{}, {}, {}>'.format(k, _CTYPE[numpy.dtype(t)], _CTYPE[numpy.dtype(p)], v)
              for k in ('bn_apply', 'bn_backward_apply') for t, p in PAIRS for v in (1, 2)])
 
@@ -66,23 +67,51 @@ def _row_blocks(rows, C):
     return per, -(-rows // per)
 
 
-def statistics(x, eps, decay, running_mean, running_var, xp):
-    """(mean, invstd) in the accumulation dtype; updates the running statistics if given."""
+def _stats_partial(x, xp):
+    """bn_stats_partial over the rows of ``x``: the (row blocks, C, 3) summaries."""
     rows, C = x.shape
-    a = acc_dtype(x.dtype)
     width, grid, block, per = _reduction('bn_stats_partial', rows, C, {'x': x})
-    partial = xp.empty((grid[1], C, 3), a)
+    partial = xp.empty((grid[1], C, 3), acc_dtype(x.dtype))
     _kernel('bn_stats_partial', x.dtype, xp=xp, width=width)(
         grid, block, (x, numpy.int64(rows), numpy.int32(C), numpy.int64(per), partial))
-    tiles = -(-C // TILE_C)
+    return partial
+
+
+def finalize(partial, rows, eps, decay, running_mean, running_var, xp, dtype):
+    """(mean, invstd) of the summaries ``partial`` (blocks, C, 3) of ``rows`` rows in all (the
+    acc type of ``dtype``, the data's); updates the running statistics if given."""
+    blocks, C = partial.shape[:2]
+    a = acc_dtype(dtype)
     mean, invstd = xp.empty(C, a), xp.empty(C, a)
     update = running_mean is not None
-    p_dtype = running_mean.dtype if update else x.dtype     # None: null pointers
+    p_dtype = running_mean.dtype if update else dtype     # None: null pointers
     _kernel('bn_stats_finalize', p_dtype, xp=xp)(
-        (tiles,), (TILE_C, FINAL_ROWS),
-        (partial, numpy.int32(grid[1]), numpy.int32(C), numpy.int64(rows), numpy.float64(eps),
+        (-(-C // TILE_C),), (TILE_C, FINAL_ROWS),
+        (partial, numpy.int32(blocks), numpy.int32(C), numpy.int64(rows), numpy.float64(eps),
          numpy.float64(decay), numpy.int32(update), running_mean, running_var, mean, invstd))
     return mean, invstd
+
+
+def statistics(x, eps, decay, running_mean, running_var, xp):
+    """(mean, invstd) in the accumulation dtype; updates the running statistics if given."""
+    return finalize(_stats_partial(x, xp), x.shape[0], eps, decay, running_mean, running_var,
+                    xp, x.dtype)
+
+
+def summary(x, xp):
+    """(C, 3) (count, mean, M2) of each channel over the rows of ``x``, in the acc type: the row
+    blocks of bn_stats_partial merged by bn_stats_merge as bn_stats_finalize merges them. No
+    rows: zeros (an empty summary, skipped by every merge)."""
+    rows, C = x.shape
+    a = acc_dtype(x.dtype)
+    if rows == 0:
+        return xp.zeros((C, 3), a)
+    partial = _stats_partial(x, xp)
+    out = xp.empty((C, 3), a)
+    _kernel('bn_stats_merge', a, xp=xp)(
+        (-(-C // TILE_C),), (TILE_C, FINAL_ROWS),
+        (partial, numpy.int32(partial.shape[0]), numpy.int32(C), out))
+    return out
 
 
 def forward(x, z, gamma, beta, mean, invstd, relu, xp):
@@ -95,12 +124,14 @@ def forward(x, z, gamma, beta, mean, invstd, relu, xp):
     return y
 
 
-def backward(gy, y, x, gamma, mean, invstd, relu, fixed, want_gz, xp):
+def backward_sums(gy, y, x, gamma, mean, invstd, relu, xp):
+    """(sums, ggamma, gbeta): sums (2C, acc type) = (sum g, sum g * xhat) over the rows,
+    ggamma = sum g * xhat and gbeta = sum g in gamma's dtype (g: gy masked by y > 0 when
+    ``relu``). No rows: zeros."""
     rows, C = x.shape
     a = acc_dtype(x.dtype)
-    if rows == 0:           # an empty batch (inference): nothing to reduce, nothing to launch
-        return (xp.empty_like(x), xp.zeros_like(gamma), xp.zeros_like(gamma),
-                xp.empty_like(x) if want_gz else None)
+    if rows == 0:           # an empty batch: nothing to reduce, nothing to launch
+        return xp.zeros(2 * C, a), xp.zeros_like(gamma), xp.zeros_like(gamma)
     width, grid, block, per = _reduction('bn_backward_partial', rows, C,
                                          {'gy': gy, 'y': y if relu else None, 'x': x})
     partial = xp.empty((grid[1], C, 2), a)
@@ -113,13 +144,32 @@ def backward(gy, y, x, gamma, mean, invstd, relu, fixed, want_gz, xp):
     _kernel('bn_backward_finalize', gamma.dtype, xp=xp)(
         (tiles,), (TILE_C, FINAL_ROWS),
         (partial, numpy.int32(grid[1]), numpy.int32(C), sums, ggamma, gbeta))
-    if fixed:               # inference statistics are constants: gx = gamma * invstd * g
-        sums = xp.zeros(2 * C, a)
+    return sums, ggamma, gbeta
+
+
+def backward_apply(gy, y, x, gamma, mean, invstd, sums, count, relu, want_gz, xp):
+    """(gx, gz): gx = gamma * invstd * (g - (xhat * sums[C:] + sums[:C]) / count), gz = g (None
+    without ``want_gz``); ``count``: the rows the sums and statistics were taken over."""
+    rows, C = x.shape
     gx = xp.empty_like(x)
     gz = xp.empty_like(x) if want_gz else None
+    if rows == 0:
+        return gx, gz
     width, grid, block = _elementwise('bn_backward_apply', rows, C,
                                       {'gy': gy, 'y': y, 'x': x, 'gx': gx, 'gz': gz})
     _kernel('bn_backward_apply', x.dtype, gamma.dtype, xp=xp, width=width)(
-        grid, block, (gy, y, x, gamma, mean, invstd, sums, numpy.int64(rows), numpy.int32(C),
-                      numpy.int32(relu), gx, gz))
+        grid, block, (gy, y, x, gamma, mean, invstd, sums, numpy.int64(rows),
+                      numpy.int64(count), numpy.int32(C), numpy.int32(relu), gx, gz))
+    return gx, gz
+
+
+def backward(gy, y, x, gamma, mean, invstd, relu, fixed, want_gz, xp):
+    rows, C = x.shape
+    if rows == 0:           # an empty batch (inference): nothing to reduce, nothing to launch
+        return (xp.empty_like(x), xp.zeros_like(gamma), xp.zeros_like(gamma),
+                xp.empty_like(x) if want_gz else None)
+    sums, ggamma, gbeta = backward_sums(gy, y, x, gamma, mean, invstd, relu, xp)
+    if fixed:               # inference statistics are constants: gx = gamma * invstd * g
+        sums = xp.zeros(2 * C, acc_dtype(x.dtype))
+    gx, gz = backward_apply(gy, y, x, gamma, mean, invstd, sums, rows, relu, want_gz, xp)
     return gx, ggamma, gbeta, gz
