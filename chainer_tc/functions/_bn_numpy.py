@@ -130,28 +130,47 @@ def backward(gy, y, xhat, gamma, invstd, relu, fixed, want_gz):
 
 
 def _backward(gy, y, xhat, gamma, invstd, relu, fixed, want_gz):
+    rows, c = y.shape
+    g, sum_g, sum_gx, prod = backward_sums(gy, y, xhat, relu)
+    gx = backward_apply(g, xhat, prod, gamma, invstd, sum_g, sum_gx, rows, fixed)
+    return (gx.reshape(rows, c).astype(y.dtype, copy=False),
+            sum_gx.astype(gamma.dtype, copy=False), sum_g.astype(gamma.dtype, copy=False),
+            _own(g, gy).reshape(rows, c).astype(y.dtype, copy=False) if want_gz else None)
+
+
+def backward_sums(gy, y, xhat, relu):
+    """(g, sum_g, sum_gx, prod): g = gy through the ReLU mask (y > 0) when ``relu``, folded, in
+    the accumulation dtype (it may be a view of gy); the column sums of g and of g * xhat; prod
+    = xhat * g (folded), the buffer :func:`backward_apply` writes gx into. Float16 gy: call
+    under ``numpy.errstate`` as :func:`backward` does."""
     a = acc_dtype(y.dtype)          # y has x's shape and dtype
     rows, c = y.shape
     m = _fold(rows, c)
     g = _wide(numpy.ascontiguousarray(gy).astype(a, copy=False), m)
     if relu:
         g = numpy.where(_wide(numpy.ascontiguousarray(y), m) > 0, g, a(0))
-    coef = gamma.astype(a, copy=False) * invstd
     sum_g = colsum(g.reshape(rows, c))
     prod = xhat * g
     sum_gx = colsum(prod.reshape(rows, c))
+    return g, sum_g, sum_gx, prod
+
+
+def backward_apply(g, xhat, prod, gamma, invstd, sum_g, sum_gx, count, fixed):
+    """gx (folded, in ``prod``'s memory) from :func:`backward_sums`' results: gamma * invstd *
+    (g - (xhat * sum_gx + sum_g) / count), or gamma * invstd * g when ``fixed``; ``count``: the
+    rows the statistics and the sums were taken over."""
+    a = prod.dtype.type
+    m = prod.shape[1] // invstd.shape[0]         # the fold of backward_sums
+    coef = gamma.astype(a, copy=False) * invstd
     if fixed:
-        gx = numpy.multiply(g, _tile(coef, m), out=prod)
-    else:
-        # gamma * invstd * (g - (xhat * sum_gx + sum_g) / rows), each step rounded as written
-        gx = numpy.multiply(xhat, _tile(sum_gx, m), out=prod)
-        gx += _tile(sum_g, m)
-        gx *= a(1) / a(rows)
-        numpy.subtract(g, gx, out=gx)
-        gx *= _tile(coef, m)
-    return (gx.reshape(rows, c).astype(y.dtype, copy=False),
-            sum_gx.astype(gamma.dtype, copy=False), sum_g.astype(gamma.dtype, copy=False),
-            _own(g, gy).reshape(rows, c).astype(y.dtype, copy=False) if want_gz else None)
+        return numpy.multiply(g, _tile(coef, m), out=prod)
+    # gamma * invstd * (g - (xhat * sum_gx + sum_g) / count), each step rounded as written
+    gx = numpy.multiply(xhat, _tile(sum_gx, m), out=prod)
+    gx += _tile(sum_g, m)
+    gx *= a(1) / a(count)
+    numpy.subtract(g, gx, out=gx)
+    gx *= _tile(coef, m)
+    return gx
 
 
 def _own(g, gy):
