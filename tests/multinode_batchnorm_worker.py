@@ -1,0 +1,125 @@
+"""One rank of the multi-node BatchNormalization tests: run by tests/test_multinode_batchnorm.py
+under ``mpiexec -n 2`` (ChainerMN's naive communicator, MPI on the host).
+
+    mpiexec -n 2 python tests/multinode_batchnorm_worker.py OUTDIR
+
+Every case in one run (one MPI start-up): the functions on this rank's shard of each case's
+global batch (NumPy path and emulated kernels), ChainerMN's own link on the same data (for the
+accuracy comparison), channel counts that differ between the ranks, and a few training steps of
+a small NHWC network converted by ``multinode.create_mnbn_model``, through ChainerMN's
+optimizer wrapper and through ``multinode.TrainStep``. Writes ``rank{R}.npz`` to OUTDIR.
+"""
+import os
+import sys
+
+import numpy
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import chainer_tc  # noqa: E402,F401  (before chainer)
+import chainer  # noqa: E402
+import chainermn  # noqa: E402
+
+import multinode_batchnorm_common as common  # noqa: E402
+from chainer_tc import multinode  # noqa: E402
+
+
+def function_case(comm, name, path, dtype, pdtype, relu, with_z, images, out):
+    os.environ['CHAINER_TC_EMULATE'] = '1' if path == 'emulator' else '0'
+    d = common.global_data(name, dtype, pdtype, images)
+    mine = {k: common.shard(d[k], comm.rank, images) for k in ('x', 'z', 'gy')}
+    x, z = chainer.Variable(mine['x']), chainer.Variable(mine['z'])
+    gamma, beta = chainer.Variable(d['gamma'].copy()), chainer.Variable(d['beta'].copy())
+    rm, rv = d['rm'].copy(), d['rv'].copy()
+    if relu:
+        y = multinode.multi_node_batch_normalization_add_relu(
+            x, z if with_z else None, gamma, beta, comm, common.EPS, rm, rv, common.DECAY)
+    else:
+        y = multinode.multi_node_batch_normalization(x, gamma, beta, comm, common.EPS, rm, rv,
+                                                     common.DECAY)
+    y.grad = mine['gy']
+    y.backward()
+    got = dict(y=y.array, rm=rm, rv=rv, gx=x.grad, ggamma=gamma.grad, gbeta=beta.grad)
+    if with_z:
+        got['gz'] = z.grad
+    for k, v in got.items():
+        out['{}/{}'.format(name, k)] = v
+
+
+def chainermn_accuracy(comm, out):
+    """ours and ChainerMN's link (NCHW data) on float32 data with an offset of 1000, unit spread
+    and unequal batches (1 and 7 images)."""
+    os.environ['CHAINER_TC_EMULATE'] = '0'
+    images = (1, 7)
+    r = numpy.random.RandomState(11)
+    x = (1000 + r.randn(sum(images), 2, 2, 4)).astype(numpy.float32)
+    mine = common.shard(x, comm.rank, images)
+    ours = multinode.MultiNodeBatchNormalization(4, comm, eps=common.EPS)
+    out['accuracy/ours'] = ours(mine).array
+    theirs = chainermn.links.MultiNodeBatchNormalization(4, comm, eps=common.EPS)
+    out['accuracy/chainermn'] = theirs(mine.transpose(0, 3, 1, 2)).array.transpose(0, 2, 3, 1)
+
+
+def mismatch(comm, out):
+    """Rank 1 has one channel more: the same ValueError on both ranks, no hang."""
+    x = numpy.ones((2, 1, 1, 3 + comm.rank), numpy.float32)
+    g = numpy.ones(3 + comm.rank, numpy.float32)
+    try:
+        multinode.multi_node_batch_normalization(x, g, g * 0, comm)
+    except ValueError as e:
+        out['mismatch'] = numpy.array(str(e))
+
+
+def train(comm, out):
+    """TRAIN_STEPS steps on this rank's half of each global batch, model converted by
+    multinode.create_mnbn_model: through ChainerMN's wrapper (its first update broadcasts
+    rank 0's model and makes no step) and through multinode.TrainStep."""
+    os.environ['CHAINER_TC_EMULATE'] = '0'
+    half = common.TRAIN_BATCH // comm.size
+
+    def mine(step):
+        return tuple(a[comm.rank * half:(comm.rank + 1) * half]
+                     for a in common.train_batch(step))
+
+    for how in ('wrapper', 'trainstep'):
+        model = multinode.create_mnbn_model(common.Net(), comm)
+        opt = common.optimizer(model)
+        lossfun = common.lossfun(model)
+        if how == 'wrapper':
+            opt = multinode.create_multi_node_optimizer(opt, comm)
+            update = lambda x, t: opt.update(lossfun, x, t)  # noqa: E731
+            update(*mine(0))            # the loss (BN statistics), then the broadcast: no step
+        else:
+            update = multinode.TrainStep(model, opt, comm, lossfun)
+        for s in range(common.TRAIN_STEPS):
+            update(*mine(s))
+        for k, v in common.state(model).items():
+            out['train-{}/{}'.format(how, k)] = v
+        if how == 'trainstep':
+            out['train-trainstep/replays'] = numpy.array(update.replays)
+        out['train-{}/types'.format(how)] = numpy.array(
+            sorted('{}:{}'.format(p, type(link).__name__) for p, link in model.namedlinks()
+                   if 'BatchNorm' in type(link).__name__))
+
+
+def main(outdir):
+    comm = chainermn.create_communicator('naive')
+    assert comm.size == common.RANKS
+    out = {}
+    for case in common.function_cases():
+        function_case(comm, *case, out=out)
+    chainermn_accuracy(comm, out)
+    mismatch(comm, out)
+    train(comm, out)
+    numpy.savez(os.path.join(outdir, 'rank{}.npz'.format(comm.rank)), **out)
+
+
+if __name__ == '__main__':
+    try:
+        main(sys.argv[1])
+    except BaseException:
+        import traceback
+        from mpi4py import MPI
+        traceback.print_exc()
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(1)         # the other rank may wait in a collective: end it too
