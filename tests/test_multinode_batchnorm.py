@@ -551,6 +551,13 @@ def test_create_mnbn_model_on_a_mixed_model(comm):
         with model.init_scope():
             model.sub = _Sub(3)
         multinode.create_mnbn_model(model, comm)
+    del model.sub
+    for bad, why in ((L.BatchNormalization(None, axis=(0, 2, 3)), r'has no size yet'),
+                     (L.BatchNormalization(3, use_gamma=False), r'has no gamma'),
+                     (L.BatchNormalization(3, use_beta=False), r'has no beta')):
+        with pytest.raises(ValueError, match=r'^create_mnbn_model: /0 \(BatchNormalization\) '
+                                             + why):
+            multinode.create_mnbn_model(chainer.Sequential(bad), comm)
     with pytest.raises(TypeError, match=r'^link: expected a chainer\.Link'):
         multinode.create_mnbn_model([model.fc], comm)
     with pytest.raises(TypeError, match=r'^comm: expected a ChainerMN communicator'):

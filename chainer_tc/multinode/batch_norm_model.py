@@ -46,18 +46,37 @@ def create_mnbn_model(link, comm, communication_backend='auto'):
 
     Raises TypeError naming the argument for a ``link`` that is not a ``chainer.Link`` or a
     ``comm`` that is not a ChainerMN communicator, and for a subclass of chainer_tc's NHWC
-    BatchNormalization links in the model; ValueError for a bad ``communication_backend``."""
+    BatchNormalization links in the model; ValueError for a bad ``communication_backend`` and
+    for Chainer ``L.BatchNormalization`` links ChainerMN's function cannot convert (lazy, or
+    without gamma or beta: it fails on them with an AttributeError or a KeyError)."""
     if not isinstance(link, chainer.Link):
         raise TypeError('link: expected a chainer.Link (the model to copy); got {!r}'
                         .format(link))
     collectives.check_communicator(comm)
     collectives.backend(comm, communication_backend)
-    _refuse_subclasses(link)
+    _check_links(link)
     return _convert(link, comm, communication_backend)
 
 
-def _refuse_subclasses(model):
+def _check_links(model):
+    """Refuses, naming the link, what would be lost or fail obscurely on the way."""
     for path, link in model.namedlinks():
+        if isinstance(link, L.BatchNormalization) and not isinstance(link, TL.BatchNormalization):
+            # ChainerMN's create_mnbn_model reads link.avg_mean.shape (AttributeError for a lazy
+            # link) and hasattr(link, 'gamma'), True even without gamma (L.BatchNormalization
+            # has a class attribute gamma = None), then copies a gamma that is not there
+            # (KeyError)
+            why = None
+            if link.avg_mean is None:
+                why = ('has no size yet (size=None): ChainerMN\'s MultiNodeBatchNormalization '
+                       'needs it; call the model once first')
+            elif link.gamma is None or link.beta is None:
+                why = ('has no {}: chainermn.links.create_mnbn_model cannot convert it (it gives '
+                       'every link gamma and beta, then copies them from this one)'.format(
+                           'gamma' if link.gamma is None else 'beta'))
+            if why is not None:
+                raise ValueError('create_mnbn_model: {} ({}) {}'.format(
+                    path or '/', type(link).__name__, why))
         if isinstance(link, TL.BatchNormalization) and type(link) not in (
                 TL.BatchNormalization, TL.BatchNormAddReLU):
             raise TypeError(
