@@ -43,7 +43,7 @@
 //     NaN or inf, so s2 - s1 * (s1 / n) is NaN: the channel's M2, hence var and invstd, are NaN
 //     and its mean NaN or +-inf, through every merge.
 //   bn_stats_finalize<P>(partial, blocks, C, rows, eps, decay, update, running_mean, running_var,
-//                        mean, invstd)
+//                        mean, invstd, summary)
 //     grid ceil(C/BN_TILE_C), block (BN_TILE_C, BN_FINAL_ROWS): the BN_FINAL_ROWS threads of a
 //     channel each merge every BN_FINAL_ROWS-th row block's summary, then thread y = 0 merges
 //     theirs (a short serial chain: one thread per channel walking 512 summaries one after
@@ -52,18 +52,16 @@
 //     running_mean = decay * running_mean + (1 - decay) * mean and
 //     running_var = decay * running_var + (1 - decay) * var * rows / max(rows - 1, 1), as Chainer.
 //     The summaries may be any (count, mean, M2) triples whose counts add up to rows: the row
-//     blocks of bn_stats_partial, or one summary per rank (bn_stats_merge's, gathered); up to
+//     blocks of bn_stats_partial, or one summary per rank in chainer_tc.multinode; up to
 //     BN_FINAL_ROWS of them are merged in their order (thread y takes summary y), more in the
 //     fixed order above. Empty summaries (count 0) are skipped.
-//   bn_stats_merge<A>(partial, blocks, C, summary)   (A: float or double, the acc type)
-//     launched as bn_stats_finalize; merges the row blocks' summaries of each channel exactly as
-//     bn_stats_finalize does (the same threads, the same order) and writes the result,
-//     summary[c * 3 + {0,1,2}] = (count, mean, M2), instead of the statistics: one summary per
-//     channel of this process's rows, for a reduction across processes (chainer_tc.multinode:
-//     the summaries of every rank gathered into (ranks, C, 3), then bn_stats_finalize over them
-//     with blocks = ranks and rows = the global count). bn_stats_finalize over the one summary
-//     of a rank (blocks = 1) gives the bits it gives over the rank's row blocks: the first
-//     merge into the empty summary copies it exactly. Writes only summary.
+//     summary (may be null): when given, the merged (count, mean, M2) of channel c goes to
+//     summary[c * 3 + {0,1,2}] and nothing else is written (rows, eps, decay, update and the other
+//     pointers are not read; pass update = 0): the one summary per channel of a rank's rows
+//     that chainer_tc.multinode gathers from every rank into (ranks, C, 3), to launch this
+//     kernel again over them with blocks = ranks, rows = the global count, summary = null. On
+//     one rank that second launch gives the bits of a launch over the rank's row blocks: the
+//     first merge into the empty summary copies it exactly.
 //   bn_apply<T,P,V>(x, z, gamma, beta, mean, invstd, y, rows, C, relu)
 //     2-D: thread x of block column blockIdx.x owns channels V*g .. V*g + V - 1 with
 //     g = blockIdx.x * blockDim.x + threadIdx.x < C / V (its gamma, beta, mean, invstd stay in
@@ -286,26 +284,22 @@ bn_stats_partial(const T* __restrict__ x, long long rows, int C, long long rows_
   }
 }
 
-namespace bn {
-
-// The (count, mean, M2) of channel c (< C) over `blocks` summaries partial[(b * C + c) * 3 + ..]:
-// the BN_FINAL_ROWS threads of the channel (threadIdx.y) each merge every BN_FINAL_ROWS-th
-// summary, then thread y = 0 merges theirs in order of y (a short serial chain: one thread per
-// channel walking 512 summaries one after another took 0.25 ms on an H100 for C = 64, more than
-// the statistics pass). Every thread of the block calls it (it holds a barrier); the result is
-// in thread y = 0's n, mean, m2. The same code, so the same bits, in bn_stats_finalize and
-// bn_stats_merge.
-template <typename A>
-__device__ __forceinline__ void merge_blocks(const A* __restrict__ partial, int blocks, int C,
-                                             int c, A (&sn)[BN_FINAL_ROWS][BN_TILE_C],
-                                             A (&smean)[BN_FINAL_ROWS][BN_TILE_C],
-                                             A (&sm2)[BN_FINAL_ROWS][BN_TILE_C], A& n, A& mean,
-                                             A& m2) {
-  n = mean = m2 = A(0);
+template <typename P>
+__global__ void __launch_bounds__(BN_TILE_C * BN_FINAL_ROWS)
+bn_stats_finalize(const typename bn::Acc<P>::type* __restrict__ partial, int blocks, int C,
+                  long long rows, double eps, double decay, int update, P* running_mean,
+                  P* running_var, typename bn::Acc<P>::type* __restrict__ mean_out,
+                  typename bn::Acc<P>::type* __restrict__ invstd_out,
+                  typename bn::Acc<P>::type* __restrict__ summary) {
+  typedef typename bn::Acc<P>::type A;
+  __shared__ A sn[BN_FINAL_ROWS][BN_TILE_C], smean[BN_FINAL_ROWS][BN_TILE_C],
+      sm2[BN_FINAL_ROWS][BN_TILE_C];
+  const int c = blockIdx.x * BN_TILE_C + threadIdx.x;
+  A n = 0, mean = 0, m2 = 0;
   if (c < C) {
     for (int b = threadIdx.y; b < blocks; b += BN_FINAL_ROWS) {
       const A* p = partial + ((long long)b * C + c) * 3;
-      merge(n, mean, m2, p[0], p[1], p[2]);
+      bn::merge(n, mean, m2, p[0], p[1], p[2]);
     }
   }
   sn[threadIdx.y][threadIdx.x] = n;
@@ -314,25 +308,14 @@ __device__ __forceinline__ void merge_blocks(const A* __restrict__ partial, int 
   __syncthreads();
   if (threadIdx.y == 0 && c < C) {
     for (int k = 1; k < BN_FINAL_ROWS; ++k)
-      merge(n, mean, m2, sn[k][threadIdx.x], smean[k][threadIdx.x], sm2[k][threadIdx.x]);
-  }
-}
-
-}  // namespace bn
-
-template <typename P>
-__global__ void __launch_bounds__(BN_TILE_C * BN_FINAL_ROWS)
-bn_stats_finalize(const typename bn::Acc<P>::type* __restrict__ partial, int blocks, int C,
-                  long long rows, double eps, double decay, int update, P* running_mean,
-                  P* running_var, typename bn::Acc<P>::type* __restrict__ mean_out,
-                  typename bn::Acc<P>::type* __restrict__ invstd_out) {
-  typedef typename bn::Acc<P>::type A;
-  __shared__ A sn[BN_FINAL_ROWS][BN_TILE_C], smean[BN_FINAL_ROWS][BN_TILE_C],
-      sm2[BN_FINAL_ROWS][BN_TILE_C];
-  const int c = blockIdx.x * BN_TILE_C + threadIdx.x;
-  A n, mean, m2;
-  bn::merge_blocks(partial, blocks, C, c, sn, smean, sm2, n, mean, m2);
-  if (threadIdx.y == 0 && c < C) {
+      bn::merge(n, mean, m2, sn[k][threadIdx.x], smean[k][threadIdx.x], sm2[k][threadIdx.x]);
+    if (summary) {                         // the rank's summary, for the other ranks
+      A* out = summary + (long long)c * 3;
+      out[0] = n;
+      out[1] = mean;
+      out[2] = m2;
+      return;
+    }
     const A var = m2 / A(rows);
     mean_out[c] = mean;
     invstd_out[c] = bn::inv_sqrt(var + A(eps));
@@ -341,25 +324,6 @@ bn_stats_finalize(const typename bn::Acc<P>::type* __restrict__ partial, int blo
       bn::store(running_mean, c, bn::load(running_mean, c) * d + (A(1) - d) * mean);
       bn::store(running_var, c, bn::load(running_var, c) * d + (A(1) - d) * adjust * var);
     }
-  }
-}
-
-// One block per SM asked for: with the block size alone, NVRTC 12.9's ptxas gave the double
-// merge 40 registers on sm_90 and spilled 12 bytes; with this bound it takes 46 and spills none
-// (one launch of ceil(C / BN_TILE_C) blocks per layer: occupancy is not what limits it).
-template <typename A>
-__global__ void __launch_bounds__(BN_TILE_C * BN_FINAL_ROWS, 1)
-bn_stats_merge(const A* __restrict__ partial, int blocks, int C, A* __restrict__ summary) {
-  __shared__ A sn[BN_FINAL_ROWS][BN_TILE_C], smean[BN_FINAL_ROWS][BN_TILE_C],
-      sm2[BN_FINAL_ROWS][BN_TILE_C];
-  const int c = blockIdx.x * BN_TILE_C + threadIdx.x;
-  A n, mean, m2;
-  bn::merge_blocks(partial, blocks, C, c, sn, smean, sm2, n, mean, m2);
-  if (threadIdx.y == 0 && c < C) {
-    A* out = summary + (long long)c * 3;
-    out[0] = n;
-    out[1] = mean;
-    out[2] = m2;
   }
 }
 
@@ -513,7 +477,7 @@ bn_backward_apply(const T* __restrict__ gy, const T* __restrict__ y, const T* __
 #define BN_DATA(T) BN_DATA_V(T, 1) BN_DATA_V(T, 2)
 #define BN_PARAM(P) \
   template __global__ void bn_stats_finalize<P>(const bn::Acc<P>::type*, int, int, long long, double, \
-      double, int, P*, P*, bn::Acc<P>::type*, bn::Acc<P>::type*); \
+      double, int, P*, P*, bn::Acc<P>::type*, bn::Acc<P>::type*, bn::Acc<P>::type*); \
   template __global__ void bn_backward_finalize<P>(const bn::Acc<P>::type*, int, int, bn::Acc<P>::type*, \
       P*, P*);
 #define BN_PAIR_V(T, P, V) \
@@ -529,8 +493,6 @@ BN_DATA(double)
 BN_PARAM(__half)
 BN_PARAM(float)
 BN_PARAM(double)
-template __global__ void bn_stats_merge<float>(const float*, int, int, float*);
-template __global__ void bn_stats_merge<double>(const double*, int, int, double*);
 BN_PAIR(__half, __half)
 BN_PAIR(__half, float)
 BN_PAIR(float, float)

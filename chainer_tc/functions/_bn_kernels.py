@@ -25,7 +25,6 @@ _NAMES = tuple(['{}<{}, {}>'.format(k, t, v) for k in ('bn_stats_partial', 'bn_b
            for t in ('__half', 'float', 'double') for v in (1, 2)]
           + ['bn_stats_finalize<{}>'.format(t) for t in ('__half', 'float', 'double')]
           + ['bn_backward_finalize<{}>'.format(t) for t in ('__half', 'float', 'double')]
-          + ['bn_stats_merge<float>', 'bn_stats_merge<double>']
           + ['{}<{}, {}, {}>'.format(k, _CTYPE[numpy.dtype(t)], _CTYPE[numpy.dtype(p)], v)
              for k in ('bn_apply', 'bn_backward_apply') for t, p in PAIRS for v in (1, 2)])
 
@@ -88,7 +87,8 @@ def finalize(partial, rows, eps, decay, running_mean, running_var, xp, dtype):
     _kernel('bn_stats_finalize', p_dtype, xp=xp)(
         (-(-C // TILE_C),), (TILE_C, FINAL_ROWS),
         (partial, numpy.int32(blocks), numpy.int32(C), numpy.int64(rows), numpy.float64(eps),
-         numpy.float64(decay), numpy.int32(update), running_mean, running_var, mean, invstd))
+         numpy.float64(decay), numpy.int32(update), running_mean, running_var, mean, invstd,
+         None))
     return mean, invstd
 
 
@@ -100,17 +100,19 @@ def statistics(x, eps, decay, running_mean, running_var, xp):
 
 def summary(x, xp):
     """(C, 3) (count, mean, M2) of each channel over the rows of ``x``, in the acc type: the row
-    blocks of bn_stats_partial merged by bn_stats_merge as bn_stats_finalize merges them. No
-    rows: zeros (an empty summary, skipped by every merge)."""
+    blocks of bn_stats_partial merged by bn_stats_finalize (its ``summary`` output), as it
+    merges them for the statistics. No rows: zeros (an empty summary, skipped by every
+    merge)."""
     rows, C = x.shape
     a = acc_dtype(x.dtype)
     if rows == 0:
         return xp.zeros((C, 3), a)
     partial = _stats_partial(x, xp)
     out = xp.empty((C, 3), a)
-    _kernel('bn_stats_merge', a, xp=xp)(
+    _kernel('bn_stats_finalize', x.dtype, xp=xp)(
         (-(-C // TILE_C),), (TILE_C, FINAL_ROWS),
-        (partial, numpy.int32(partial.shape[0]), numpy.int32(C), out))
+        (partial, numpy.int32(partial.shape[0]), numpy.int32(C), numpy.int64(rows),
+         numpy.float64(1), numpy.float64(0), numpy.int32(0), None, None, None, None, out))
     return out
 
 

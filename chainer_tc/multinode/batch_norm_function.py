@@ -34,9 +34,10 @@ Paths (the same semantics):
 
 - NumPy arrays: NumPy, and MPI through the communicator's ``mpi_comm``.
 - CuPy arrays, and NumPy arrays under ``CHAINER_TC_EMULATE=1`` (the CPU emulator):
-  kernels/batchnorm.cu. Forward: bn_stats_partial, bn_stats_merge (one summary per channel),
-  the allgather of the (R, C, 3) summaries, bn_stats_finalize over them with rows = M (which
-  also updates the running statistics), bn_apply. Backward: bn_backward_partial and
+  kernels/batchnorm.cu. Forward: bn_stats_partial, bn_stats_finalize with its ``summary``
+  output (the rank's row blocks merged into one summary per channel), the allgather of the
+  (R, C, 3) summaries, bn_stats_finalize over them with rows = M (which also updates the
+  running statistics), bn_apply. Backward: bn_backward_partial and
   bn_backward_finalize locally, the allreduce of the 2C sums, bn_backward_apply with count M.
   On a GPU the collectives are NCCL's on the current stream with a ``pure_nccl``
   communicator (no host synchronisation; capturable), else host copies and MPI

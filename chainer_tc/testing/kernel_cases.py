@@ -204,7 +204,6 @@ _BN_NAMES = (['{}<{}, {}>'.format(k, t, v) for k in ('bn_stats_partial', 'bn_bac
               for t in ('__half', 'float', 'double') for v in (1, 2)]
              + ['bn_stats_finalize<{}>'.format(t) for t in ('__half', 'float', 'double')]
              + ['bn_backward_finalize<{}>'.format(t) for t in ('__half', 'float', 'double')]
-             + ['bn_stats_merge<float>', 'bn_stats_merge<double>']
              + ['{}<{}, {}, {}>'.format(k, _CTYPE[numpy.dtype(t)], _CTYPE[numpy.dtype(p)], v)
                 for k in ('bn_apply', 'bn_backward_apply') for t, p in _BN_PAIRS for v in (1, 2)])
 
@@ -234,7 +233,6 @@ def _batchnorm(rows, c, dtype, pdtype, relu=1, with_z=True, big=False, grid_cap=
         'gamma': (r.rand(c) + 0.5).astype(pdtype), 'beta': r.randn(c).astype(pdtype),
         'running_mean': r.randn(c).astype(pdtype), 'running_var': (r.rand(c) + 1).astype(pdtype),
         'partial': numpy.full((blocks, c, 3), numpy.nan, a),
-        'summary': numpy.full((c, 3), numpy.nan, a),
         'mean': numpy.full(c, numpy.nan, a), 'invstd': numpy.full(c, numpy.nan, a),
         'y': numpy.full((rows, c), numpy.nan, dtype),
         'bpartial': numpy.full((blocks, c, 2), numpy.nan, a),
@@ -259,10 +257,7 @@ def _batchnorm(rows, c, dtype, pdtype, relu=1, with_z=True, big=False, grid_cap=
         Launch('bn_stats_finalize<{}>'.format(p), *final,
                ('partial', numpy.int32(blocks), numpy.int32(c), numpy.int64(rows),
                 numpy.float64(2e-5), numpy.float64(0.9), numpy.int32(1), 'running_mean',
-                'running_var', 'mean', 'invstd')),
-        # the one (count, mean, M2) of each channel a rank sends to the others (multinode)
-        Launch('bn_stats_merge<{}>'.format(_CTYPE[numpy.dtype(a)]), *final,
-               ('partial', numpy.int32(blocks), numpy.int32(c), 'summary')),
+                'running_var', 'mean', 'invstd', None)),
         Launch('bn_apply<{}, {}, {}>'.format(t, p, v), *elementwise,
                ('x', z, 'gamma', 'beta', 'mean', 'invstd', 'y', numpy.int64(rows), numpy.int32(c),
                 numpy.int32(relu))),
@@ -282,7 +277,7 @@ def _batchnorm(rows, c, dtype, pdtype, relu=1, with_z=True, big=False, grid_cap=
         '' if relu else ' no-relu', '' if with_z else ' no-z',
         ' grid<=' + str(grid_cap) if grid_cap else '',
         ' row blocks ' + str(blocks) if row_blocks else '')
-    outputs = ['partial', 'summary', 'mean', 'invstd', 'running_mean', 'running_var', 'y', 'bpartial', 'sums',
+    outputs = ['partial', 'mean', 'invstd', 'running_mean', 'running_var', 'y', 'bpartial', 'sums',
                'ggamma', 'gbeta', 'gx'] + (['gz'] if with_z else [])
 
     def backward_terms(arrays):
@@ -321,10 +316,7 @@ def _batchnorm(rows, c, dtype, pdtype, relu=1, with_z=True, big=False, grid_cap=
         sum_g, sum_gx = g.sum(0), (g * xhat).sum(0)
         gx = (arrays['gamma'].astype(numpy.float64) * arrays['invstd_fwd'] *
               (g - (xhat * sum_gx + sum_g) / rows))
-        m2 = ((x - mean) ** 2).sum(0)        # the summary's M2: var * rows
         out = {'mean': (mean, tol, tol), 'invstd': (invstd, tol, tol),
-               'summary': (numpy.stack([numpy.full(c, float(rows)), mean, m2], axis=1), tol,
-                           tol),
                'y': (v.astype(dtype), tol, 2 * tol), 'gx': (gx, tol, 2 * tol),
                'ggamma': (sum_gx, tol, tol * numpy.sqrt(rows)),
                'gbeta': (sum_g, tol, tol * numpy.sqrt(rows))}
