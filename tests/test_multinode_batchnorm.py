@@ -641,9 +641,10 @@ def test_gpu_one_rank_without_nccl_gives_the_kernel_path_s_bits_and_warns_once(c
 @pytest.mark.parametrize('dtype,pdtype', [(numpy.float16, numpy.float32),
                                           (numpy.float32, numpy.float32)])
 def test_gpu_one_rank_with_pure_nccl_runs_on_the_stream_without_warning(dtype, pdtype):
-    """pure_nccl on one rank (MPI.COMM_SELF): NCCL's collectives on a non-default stream, no
+    """pure_nccl on one rank (MPI.COMM_SELF), on a non-default stream: 'auto' picks NCCL, no
     host copy (no PerformanceWarning); the results are the NumPy path's within the tolerances of
-    the 2-rank test (the kernels and NumPy sum in different orders)."""
+    the 2-rank test (the kernels and NumPy sum in different orders). (One rank makes no
+    collective call: the NCCL calls themselves are the next test's.)"""
     import cupy
     import chainermn
     from mpi4py import MPI
@@ -668,3 +669,32 @@ def test_gpu_one_rank_with_pure_nccl_runs_on_the_stream_without_warning(dtype, p
     for got, want in ((y.array, ys.array), (x.grad, xs.grad), (gamma.grad, gs.grad),
                       (z.grad, zs.grad)):
         _close(cupy.asnumpy(got), want, dtype if got.ndim > 1 else pdtype, 'gpu')
+
+
+@pytest.mark.gpu
+def test_gpu_nccl_collectives_run_on_the_current_stream_and_under_graph_capture():
+    """The NCCL branch itself on one rank (pure_nccl over MPI.COMM_SELF): allGather and the
+    in-place allReduce on the current stream, then both captured into a CUDA graph and
+    replayed on new data."""
+    import cupy
+    import chainermn
+    from mpi4py import MPI
+    nccl_comm = chainermn.create_communicator('pure_nccl', MPI.COMM_SELF)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        a = cupy.arange(12, dtype=cupy.float32).reshape(4, 3)
+        out = cupy.empty((1, 4, 3), cupy.float32)
+        collectives.nccl_allgather(nccl_comm, a, out)
+        s = cupy.arange(6, dtype=cupy.float64)
+        collectives.nccl_allreduce_sum(nccl_comm, s)
+        stream.synchronize()
+        assert (out[0] == a).all() and (s == cupy.arange(6)).all()
+        stream.begin_capture()
+        collectives.nccl_allgather(nccl_comm, a, out)
+        collectives.nccl_allreduce_sum(nccl_comm, s)
+        graph = stream.end_capture()
+        a += 1
+        s += 1
+        graph.launch(stream)
+        stream.synchronize()
+    assert (out[0] == a).all() and (s == cupy.arange(6) + 1).all()

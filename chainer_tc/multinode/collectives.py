@@ -83,11 +83,7 @@ def allgather(comm, array, backend_name):
         return out
     array = xp.ascontiguousarray(array)
     if backend_name == 'nccl':
-        import cupy
-        nccl_comm, kind = _nccl(comm, array.dtype)
-        nccl_comm.allGather(array.data.ptr, out.data.ptr, array.size, kind,
-                            cupy.cuda.get_current_stream().ptr)
-        return out
+        return nccl_allgather(comm, array, out)
     host = _to_host(array)
     gathered = numpy.empty(out.shape, host.dtype)
     comm.mpi_comm.Allgather(host, gathered)
@@ -108,15 +104,31 @@ def allreduce_sum(comm, array, backend_name):
         comm.mpi_comm.Allreduce(MPI.IN_PLACE, array, op=MPI.SUM)
         return array
     if backend_name == 'nccl':
-        import cupy
-        from cupy.cuda import nccl
-        nccl_comm, kind = _nccl(comm, array.dtype)
-        nccl_comm.allReduce(array.data.ptr, array.data.ptr, array.size, kind, nccl.NCCL_SUM,
-                            cupy.cuda.get_current_stream().ptr)
-        return array
+        return nccl_allreduce_sum(comm, array)
     host = _to_host(array)
     comm.mpi_comm.Allreduce(MPI.IN_PLACE, host, op=MPI.SUM)
     array.set(host)
+    return array
+
+
+def nccl_allgather(comm, array, out):
+    """NCCL's allGather of the contiguous CuPy ``array`` into ``out`` (``(comm.size,) +
+    array.shape``) on the current stream (even on one rank: no shortcut here)."""
+    import cupy
+    nccl_comm, kind = _nccl(comm, array.dtype)
+    nccl_comm.allGather(array.data.ptr, out.data.ptr, array.size, kind,
+                        cupy.cuda.get_current_stream().ptr)
+    return out
+
+
+def nccl_allreduce_sum(comm, array):
+    """NCCL's in-place allReduce (sum) of the contiguous CuPy ``array`` on the current stream
+    (even on one rank: no shortcut here)."""
+    import cupy
+    from cupy.cuda import nccl
+    nccl_comm, kind = _nccl(comm, array.dtype)
+    nccl_comm.allReduce(array.data.ptr, array.data.ptr, array.size, kind, nccl.NCCL_SUM,
+                        cupy.cuda.get_current_stream().ptr)
     return array
 
 
