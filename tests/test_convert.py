@@ -201,3 +201,30 @@ def test_a_refusal_found_late_in_the_model_still_changes_nothing():
     with pytest.raises(ValueError, match='fuses BatchNorm, Add and ReLU'):
         TL.to_nchw(model)
     assert isinstance(model[0], TL.Convolution2D) and model[0].W.update_rule.state['v'] is v
+
+
+def test_multi_node_batch_normalization_links_are_told_apart_by_their_layout():
+    """ChainerMN's MultiNodeBatchNormalization (NCHW) is refused by to_nhwc; chainer_tc's
+    multinode link of the same name is NHWC already: to_nhwc leaves it (it was refused with
+    the reason meant for ChainerMN's, while MultiNodeBatchNormAddReLU went through), and
+    to_nchw refuses it, naming the order to convert in."""
+    chainermn = pytest.importorskip('chainermn')
+    from mpi4py import MPI
+    from chainer_tc import multinode
+    comm = chainermn.create_communicator('naive', MPI.COMM_SELF)
+    model = chainer.Sequential(L.Convolution2D(3, 4, 3),
+                               chainermn.links.MultiNodeBatchNormalization(4, comm))
+    with pytest.raises(TypeError, match=r'/1 \(MultiNodeBatchNormalization\) is a link that '
+                                        r'computes along the channel axis of NCHW data'):
+        TL.to_nhwc(model)
+    for cls in (multinode.MultiNodeBatchNormalization, multinode.MultiNodeBatchNormAddReLU):
+        ours = chainer.Sequential(L.Convolution2D(3, 4, 3), cls(4, comm))
+        mn = ours[1]
+        TL.to_nhwc(ours)
+        assert type(ours[0]) is TL.Convolution2D and ours[1] is mn
+        with pytest.raises(TypeError, match=r'cannot convert the model to NCHW: /1 \({}\) is '
+                                            r"chainer_tc.multinode's NHWC BatchNormalization.*"
+                                            r'convert the model before chainer_tc.multinode.'
+                                            r'create_mnbn_model'.format(cls.__name__)):
+            TL.to_nchw(ours)
+        assert type(ours[0]) is TL.Convolution2D

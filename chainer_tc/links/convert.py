@@ -56,16 +56,27 @@ def _unconvertible(link, to_nhwc):
                     'arguments, its weights moved with copyparams)'.format(
                         'L.Convolution2D' if isinstance(link, L.Convolution2D)
                         else 'L.BatchNormalization'))
-        if isinstance(link, _CHANNEL_AXIS_LINKS) or cls.__name__ == \
-                'MultiNodeBatchNormalization':
+        if isinstance(link, _CHANNEL_AXIS_LINKS) or _is_chainermn_bn(cls):
             return 'a link that computes along the channel axis of NCHW data, with no NHWC ' \
                 'counterpart'
-        return None
+        return None         # (chainer_tc.multinode's BatchNorm links are NHWC already)
     if cls in (Convolution2D, BatchNormalization, BatchNormAddReLU):
         return None
+    if cls.__module__.startswith('chainer_tc.multinode'):
+        return ("chainer_tc.multinode's NHWC BatchNormalization over every rank's batch, with "
+                'no NCHW counterpart here: convert the model before chainer_tc.multinode.'
+                'create_mnbn_model (whose NCHW counterpart is ChainerMN\'s own '
+                'create_mnbn_model)')
     if isinstance(link, (Convolution2D, BatchNormalization)):
         return "a subclass of chainer_tc's NHWC link; to_nchw converts the class itself only"
     return None
+
+
+def _is_chainermn_bn(cls):
+    """ChainerMN's MultiNodeBatchNormalization (NCHW), told from chainer_tc.multinode's NHWC
+    link of the same name by its module."""
+    return cls.__name__ == 'MultiNodeBatchNormalization' and \
+        cls.__module__.split('.')[0] == 'chainermn'
 
 
 class _Converter:
