@@ -31,6 +31,8 @@ import numpy
 
 import chainer
 
+from chainer_tc.multinode import _communicator
+
 HOST_SEGMENT_BYTES = 4 << 20
 
 
@@ -44,10 +46,7 @@ class GradientAllreduce:
     """
 
     def __init__(self, communicator, dtype=None):
-        for attr in ('mpi_comm', 'size', 'rank'):
-            if not hasattr(communicator, attr):
-                raise TypeError('communicator must be a ChainerMN communicator (with {}); got '
-                                '{!r}'.format(attr, communicator))
+        _communicator.check(communicator)
         if dtype is not None and numpy.dtype(dtype) not in (
                 numpy.dtype(numpy.float16), numpy.dtype(numpy.float32),
                 numpy.dtype(numpy.float64)):

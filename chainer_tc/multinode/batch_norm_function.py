@@ -65,6 +65,7 @@ from chainer_tc.functions.batch_normalization import _check_running
 from chainer_tc.functions.batch_normalization import _rows
 from chainer_tc.functions.batch_normalization import _xp
 from chainer_tc.functions.batch_normalization import check_eps
+from chainer_tc.multinode import _communicator
 from chainer_tc.multinode import collectives
 
 
@@ -111,7 +112,7 @@ class MultiNodeBatchNormAddAct(function_node.FunctionNode):
 
     def __init__(self, comm, eps, relu, has_z, decay=0.9, running_mean=None, running_var=None,
                  communication_backend='auto'):
-        self.comm = collectives.check_communicator(comm)
+        self.comm = _communicator.check(comm, 'comm')
         self.backend = collectives.backend(comm, communication_backend)
         self.eps = check_eps(eps)
         self.decay = _check_decay(decay) if running_mean is not None else decay

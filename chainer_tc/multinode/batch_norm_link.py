@@ -40,6 +40,7 @@ from chainer.utils import argument
 from chainer_tc import functions as TF
 from chainer_tc.functions.batch_normalization import check_eps
 from chainer_tc.links import _messages
+from chainer_tc.multinode import _communicator
 from chainer_tc.multinode import batch_norm_function
 from chainer_tc.multinode import collectives
 
@@ -82,7 +83,7 @@ class MultiNodeBatchNormalization(chainer.Link):
                                  not isinstance(size, (int, numpy.integer)) or size < 1):
             raise TypeError('{}: size: expected the channel count (a positive int) or None; got '
                             '{!r}'.format(name, size))
-        collectives.check_communicator(comm)
+        _communicator.check(comm, 'comm')
         self._communication_backend = collectives.backend(comm, communication_backend)
         self.comm = comm
         self.decay = _check_decay(decay)

@@ -35,6 +35,7 @@ import chainer
 import chainer.links as L
 
 from chainer_tc import links as TL
+from chainer_tc.multinode import _communicator
 from chainer_tc.multinode import collectives
 from chainer_tc.multinode.batch_norm_link import MultiNodeBatchNormAddReLU
 from chainer_tc.multinode.batch_norm_link import MultiNodeBatchNormalization
@@ -52,7 +53,7 @@ def create_mnbn_model(link, comm, communication_backend='auto'):
     if not isinstance(link, chainer.Link):
         raise TypeError('link: expected a chainer.Link (the model to copy); got {!r}'
                         .format(link))
-    collectives.check_communicator(comm)
+    _communicator.check(comm, 'comm')
     collectives.backend(comm, communication_backend)
     _check_links(link)
     return _convert(link, comm, communication_backend)

@@ -15,13 +15,13 @@ import numpy
 
 import chainer
 
+from chainer_tc.multinode import _communicator
+
 
 def bcast_data(communicator, model):
     """``communicator.bcast_data(model)`` (rank 0's parameters to every rank) without rounding
     any parameter; ``chainer.config.dtype`` is what it was afterwards."""
-    if not callable(getattr(communicator, 'bcast_data', None)):
-        raise TypeError('communicator: expected a ChainerMN communicator '
-                        '(chainermn.create_communicator(...)); got {!r}'.format(communicator))
+    _communicator.check(communicator, attributes=(), methods=('bcast_data',))
     if not isinstance(model, chainer.Link):
         raise TypeError('model: expected a chainer.Link whose parameters to broadcast; got {!r}'
                         .format(model))

@@ -30,15 +30,6 @@ BACKENDS = ('auto', 'mpi', 'nccl')
 _warned_host_copies = []        # one warning per process
 
 
-def check_communicator(comm, name='comm'):
-    """``comm`` if it looks like a ChainerMN communicator (``mpi_comm``, ``size``, ``rank``);
-    else a TypeError naming ``name``."""
-    if comm is None or not all(hasattr(comm, a) for a in ('mpi_comm', 'size', 'rank')):
-        raise TypeError('{}: expected a ChainerMN communicator (chainermn.create_communicator'
-                        '(...)), with mpi_comm, size and rank; got {!r}'.format(name, comm))
-    return comm
-
-
 def has_nccl(comm):
     """Whether ``comm`` carries an NCCL communicator (ChainerMN's ``pure_nccl``: its
     ``nccl_comm`` attribute, created at first use)."""

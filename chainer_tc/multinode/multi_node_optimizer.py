@@ -24,7 +24,11 @@ import numpy
 
 import chainer
 
+from chainer_tc.multinode import _communicator
 from chainer_tc.multinode import bcast
+
+#: what ChainerMN's wrapper calls on its communicator
+_USED = ('bcast_data', 'multi_node_mean_grad')
 
 
 class ExactBroadcast:
@@ -33,7 +37,7 @@ class ExactBroadcast:
     gives ChainerMN's communicator, not an ``ExactBroadcast``."""
 
     def __init__(self, communicator):
-        _check_communicator(communicator)
+        _communicator.check(communicator, attributes=(), methods=_USED)
         object.__setattr__(self, 'communicator', communicator)
 
     def bcast_data(self, model):
@@ -90,7 +94,7 @@ def _check(actual_optimizer, communicator, double_buffering, zero_fill):
         raise TypeError(
             'actual_optimizer: expected a chainer.Optimizer, such as '
             'chainer_tc.optimizers.MomentumSGD(...); got {!r}'.format(actual_optimizer))
-    _check_communicator(communicator)
+    _communicator.check(communicator, attributes=(), methods=_USED)
     for name, value in (('double_buffering', double_buffering), ('zero_fill', zero_fill)):
         if not isinstance(value, (bool, numpy.bool_)):
             raise TypeError('{}: expected True or False; got {!r}'.format(name, value))
@@ -101,11 +105,3 @@ def _check(actual_optimizer, communicator, double_buffering, zero_fill):
                 "double_buffering=True: expected ChainerMN's pure_nccl communicator "
                 "(chainermn.create_communicator('pure_nccl')), the only one that double-buffers; "
                 'got {}'.format(type(communicator).__name__))
-
-
-def _check_communicator(communicator):
-    if not all(callable(getattr(communicator, name, None))
-               for name in ('bcast_data', 'multi_node_mean_grad')):
-        raise TypeError(
-            'communicator: expected a ChainerMN communicator (chainermn.create_communicator'
-            '(...)), with bcast_data and multi_node_mean_grad; got {!r}'.format(communicator))
