@@ -203,6 +203,8 @@ def test_a_refusal_found_late_in_the_model_still_changes_nothing():
     assert isinstance(model[0], TL.Convolution2D) and model[0].W.update_rule.state['v'] is v
 
 
+@pytest.mark.filterwarnings(
+    'ignore:chainermn.links.MultiNodeBatchNormalization is experimental:FutureWarning')
 def test_multi_node_batch_normalization_links_are_told_apart_by_their_layout():
     """ChainerMN's MultiNodeBatchNormalization (NCHW) is refused by to_nhwc; chainer_tc's
     multinode link of the same name is NHWC already: to_nhwc leaves it (it was refused with
