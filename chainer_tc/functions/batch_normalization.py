@@ -127,6 +127,24 @@ def _check_rows(shape):
                       .format(shape), UserWarning, stacklevel=5)
 
 
+def check_types(in_types, has_z):
+    """Chainer's type check of the NHWC BatchNorm functions' inputs (x, gamma, beta[, z]):
+    gamma and beta of shape (C,) with C the last axis of x, z shaped as x."""
+    type_check._argname(in_types, ('x', 'gamma', 'beta') + (('z',) if has_z else ()))
+    x_type, gamma_type, beta_type = in_types[:3]
+    type_check.expect(
+        x_type.dtype.kind == 'f',
+        x_type.ndim >= 2,
+        gamma_type.ndim == 1,
+        gamma_type.shape[0] == x_type.shape[x_type.ndim - 1],
+        beta_type.shape == gamma_type.shape,
+        beta_type.dtype == gamma_type.dtype,
+    )
+    if has_z:
+        type_check.expect(in_types[3].shape == x_type.shape,
+                          in_types[3].dtype == x_type.dtype)
+
+
 class BatchNormAddAct(function_node.FunctionNode):
     """y = act(gamma * (x - mean) * invstd + beta [+ z]) over the last axis of x.
 
@@ -157,19 +175,7 @@ class BatchNormAddAct(function_node.FunctionNode):
         self.fixed_mean, self.fixed_var = mean, var
 
     def check_type_forward(self, in_types):
-        type_check._argname(in_types, ('x', 'gamma', 'beta') + (('z',) if self.has_z else ()))
-        x_type, gamma_type, beta_type = in_types[:3]
-        type_check.expect(
-            x_type.dtype.kind == 'f',
-            x_type.ndim >= 2,
-            gamma_type.ndim == 1,
-            gamma_type.shape[0] == x_type.shape[x_type.ndim - 1],
-            beta_type.shape == gamma_type.shape,
-            beta_type.dtype == gamma_type.dtype,
-        )
-        if self.has_z:
-            type_check.expect(in_types[3].shape == x_type.shape,
-                              in_types[3].dtype == x_type.dtype)
+        check_types(in_types, self.has_z)
 
     def forward(self, inputs):
         x, gamma, beta = inputs[:3]

@@ -54,7 +54,6 @@ import numpy
 
 import chainer
 from chainer import function_node
-from chainer.utils import type_check
 
 from chainer_tc import kernels
 from chainer_tc.functions import _bn_kernels
@@ -65,6 +64,7 @@ from chainer_tc.functions.batch_normalization import _check_running
 from chainer_tc.functions.batch_normalization import _rows
 from chainer_tc.functions.batch_normalization import _xp
 from chainer_tc.functions.batch_normalization import check_eps
+from chainer_tc.functions.batch_normalization import check_types
 from chainer_tc.multinode import _communicator
 from chainer_tc.multinode import collectives
 
@@ -124,19 +124,7 @@ class MultiNodeBatchNormAddAct(function_node.FunctionNode):
         self.running_mean, self.running_var = running_mean, running_var
 
     def check_type_forward(self, in_types):
-        type_check._argname(in_types, ('x', 'gamma', 'beta') + (('z',) if self.has_z else ()))
-        x_type, gamma_type, beta_type = in_types[:3]
-        type_check.expect(
-            x_type.dtype.kind == 'f',
-            x_type.ndim >= 2,
-            gamma_type.ndim == 1,
-            gamma_type.shape[0] == x_type.shape[x_type.ndim - 1],
-            beta_type.shape == gamma_type.shape,
-            beta_type.dtype == gamma_type.dtype,
-        )
-        if self.has_z:
-            type_check.expect(in_types[3].shape == x_type.shape,
-                              in_types[3].dtype == x_type.dtype)
+        check_types(in_types, self.has_z)
 
     def _check(self, x, gamma):
         if (x.dtype, gamma.dtype) not in _PAIRS:
