@@ -399,7 +399,7 @@ def test_bad_arguments_are_named(comm):
     for size in ('3', 0, (3,), 2.0, True):
         with pytest.raises(TypeError, match=r'size: expected the channel count'):
             MNBN(size, comm)
-    with pytest.raises(TypeError, match=r'dtype: expected a floating-point type'):
+    with pytest.raises(TypeError, match=r'dtype must be a floating-point type'):
         MNBN(3, comm, dtype=numpy.int32)
     with pytest.raises(ValueError, match=r'^decay: expected a number in \[0, 1\]'):
         MNBN(3, comm, decay=1.5)

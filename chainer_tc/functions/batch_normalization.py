@@ -93,6 +93,28 @@ def _check_running(mean, var, channels):
                         .format(mean.dtype, var.dtype))
 
 
+def check_inputs(x, gamma, running_mean, running_var):
+    """The dtypes of ``x`` and ``gamma`` (a supported pair), and the running statistics (both
+    or neither; floating arrays of shape (C,) in x's accumulation dtype, updated in place)."""
+    if (x.dtype, gamma.dtype) not in _PAIRS:
+        raise TypeError('x is {} and gamma {}; supported (x, gamma) dtypes: {}'.format(
+            x.dtype, gamma.dtype, ', '.join(sorted('({}, {})'.format(t, p) for t, p in
+                                                   _PAIRS))))
+    if (running_mean is None) != (running_var is None):
+        raise ValueError('running_mean and running_var go together; got {} without {}'
+                         .format(*(('running_mean', 'running_var') if running_var is None
+                                   else ('running_var', 'running_mean'))))
+    if running_mean is None:
+        return
+    _check_running(running_mean, running_var, x.shape[-1])
+    if _bn_numpy.acc_dtype(running_mean.dtype) != _bn_numpy.acc_dtype(x.dtype):
+        raise TypeError('running_mean is {} but x is {}: statistics of {} data accumulate in '
+                        '{}, so the running statistics must be float16/float32 for float16/'
+                        'float32 data and float64 for float64 data'.format(
+                            running_mean.dtype, x.dtype, x.dtype,
+                            numpy.dtype(_bn_numpy.acc_dtype(x.dtype)).name))
+
+
 def _check_statistics(mean, var, x):
     """fixed_batch_normalization's ``mean`` and ``var``: floating arrays of shape (C,), in x's
     dtype or its accumulation dtype (float32 statistics for float16 data), as Chainer's type
@@ -180,24 +202,7 @@ class BatchNormAddAct(function_node.FunctionNode):
     def forward(self, inputs):
         x, gamma, beta = inputs[:3]
         z = inputs[3] if self.has_z else None
-        if (x.dtype, gamma.dtype) not in _PAIRS:
-            raise TypeError('x is {} and gamma {}; supported (x, gamma) dtypes: {}'.format(
-                x.dtype, gamma.dtype, ', '.join(sorted('({}, {})'.format(t, p) for t, p in
-                                                       _PAIRS))))
-        if (self.running_mean is None) != (self.running_var is None):
-            raise ValueError('running_mean and running_var go together; got {} without {}'
-                             .format(*(('running_mean', 'running_var')
-                                       if self.running_var is None else
-                                       ('running_var', 'running_mean'))))
-        if self.running_mean is not None:
-            _check_running(self.running_mean, self.running_var, x.shape[-1])
-        if self.running_mean is not None and (_bn_numpy.acc_dtype(self.running_mean.dtype) !=
-                                              _bn_numpy.acc_dtype(x.dtype)):
-            raise TypeError('running_mean is {} but x is {}: statistics of {} data accumulate in '
-                            '{}, so the running statistics must be float16/float32 for float16/'
-                            'float32 data and float64 for float64 data'.format(
-                                self.running_mean.dtype, x.dtype, x.dtype,
-                                numpy.dtype(_bn_numpy.acc_dtype(x.dtype)).name))
+        check_inputs(x, gamma, self.running_mean, self.running_var)
         if self.fixed:
             _check_statistics(self.fixed_mean, self.fixed_var, x)
         else:

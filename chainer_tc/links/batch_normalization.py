@@ -48,25 +48,14 @@ class BatchNormalization(L.BatchNormalization):
                             'channels-last form, use L.BatchNormalization'
                             .format(type(self).__name__, size))
         eps = check_eps(eps)
-        if dtype is None:       # float16 data: float32 parameters and statistics
-            dtype = chainer.get_dtype(None, map_mixed16=numpy.float32)
-            if dtype == numpy.float16:
-                dtype = numpy.dtype(numpy.float32)
-        elif numpy.dtype(dtype).kind != 'f':
-            raise TypeError('{}: dtype must be a floating-point type (gamma, beta and the running '
-                            'statistics, updated in place); got {}'.format(
-                                type(self).__name__, numpy.dtype(dtype)))
+        dtype = parameter_dtype(dtype, type(self).__name__)
         # Chainer needs an axis to defer the size; ours comes from x.shape[-1] at the first call
         super().__init__(size, decay, eps, dtype, use_gamma, use_beta, initial_gamma,
                          initial_beta, axis=(0,) if size is None else None,
                          initial_avg_mean=initial_avg_mean, initial_avg_var=initial_avg_var)
 
     def forward(self, x, z=None, finetune=False, **kwargs):
-        if kwargs:
-            argument.check_unexpected_kwargs(
-                kwargs, test='test argument is not supported anymore. Use '
-                             "chainer.using_config('train', False)")
-            argument.assert_kwargs_empty(kwargs)
+        check_call_kwargs(kwargs)
         if self.avg_mean is None:
             _messages.warn_if_lazy_nchw(self, x.shape)
             self._initialize_params((x.shape[-1],))
@@ -77,29 +66,67 @@ class BatchNormalization(L.BatchNormalization):
             raise TypeError('BatchNormalization takes no residual z; use BatchNormAddReLU')
         gamma = self.gamma if self.gamma is not None else self._get_gamma()[0]
         beta = self.beta if self.beta is not None else self._get_beta()[0]
-        if chainer.config.train:
-            if finetune:
-                self.N += 1
-                decay = 1. - 1. / self.N
-            else:
-                decay = self.decay
-            mean, var = self.avg_mean, self.avg_var
-            if chainer.config.in_recomputing:       # no statistics update on recomputation
-                if finetune:
-                    self.N -= 1
-                mean = var = None
-            if self._relu:
-                return bn_functions.batch_normalization_add_relu(
-                    x, z, gamma, beta, self.eps, mean, var, decay)
-            return bn_functions.batch_normalization(x, gamma, beta, self.eps, mean, var, decay)
+        if not chainer.config.train:
+            return with_running_statistics(self, x, z, gamma, beta)
+        decay, mean, var = training_statistics(self, finetune)
         if self._relu:
-            return bn_functions.fixed_batch_normalization_add_relu(
-                x, z, gamma, beta, self.avg_mean, self.avg_var, self.eps)
-        return bn_functions.fixed_batch_normalization(x, gamma, beta, self.avg_mean,
-                                                      self.avg_var, self.eps)
+            return bn_functions.batch_normalization_add_relu(
+                x, z, gamma, beta, self.eps, mean, var, decay)
+        return bn_functions.batch_normalization(x, gamma, beta, self.eps, mean, var, decay)
 
 
 class BatchNormAddReLU(BatchNormalization):
     """``relu(BatchNormalization(x) + z)`` in one pass; called as ``link(x, z=None)``."""
 
     _relu = True
+
+
+# ---- what the NHWC BatchNorm links share (chainer_tc.multinode's too) ------------------------
+
+def check_call_kwargs(kwargs):
+    """Chainer's refusal of a BatchNorm link's old ``test=`` argument and of unknown ones."""
+    if kwargs:
+        argument.check_unexpected_kwargs(
+            kwargs, test='test argument is not supported anymore. Use '
+                         "chainer.using_config('train', False)")
+        argument.assert_kwargs_empty(kwargs)
+
+
+def training_statistics(link, finetune):
+    """(decay, running mean, running var) for a training call of the BatchNorm ``link``, as
+    Chainer's link: with ``finetune`` N counts the calls and decay is 1 - 1 / N; on
+    recomputation (``chainer.config.in_recomputing``) nothing is updated (None, N as it was)."""
+    if finetune:
+        link.N += 1
+        decay = 1. - 1. / link.N
+    else:
+        decay = link.decay
+    mean, var = link.avg_mean, link.avg_var
+    if chainer.config.in_recomputing:
+        if finetune:
+            link.N -= 1
+        mean = var = None
+    return decay, mean, var
+
+
+def with_running_statistics(link, x, z, gamma, beta):
+    """The test-mode output of the BatchNorm ``link`` (``link._relu``: the fused one): x
+    normalised with its running statistics."""
+    if link._relu:
+        return bn_functions.fixed_batch_normalization_add_relu(
+            x, z, gamma, beta, link.avg_mean, link.avg_var, link.eps)
+    return bn_functions.fixed_batch_normalization(x, gamma, beta, link.avg_mean,
+                                                  link.avg_var, link.eps)
+
+
+def parameter_dtype(dtype, owner):
+    """The dtype of an NHWC BatchNorm link's parameters and statistics: ``dtype``, or with None
+    ``chainer.get_dtype()`` with float16 (and mixed16) data given float32 ones; a TypeError
+    naming ``owner`` (the link's class) for a dtype that is not floating-point."""
+    if dtype is None:
+        dtype = chainer.get_dtype(None, map_mixed16=numpy.float32)
+        return numpy.dtype(numpy.float32) if dtype == numpy.float16 else numpy.dtype(dtype)
+    if numpy.dtype(dtype).kind != 'f':
+        raise TypeError('{}: dtype must be a floating-point type (gamma, beta and the running '
+                        'statistics, updated in place); got {}'.format(owner, numpy.dtype(dtype)))
+    return numpy.dtype(dtype)

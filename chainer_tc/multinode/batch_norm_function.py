@@ -58,12 +58,11 @@ from chainer import function_node
 from chainer_tc import kernels
 from chainer_tc.functions import _bn_kernels
 from chainer_tc.functions import _bn_numpy
-from chainer_tc.functions.batch_normalization import _PAIRS
 from chainer_tc.functions.batch_normalization import _check_decay
-from chainer_tc.functions.batch_normalization import _check_running
 from chainer_tc.functions.batch_normalization import _rows
 from chainer_tc.functions.batch_normalization import _xp
 from chainer_tc.functions.batch_normalization import check_eps
+from chainer_tc.functions.batch_normalization import check_inputs
 from chainer_tc.functions.batch_normalization import check_types
 from chainer_tc.multinode import _communicator
 from chainer_tc.multinode import collectives
@@ -117,26 +116,10 @@ class MultiNodeBatchNormAddAct(function_node.FunctionNode):
         self.eps = check_eps(eps)
         self.decay = _check_decay(decay) if running_mean is not None else decay
         self.relu, self.has_z = bool(relu), bool(has_z)
-        if (running_mean is None) != (running_var is None):
-            raise ValueError('running_mean and running_var go together; got {} without {}'
-                             .format(*(('running_mean', 'running_var') if running_var is None
-                                       else ('running_var', 'running_mean'))))
         self.running_mean, self.running_var = running_mean, running_var
 
     def check_type_forward(self, in_types):
         check_types(in_types, self.has_z)
-
-    def _check(self, x, gamma):
-        if (x.dtype, gamma.dtype) not in _PAIRS:
-            raise TypeError('x is {} and gamma {}; supported (x, gamma) dtypes: {}'.format(
-                x.dtype, gamma.dtype, ', '.join(sorted('({}, {})'.format(t, p)
-                                                       for t, p in _PAIRS))))
-        if self.running_mean is not None:
-            _check_running(self.running_mean, self.running_var, x.shape[-1])
-            if _bn_numpy.acc_dtype(self.running_mean.dtype) != _bn_numpy.acc_dtype(x.dtype):
-                raise TypeError('running_mean is {} but x is {}: the running statistics must be '
-                                'float16/float32 for float16/float32 data and float64 for '
-                                'float64 data'.format(self.running_mean.dtype, x.dtype))
 
     def _global_count(self, x, gamma):
         """M, the rows of every rank, after checking that every rank has x's channels and
@@ -159,7 +142,7 @@ class MultiNodeBatchNormAddAct(function_node.FunctionNode):
     def forward(self, inputs):
         x, gamma, beta = inputs[:3]
         z = inputs[3] if self.has_z else None
-        self._check(x, gamma)
+        check_inputs(x, gamma, self.running_mean, self.running_var)
         xp = _xp(x)
         self._path = kernels.backend(xp)
         self.count = self._global_count(x, gamma)

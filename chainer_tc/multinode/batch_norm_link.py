@@ -35,11 +35,10 @@ import numpy
 import chainer
 from chainer import initializers
 from chainer import variable
-from chainer.utils import argument
 
-from chainer_tc import functions as TF
 from chainer_tc.functions.batch_normalization import check_eps
 from chainer_tc.links import _messages
+from chainer_tc.links import batch_normalization as bn_links
 from chainer_tc.multinode import _communicator
 from chainer_tc.multinode import batch_norm_function
 from chainer_tc.multinode import collectives
@@ -88,15 +87,7 @@ class MultiNodeBatchNormalization(chainer.Link):
         self.comm = comm
         self.decay = _check_decay(decay)
         self.eps = check_eps(eps)
-        if dtype is None:       # float16 data: float32 parameters and statistics
-            dtype = chainer.get_dtype(None, map_mixed16=numpy.float32)
-            if dtype == numpy.float16:
-                dtype = numpy.dtype(numpy.float32)
-        elif numpy.dtype(dtype).kind != 'f':
-            raise TypeError('{}: dtype: expected a floating-point type (gamma, beta and the '
-                            'running statistics, updated in place); got {}'.format(
-                                name, numpy.dtype(dtype)))
-        self._highprec_dtype = numpy.dtype(dtype)
+        self._highprec_dtype = bn_links.parameter_dtype(dtype, name)
         for flag, value in (('use_gamma', use_gamma), ('use_beta', use_beta)):
             if not isinstance(value, (bool, numpy.bool_)):
                 raise TypeError('{}: {}: expected True or False; got {!r}'.format(
@@ -142,11 +133,7 @@ class MultiNodeBatchNormalization(chainer.Link):
             return self.xp.full(self.avg_mean.shape, value, self._highprec_dtype)
 
     def forward(self, x, z=None, finetune=False, **kwargs):
-        if kwargs:
-            argument.check_unexpected_kwargs(
-                kwargs, test='test argument is not supported anymore. Use '
-                             "chainer.using_config('train', False)")
-            argument.assert_kwargs_empty(kwargs)
+        bn_links.check_call_kwargs(kwargs)
         if z is not None and not self._relu:
             raise TypeError('{} takes no residual z; use MultiNodeBatchNormAddReLU'
                             .format(type(self).__name__))
@@ -159,24 +146,11 @@ class MultiNodeBatchNormalization(chainer.Link):
         gamma = self.gamma if self.gamma is not None else self._constant(1)
         beta = self.beta if self.beta is not None else self._constant(0)
         if not chainer.config.train:
-            if self._relu:
-                return TF.fixed_batch_normalization_add_relu(
-                    x, z, gamma, beta, self.avg_mean, self.avg_var, self.eps)
-            return TF.fixed_batch_normalization(x, gamma, beta, self.avg_mean, self.avg_var,
-                                                self.eps)
+            return bn_links.with_running_statistics(self, x, z, gamma, beta)
         if self.comm is None:
             raise RuntimeError('{} has no communicator (links are pickled without it): assign '
                                'one before training, link.comm = comm'.format(type(self).__name__))
-        if finetune:
-            self.N += 1
-            decay = 1. - 1. / self.N
-        else:
-            decay = self.decay
-        mean, var = self.avg_mean, self.avg_var
-        if chainer.config.in_recomputing:       # no statistics update on recomputation
-            if finetune:
-                self.N -= 1
-            mean = var = None
+        decay, mean, var = bn_links.training_statistics(self, finetune)
         if self._relu:
             return batch_norm_function.multi_node_batch_normalization_add_relu(
                 x, z, gamma, beta, self.comm, self.eps, mean, var, decay,
