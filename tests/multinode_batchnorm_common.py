@@ -106,3 +106,45 @@ def state(model):
             if getattr(link, name, None) is not None:
                 out['{}/{}'.format(path, name)] = numpy.array(getattr(link, name))
     return out
+
+
+# ---- ranks that would step differently (multinode.TrainStep's agreement) ---------------------
+
+AGREE_STEPS = 8
+PARTIAL_AT = 5                  # rank 0 has one image less at this step (a last partial batch)
+PARTIAL = (3, 4)
+GAIN_AT = 4                     # rank 0 alone changes Net's gain before this step
+GAIN_CHECK_EVERY = 2
+
+
+def images_at(step):
+    """Images per rank at ``step`` of the partial-batch run."""
+    return PARTIAL if step == PARTIAL_AT else (TRAIN_BATCH // RANKS,) * RANKS
+
+
+def agreed_batch(step):
+    """The global batch of ``step`` of the partial-batch run (each rank takes its shard)."""
+    return tuple(a[:sum(images_at(step))] for a in train_batch(step))
+
+
+def shards_lossfun(model, images):
+    """The mean over the ranks of each rank's mean loss over its shard (``images`` per rank):
+    what the ranks' gradient mean is the gradient of, computed by one process."""
+    def f(x, t):
+        y = model(x)
+        bounds = numpy.cumsum((0,) + tuple(images))
+        return sum(F.softmax_cross_entropy(y[a:b], t[a:b])
+                   for a, b in zip(bounds[:-1], bounds[1:])) / len(images)
+    return f
+
+
+class GainNet(Net):
+    """Net with a Python number its forward multiplies by (a value a TrainStep's check sees
+    change)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gain = 1.0
+
+    def forward(self, x):
+        return super().forward(x) * self.gain

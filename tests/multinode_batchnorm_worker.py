@@ -11,6 +11,7 @@ optimizer wrapper and through ``multinode.TrainStep``. Writes ``rank{R}.npz`` to
 """
 import os
 import sys
+import warnings
 
 import numpy
 
@@ -102,6 +103,47 @@ def train(comm, out):
                    if 'BatchNorm' in type(link).__name__))
 
 
+def agreement(comm, out):
+    """multinode.TrainStep where the ranks would step differently. (1) At PARTIAL_AT rank 0
+    has one image less (a new signature on rank 0 only): that step runs eagerly on both ranks.
+    (2) Rank 0 alone changes GainNet's gain: its next check drops its trace while rank 1 keeps
+    replaying; both ranks then drop it and record it again together. The step's counters after
+    each step, and the warnings, are written out."""
+    os.environ['CHAINER_TC_EMULATE'] = '0'
+    model = multinode.create_mnbn_model(common.Net(), comm)
+    opt = common.optimizer(model)
+    step = multinode.TrainStep(model, opt, comm, common.lossfun(model))
+    modes = []
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter('always')
+        for s in range(common.AGREE_STEPS):
+            images = common.images_at(s)
+            step(*(common.shard(a, comm.rank, images) for a in common.agreed_batch(s)))
+            modes.append((step.eager_steps, step.replays, step.checks, step.disagreements))
+    for k, v in common.state(model).items():
+        out['partial/' + k] = v
+    out['partial/modes'] = numpy.array(modes)
+    out['partial/warnings'] = numpy.array([str(w.message) for w in seen
+                                           if 'multinode.TrainStep' in str(w.message)] or [''])
+
+    model = multinode.create_mnbn_model(common.GainNet(), comm)
+    opt = common.optimizer(model)
+    step = multinode.TrainStep(model, opt, comm, common.lossfun(model),
+                               check_every=common.GAIN_CHECK_EVERY)
+    half = common.TRAIN_BATCH // comm.size
+    modes = []
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter('always')
+        for s in range(common.AGREE_STEPS + 2):
+            if s == common.GAIN_AT and comm.rank == 0:
+                model.gain = 0.5
+            step(*(a[comm.rank * half:(comm.rank + 1) * half] for a in common.train_batch(s)))
+            modes.append((step.eager_steps, step.replays, step.checks, step.disagreements))
+    out['gain/modes'] = numpy.array(modes)
+    out['gain/warnings'] = numpy.array([str(w.message) for w in seen
+                                        if 'TrainStep' in str(w.message)] or [''])
+
+
 def main(outdir):
     comm = chainermn.create_communicator('naive')
     assert comm.size == common.RANKS
@@ -111,6 +153,7 @@ def main(outdir):
     chainermn_accuracy(comm, out)
     mismatch(comm, out)
     train(comm, out)
+    agreement(comm, out)
     numpy.savez(os.path.join(outdir, 'rank{}.npz'.format(comm.rank)), **out)
 
 

@@ -194,6 +194,57 @@ def test_training_a_small_nhwc_net_on_two_ranks_equals_one_process(monkeypatch, 
         assert not numpy.array_equal(v, start[k]), 'trained: ' + k
 
 
+def test_trainstep_runs_a_step_eagerly_on_every_rank_where_one_rank_has_a_partial_batch(ranks):
+    """multinode.TrainStep, rank 0 with one image less at one step (a new signature on rank 0
+    only; rank 1 replays its trace). Replaying next to an eager rank would hang on GPUs (the
+    replay makes no host exchange of row counts; the eager rank waits in it): every rank runs
+    that step eagerly, said once with each rank's signature, and then both replay again. The
+    training equals one process over the concatenated batches with the loss the ranks' mean
+    gradient is the gradient of (the mean of the shards' mean losses). Before the agreement
+    rank 0 stepped eagerly there while rank 1 replayed."""
+    model = common.Net()
+    opt = common.optimizer(model)
+    for s in range(common.AGREE_STEPS):
+        opt.update(common.shards_lossfun(model, common.images_at(s)), *common.agreed_batch(s))
+    want = common.state(model)
+    r0, r1 = ({k[len('partial/'):]: v for k, v in r.items() if k.startswith('partial/')}
+              for r in ranks)
+    numpy.testing.assert_array_equal(r0['modes'], r1['modes'], err_msg='the ranks stepped '
+                                     'differently (eager steps, replays, checks, disagreements)')
+    eager, replays, _, disagreements = r0['modes'].T
+    at = common.PARTIAL_AT
+    assert list(disagreements) == [0] * at + [1] * (common.AGREE_STEPS - at)
+    assert eager[at] == eager[at - 1] + 1 and replays[at] == replays[at - 1] >= 1
+    assert replays[-1] == replays[at] + common.AGREE_STEPS - 1 - at, 'replays again after'
+    for r, said in enumerate((r0['warnings'], r1['warnings'])):
+        assert len(said) == 1 and 'different signatures' in said[0], said
+        assert 'rank 0: 2 inputs (3, 6, 6, 3) float32, (3,) int32, an eager step' in said[0]
+        assert 'rank 1: 2 inputs (4, 6, 6, 3) float32, (4,) int32, a replay' in said[0]
+    for k, v in want.items():
+        numpy.testing.assert_array_equal(r0[k], r1[k], err_msg='ranks differ: ' + k)
+        numpy.testing.assert_allclose(r0[k], v, rtol=TRAIN_TOL,
+                                      atol=TRAIN_TOL * numpy.abs(v).max(), err_msg=k)
+
+
+def test_trainstep_records_again_on_every_rank_where_one_rank_dropped_its_trace(ranks):
+    """Rank 0 alone changes a value the step reads (GainNet's gain): its next check drops its
+    trace, so it would record the step again while rank 1 replays. Both run that step eagerly,
+    drop the trace, record it together and replay again, in step."""
+    m0, m1 = ranks[0]['gain/modes'], ranks[1]['gain/modes']
+    numpy.testing.assert_array_equal(m0, m1, err_msg='the ranks stepped differently')
+    eager, replays, checks, disagreements = m0.T
+    first = int(numpy.argmax(disagreements))
+    assert disagreements[first] == disagreements[-1] == 1 and first > common.GAIN_AT
+    assert checks[first] == 1 and replays[first] == replays[first - 1]
+    # then two recorded steps on both ranks (eager), and a replay
+    assert list(eager[first + 1:first + 3] - eager[first:first + 2]) == [1, 1]
+    assert replays[first + 3] == replays[first] + 1
+    said = ranks[1]['gain/warnings']
+    assert len(said) == 1 and 'of one signature differently' in said[0], said
+    assert 'rank 0: 2 inputs (4, 6, 6, 3) float32, (4,) int32, a second recorded step' in said[0]
+    assert 'rank 1: 2 inputs (4, 6, 6, 3) float32, (4,) int32, a replay' in said[0]
+
+
 # ---- one rank: the single-process functions' bits, gradient checks ------------------------------
 
 @pytest.mark.parametrize('dtype,pdtype', common.PAIRS)

@@ -10,10 +10,25 @@ or captured) averages the gradients over the ranks with one collective on one bu
 (:class:`~chainer_tc.multinode.allreduce.GradientAllreduce`) before the batched update. The
 dynamic loss scale stays identical on every rank: an inf or nan on one rank reaches every rank
 through the mean, so every rank skips that step and halves its scale.
+
+Every rank runs each step the same way (replayed, captured, recorded or eager): before each
+step the ranks compare their input signatures and what they are about to do, in one small
+host collective (an MPI allreduce of two integers). A replay makes only the collectives it
+recorded (on a GPU a CUDA graph makes its NCCL calls, and no host code runs), while an eager
+step makes others (the multi-node BatchNorm's exchange of row counts on the host): a rank
+replaying next to a rank stepping eagerly would wait for it forever. Where the ranks differ
+(a last partial batch on some ranks only), every rank runs that step eagerly, and says so once;
+where they differ with one signature (a trace kept by some ranks only), its traces are dropped
+on every rank and recorded again together.
 """
+import hashlib
+
+import numpy
+
 import chainer
 
 from chainer_tc.multinode import allreduce
+from chainer_tc.multinode import collectives
 from chainer_tc.multinode.bcast import bcast_data
 from chainer_tc.static_graph import step as step_module
 
@@ -22,7 +37,12 @@ class TrainStep(step_module.TrainStep):
     """``chainer_tc.static_graph.TrainStep`` with the gradients averaged over the ranks of
     ``communicator`` (a ChainerMN communicator). ``allreduce_dtype``: see
     :class:`~chainer_tc.multinode.allreduce.GradientAllreduce`; other keyword arguments are
-    TrainStep's."""
+    TrainStep's.
+
+    Attributes (besides TrainStep's):
+        disagreements (int): steps every rank ran eagerly because the ranks' signatures or
+            modes differed (see the module's docstring).
+    """
 
     def __init__(self, model, optimizer, communicator, lossfun=None, allreduce_dtype=None,
                  **options):
@@ -34,11 +54,47 @@ class TrainStep(step_module.TrainStep):
                          **options)
         self._broadcast = False
         self._broadcast_names = None      # the initialised parameters rank 0 last sent
+        self.disagreements = 0
 
     def __call__(self, *args, **kwargs):
         if not self._broadcast:
             self._broadcast_model(args, kwargs)
         return super().__call__(*args, **kwargs)
+
+    def _agreed(self, key, entry, mode):
+        """``mode`` where every rank is about to run this step with the same signature and
+        mode, else 'eager' on every rank (one host allreduce; a second collective, of the
+        descriptions, only where they differ)."""
+        comm = self.communicator
+        if comm.size == 1:
+            return mode
+        mine = _digest(key, mode)
+        from mpi4py import MPI
+        span = numpy.array([mine, -mine], numpy.int64)
+        comm.mpi_comm.Allreduce(MPI.IN_PLACE, span, op=MPI.MAX)
+        if span[0] == -span[1]:               # the largest digest is the smallest: all equal
+            return mode
+        self.disagreements += 1
+        everyone = collectives.allgather_objects(
+            comm, (_digest(key, ''), step_module.describe_signature(key), mode))
+        ranks = '; '.join('rank {}: {}, {}'.format(r, what, _MODES[how])
+                          for r, (_, what, how) in enumerate(everyone))
+        if len({d for d, _, _ in everyone}) == 1:
+            # one signature, different states (a trace that one rank dropped after a check):
+            # every rank records it again, together
+            entry.forget()
+            self._warn('ranks:mode', 'multinode.TrainStep: the ranks were about to run a step '
+                                     'of one signature differently ({}): it runs eagerly on '
+                                     'every rank, and its traces are recorded again on every '
+                                     'rank'.format(ranks))
+        else:
+            self._warn('ranks:signature',
+                       'multinode.TrainStep: the ranks have batches of different signatures '
+                       'at this step ({}): it runs eagerly on every rank (a rank replaying its '
+                       'trace would wait in its collectives for a rank that steps eagerly); '
+                       'give every rank batches of one shape (a last partial batch on some '
+                       'ranks only does this) to keep every step replayed'.format(ranks))
+        return 'eager'
 
     def _broadcast_model(self, args, kwargs):
         """Rank 0's parameters everywhere (lazy links are initialised by a forward first)."""
@@ -66,3 +122,15 @@ class TrainStep(step_module.TrainStep):
 
 def _initialized(target):
     return sorted(name for name, p in target.namedparams() if p.array is not None)
+
+
+_MODES = {'replay': 'a replay', 'check': 'a check of the replay', 'eager': 'an eager step',
+          'record': 'a first recorded step',
+          'build': 'a second recorded step (which builds the replay; on a GPU, the capture)'}
+
+
+def _digest(key, mode):
+    """A 62-bit integer of the signature ``key`` and ``mode``, the same in every process
+    (Python's ``hash`` of a string is not: it is salted per process)."""
+    h = hashlib.blake2b(repr((key, mode)).encode(), digest_size=8).digest()
+    return int.from_bytes(h, 'little') >> 2

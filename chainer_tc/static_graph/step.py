@@ -50,6 +50,12 @@ class _Entry:
         for buf, a in zip(self.buffers, inputs):
             _copy_into(buf, a)
 
+    def forget(self):
+        """Drop the recorded step and the replay: the next calls record the step again."""
+        self.first = self.replay = None
+        self.visible = ()
+        self.since_check = 0
+
 
 class TrainStep:
     """One training iteration of ``model`` with ``optimizer``, replayed after it was traced.
@@ -210,7 +216,7 @@ class TrainStep:
                                       'after it was dropped to keep max_signatures={}: it is '
                                       'traced again, and steps that cycle through more '
                                       'signatures than that never replay; raise '
-                                      'max_signatures'.format(_describe(key),
+                                      'max_signatures'.format(describe_signature(key),
                                                               self.max_signatures))
             elif self._entries:
                 what, change = _signature_change(list(self._entries), key)
@@ -226,15 +232,13 @@ class TrainStep:
         else:
             self._entries.move_to_end(key)
         entry.calls += 1
+        mode = self._agreed(key, entry, self._mode(entry, flat))
         with self._chainer_cudnn_routed(inputs):
-            if entry.replay is not None:
-                entry.since_check += 1
-                if not self.check_every or entry.since_check < self.check_every:
-                    return self._replay(entry, inputs)
+            if mode == 'replay':
+                return self._replay(entry, inputs)
+            if mode == 'check':
                 loss = self._check(entry, inputs)
-            elif entry.failed is not None or entry.calls <= self.warmup or flat is None:
-                # (the optimizer's buffers are built by a first update, which moves the
-                # parameters: a recorded step starts with them in place)
+            elif mode == 'eager':
                 loss = self._eager(inputs)
             else:
                 loss = self._record(entry, inputs)
@@ -242,6 +246,27 @@ class TrainStep:
         # this drops the traces, not the first build
         self._flat = self.optimizer._flat
         return loss
+
+    def _mode(self, entry, flat):
+        """How this call of ``entry``'s signature runs: 'replay', 'check' (a recorded eager
+        step compared with the replay, every ``check_every``-th), 'eager' (warm-up, or a step
+        that cannot be replayed), 'record' (the first recorded step) or 'build' (the second,
+        which builds the replay: on a GPU it is captured)."""
+        if entry.replay is not None:
+            entry.since_check += 1
+            if not self.check_every or entry.since_check < self.check_every:
+                return 'replay'
+            return 'check'
+        if entry.failed is not None or entry.calls <= self.warmup or flat is None:
+            # (the optimizer's buffers are built by a first update, which moves the
+            # parameters: a recorded step starts with them in place)
+            return 'eager'
+        return 'record' if entry.first is None else 'build'
+
+    def _agreed(self, key, entry, mode):
+        """The mode this step runs in (see :meth:`_mode`): here the one decided. A multi-node
+        step (:class:`chainer_tc.multinode.TrainStep`) makes every rank run the same one."""
+        return mode
 
     def _drop_traces(self, why):
         """Forget every trace, saying why once (when there was one)."""
@@ -718,7 +743,7 @@ _SIGNATURE_PARTS = ('the input shapes and dtypes', 'the keyword inputs', 'chaine
 _SCALING = {_scaler.NONE: 'off', _scaler.STATIC: 'static', _scaler.DYNAMIC: 'dynamic'}
 
 
-def _describe(key):
+def describe_signature(key):
     """A signature (``TrainStep._key``) in words: its input shapes and dtypes, and train mode."""
     return '{} inputs {}{}'.format(
         len(key[0]), ', '.join('{}{} {}'.format('cupy ' if m.startswith('cupy') else '',
@@ -732,7 +757,7 @@ def _signature_change(kept, new):
     the ``kept`` ones (the fewest parts changed)."""
     old = min(kept, key=lambda k: sum(a != b for a, b in zip(k, new)))
     parts = [i for i, (a, b) in enumerate(zip(old, new)) if a != b]
-    said = ['a new input signature ({})'.format(_describe(new)) if i == 0 else
+    said = ['a new input signature ({})'.format(describe_signature(new)) if i == 0 else
             '{} changed ({} then {})'.format(_SIGNATURE_PARTS[i], _part(i, old[i]),
                                              _part(i, new[i]))
             for i in parts]
