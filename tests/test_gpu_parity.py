@@ -55,10 +55,13 @@ def test_self_test_times_the_launches(tmp_path):
                             '--repeats', '2', '--json', str(out)]) == 0
     rows = json.loads(out.read_text())['cases']
     assert rows and all(r['ok'] for r in rows)
+    merges = [r for r in rows if r['case'].startswith('bn merge')]
+    assert len(merges) == 4, 'the multi-node summary and merge cases'
     for r in rows:
-        assert [t['kernel'].split('<')[0] for t in r['launches']] == [
+        assert [t['kernel'].split('<')[0] for t in r['launches']] == ([
+            'bn_stats_partial', 'bn_stats_finalize', 'bn_stats_finalize'] if r in merges else [
             'bn_stats_partial', 'bn_stats_finalize', 'bn_apply', 'bn_backward_partial',
-            'bn_backward_finalize', 'bn_backward_apply']
+            'bn_backward_finalize', 'bn_backward_apply'])
         assert all(t['seconds'] > 0 and t['bytes'] > 0 for t in r['launches'])
 
 

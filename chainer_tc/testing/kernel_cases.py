@@ -327,6 +327,79 @@ def _batchnorm(rows, c, dtype, pdtype, relu=1, with_z=True, big=False, grid_cap=
                 reference=reference, sums=sums)
 
 
+def _bn_merge(shards, c, dtype, pdtype, seed=0):
+    """The multi-node statistics (chainer_tc.multinode): one rank's (count, mean, M2) summary
+    per channel (bn_stats_partial, then bn_stats_finalize's ``summary`` output), and the
+    finalize over every rank's summaries (given: ``shards`` rows per rank, the last this
+    rank's, an empty one included) with rows = their total, which also updates the running
+    statistics."""
+    tile, nrows = BN['BN_TILE_C'], BN['BN_ROWS']
+    a = numpy.float64 if dtype == numpy.float64 else numpy.float32
+    r = _rng(seed)
+    offset = r.randn(c) * 3
+    xs = [(r.randn(n, c) * 2 + offset).astype(dtype) for n in shards]
+    rows, total = shards[-1], sum(shards)
+    blocks = max(1, min(-(-rows // (4 * nrows)), max(1, 1024 // -(-c // (2 * tile)))))
+    per = -(-rows // blocks)
+    blocks = -(-rows // per)
+
+    def summary64(x):
+        x = x.astype(numpy.float64)
+        if not len(x):
+            return numpy.zeros((c, 3))
+        m = x.mean(0)
+        return numpy.stack([numpy.full(c, float(len(x))), m, ((x - m) ** 2).sum(0)], axis=1)
+
+    t, p = _CTYPE[numpy.dtype(dtype)], _CTYPE[numpy.dtype(pdtype)]
+    arrays = {
+        'x': xs[-1],
+        'partial': numpy.full((blocks, c, 3), numpy.nan, a),
+        'summary': numpy.full((c, 3), numpy.nan, a),
+        'summaries': numpy.stack([summary64(x) for x in xs]).astype(a),
+        'running_mean': r.randn(c).astype(pdtype), 'running_var': (r.rand(c) + 1).astype(pdtype),
+        'mean': numpy.full(c, numpy.nan, a), 'invstd': numpy.full(c, numpy.nan, a),
+    }
+    final = ((-(-c // tile),), (tile, BN['BN_FINAL_ROWS']))
+    eps, decay = 2e-5, 0.9
+    launches = [
+        Launch('bn_stats_partial<{}, 1>'.format(t), (-(-c // tile), blocks), (tile, nrows),
+               ('x', numpy.int64(rows), numpy.int32(c), numpy.int64(per), 'partial')),
+        Launch('bn_stats_finalize<{}>'.format(t), *final,
+               ('partial', numpy.int32(blocks), numpy.int32(c), numpy.int64(rows),
+                numpy.float64(1), numpy.float64(0), numpy.int32(0), None, None, None, None,
+                'summary')),
+        Launch('bn_stats_finalize<{}>'.format(p), *final,
+               ('summaries', numpy.int32(len(shards)), numpy.int32(c), numpy.int64(total),
+                numpy.float64(eps), numpy.float64(decay), numpy.int32(1), 'running_mean',
+                'running_var', 'mean', 'invstd', None)),
+    ]
+    label = 'bn merge {}/{} ranks {} C{}'.format(
+        _SHORT[numpy.dtype(dtype)], _SHORT[numpy.dtype(pdtype)],
+        '+'.join(str(n) for n in shards), c)
+
+    def reference(arrays):
+        # float32 accumulation: the mean of up to 700 rows carries a few float32 roundings of
+        # the data's magnitude (|x| up to ~10: 2e-5 absolute; seen 4e-7), M2 (a sum of squares,
+        # positive) a few relative to its size (2e-5 relative; seen 1e-7), the count is exact;
+        # the running statistics add the parameters' rounding (float16: 2^-10 relative)
+        tol = 1e-10 if dtype == numpy.float64 else 2e-5
+        ptol = 2e-3 if pdtype == numpy.float16 else tol
+        mine = summary64(arrays['x'])
+        everything = numpy.concatenate([x.astype(numpy.float64) for x in xs])
+        mean, var = everything.mean(0), everything.var(0)
+        rm0, rv0 = (arrays[k].astype(numpy.float64) for k in ('running_mean', 'running_var'))
+        return {
+            'summary': (mine, tol, tol),
+            'mean': (mean, tol, tol), 'invstd': (1 / numpy.sqrt(var + eps), tol, tol),
+            'running_mean': (decay * rm0 + (1 - decay) * mean, ptol, ptol),
+            'running_var': (decay * rv0 + (1 - decay) * var * total / (total - 1), ptol, ptol),
+        }
+
+    return Case('batchnorm', label, BN, _BN_NAMES, arrays, launches,
+                ['partial', 'summary', 'mean', 'invstd', 'running_mean', 'running_var'],
+                reference=reference)
+
+
 def _bn_forward64(arrays, relu, with_z):
     """Training-mode BN(+z)(+ReLU) of ``arrays['x']`` in float64: {'mean', 'invstd', 'y'}."""
     x = arrays['x'].astype(numpy.float64)
@@ -493,6 +566,12 @@ def cases(big=True, awkward=True):
         # 0-5) or one, and a second tile of channels is partly empty (C 33)
         for t, p in ((numpy.float32, numpy.float32), (numpy.float64, numpy.float64)):
             out.append(_batchnorm(700, 33, t, p))
+        # the multi-node statistics: a rank's summary, and the merge of 3 ranks' (one empty,
+        # unequal counts); two tiles of channels, 16 or 2 summaries per finalize thread
+        out.append(_bn_merge((0, 13, 70), 33, numpy.float16, numpy.float32))
+        out.append(_bn_merge((5, 0, 40), 34, numpy.float64, numpy.float64, seed=1))
+        out.append(_bn_merge((20, 31), 3, numpy.float32, numpy.float32, seed=2))
+        out.append(_bn_merge((9, 700), 5, numpy.float16, numpy.float16, seed=3))
         sizes = [1, 31, 2049, 5000, 7, 300]
         dtypes = [numpy.float32, numpy.float16, numpy.float32, numpy.float16, numpy.float64,
                   numpy.float32]
