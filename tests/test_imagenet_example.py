@@ -411,6 +411,7 @@ FLAG_ERRORS = [
     (['--nhwc', '--pad-channels', '5'], r"argument --pad-channels: invalid choice: 5 \(choose "
                                         r"from 3, 4, 8\)"),
     (['--static-graph'], '--static-graph needs --batched-update'),
+    (['--multi-node-bn'], '--multi-node-bn needs --communicator'),
     (['--nhwc', '--static-graph'], '--static-graph needs --batched-update'),
     (['--dali', '--dtype', 'float64'], '--dali needs --dtype float16 or float32'),
     (['--width', '3'], '--width must divide 64'),

@@ -69,3 +69,22 @@ def test_chainermn_wrapper_path(tiny, tmp_path):
     out = run(tiny, tmp_path, '--batched-update', '--loss-scale', 'dynamic')
     assert 'validation/main/accuracy' in out
     assert 'log' in os.listdir(str(tmp_path))
+
+
+def test_multi_node_bn_gives_every_rank_the_global_statistics(tiny, tmp_path):
+    """--multi-node-bn: the BatchNorm links of the NHWC model reduce over both ranks (the
+    run is replayed), so rank 1's running statistics, written next to rank 0's snapshot, are
+    rank 0's bits; without it they are its own batches' (they differ)."""
+    def statistics(out):
+        own = numpy.load(str(out / 'snapshot_iter_6.rank1'))
+        snap = numpy.load(str(out / 'snapshot_iter_6'))
+        keys = [k for k in own.files if k.endswith(('avg_mean', 'avg_var'))]
+        assert len(keys) == 2 * 53, 'every BatchNorm link of ResNet-50'
+        return [(own[k], snap['updater/model:main/' + k[len('persistent/'):]]) for k in keys]
+
+    out = run(tiny, tmp_path / 'mnbn', *STATIC, '--multi-node-bn')
+    assert '--multi-node-bn' in out and 'Static graph: 3 of 6 steps replayed' in out
+    for mine, rank0 in statistics(tmp_path / 'mnbn'):
+        numpy.testing.assert_array_equal(mine, rank0)
+    run(tiny, tmp_path / 'own', *STATIC)
+    assert not all(numpy.array_equal(a, b) for a, b in statistics(tmp_path / 'own'))

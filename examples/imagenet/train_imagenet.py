@@ -155,6 +155,10 @@ def make_parser():
                         "('naive' on CPUs, 'pure_nccl' on GPUs: one GPU per process, "
                         'chosen by its rank on the node); each rank trains on its shard of the '
                         'data; only rank 0 reports and writes the log, plots and snapshots')
+    p.add_argument('--multi-node-bn', action='store_true',
+                   help="BatchNorm statistics over every rank's images, not each rank's own "
+                        '(chainer_tc.multinode.create_mnbn_model): for small batches per GPU. '
+                        'Needs --communicator')
     t = p.add_argument_group('chainer_tc techniques')
     t.add_argument('--nhwc', action='store_true',
                    help='channels-last model and data (chainer_tc.links); no transposes')
@@ -221,6 +225,9 @@ def check_args(args):
     if args.pad_channels != 3 and not args.nhwc:
         raise UsageError('--pad-channels {} needs --nhwc: padding the channels is for cuDNN\'s '
                          'channels-last Tensor Core kernels'.format(args.pad_channels))
+    if args.multi_node_bn and not args.communicator:
+        raise UsageError('--multi-node-bn needs --communicator: it takes the BatchNorm '
+                         "statistics over the ranks' batches")
     if args.static_graph and not args.batched_update:
         raise UsageError('--static-graph needs --batched-update: the replayed step keeps the '
                          "learning rate and the loss scale in device memory, which only "
@@ -618,7 +625,8 @@ def make_trainer(args, model, optimizer, train_iter, val_iter, converter, device
 
 class RankState:
     """What differs between the ranks of a multi-node run: the position of the rank's training
-    iterator over its shard, and the running statistics BatchNorm took from its own batches."""
+    iterator over its shard, and the running statistics BatchNorm took from its own batches
+    (with --multi-node-bn every rank's are the same)."""
 
     def __init__(self, iterator, model):
         self.iterator, self.model = iterator, model
@@ -694,6 +702,7 @@ def describe(args, device, dtype, layout, seed, loader):
     techniques = [name for name, on in (
         ('--nhwc', layout == 'NHWC'), ('--fused-bn', args.fused_bn),
         ('--batched-update', args.batched_update), ('--static-graph', args.static_graph),
+        ('--multi-node-bn', args.multi_node_bn),
         ('--pad-channels {}'.format(args.pad_channels), args.pad_channels != 3),
         ('--loss-scale {}'.format(args.loss_scale), args.loss_scale is not None),
         ('--dali', args.dali)) if on]
@@ -738,6 +747,8 @@ def set_up(args):
     try:
         model = make_model(args, layout)
         loaded = load_initmodel(args.initmodel, model, args) if args.initmodel else None
+        if args.multi_node_bn:          # a copy whose BatchNorm links reduce over the ranks
+            model = multinode.create_mnbn_model(model, args.comm)
         model.to_device(device)
         device.use()
         epoch_size = getattr(train_iter, 'epoch_size', None) or len(train_iter.dataset)
