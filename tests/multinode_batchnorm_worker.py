@@ -9,6 +9,7 @@ accuracy comparison), channel counts that differ between the ranks, and a few tr
 a small NHWC network converted by ``multinode.create_mnbn_model``, through ChainerMN's
 optimizer wrapper and through ``multinode.TrainStep``. Writes ``rank{R}.npz`` to OUTDIR.
 """
+import contextlib
 import os
 import sys
 import warnings
@@ -124,6 +125,15 @@ def agreement(comm, out):
         out['partial/' + k] = v
     out['partial/modes'] = numpy.array(modes)
     out['partial/warnings'] = numpy.array([str(w.message) for w in seen
+                                           if 'multinode.TrainStep' in str(w.message)] or [''])
+    # one more step, a reporter current on rank 1 only (another part of the signature)
+    reporter = chainer.Reporter()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter('always')
+        with reporter.scope({}) if comm.rank == 1 else contextlib.nullcontext():
+            step(*(common.shard(a, comm.rank, common.images_at(0))
+                   for a in common.agreed_batch(0)))
+    out['partial/reporter'] = numpy.array([str(w.message) for w in seen
                                            if 'multinode.TrainStep' in str(w.message)] or [''])
 
     model = multinode.create_mnbn_model(common.GainNet(), comm)

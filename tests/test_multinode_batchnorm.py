@@ -217,9 +217,11 @@ def test_trainstep_runs_a_step_eagerly_on_every_rank_where_one_rank_has_a_partia
     assert eager[at] == eager[at - 1] + 1 and replays[at] == replays[at - 1] >= 1
     assert replays[-1] == replays[at] + common.AGREE_STEPS - 1 - at, 'replays again after'
     for r, said in enumerate((r0['warnings'], r1['warnings'])):
-        assert len(said) == 1 and 'different signatures' in said[0], said
+        assert len(said) == 1 and 'differ in the input shapes and dtypes at this step' in said[0], said
         assert 'rank 0: 2 inputs (3, 6, 6, 3) float32, (3,) int32, an eager step' in said[0]
         assert 'rank 1: 2 inputs (4, 6, 6, 3) float32, (4,) int32, a replay' in said[0]
+        said = (r0, r1)[r]['reporter']
+        assert len(said) == 1 and 'differ in whether a reporter is current' in said[0], said
     for k, v in want.items():
         numpy.testing.assert_array_equal(r0[k], r1[k], err_msg='ranks differ: ' + k)
         numpy.testing.assert_allclose(r0[k], v, rtol=TRAIN_TOL,

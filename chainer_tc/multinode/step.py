@@ -64,7 +64,7 @@ class TrainStep(step_module.TrainStep):
     def _agreed(self, key, entry, mode):
         """``mode`` where every rank is about to run this step with the same signature and
         mode, else 'eager' on every rank (one host allreduce; a second collective, of the
-        descriptions, only where they differ)."""
+        signatures, only where they differ)."""
         comm = self.communicator
         if comm.size == 1:
             return mode
@@ -75,11 +75,15 @@ class TrainStep(step_module.TrainStep):
         if span[0] == -span[1]:               # the largest digest is the smallest: all equal
             return mode
         self.disagreements += 1
-        everyone = collectives.allgather_objects(
-            comm, (_digest(key, ''), step_module.describe_signature(key), mode))
-        ranks = '; '.join('rank {}: {}, {}'.format(r, what, _MODES[how])
-                          for r, (_, what, how) in enumerate(everyone))
-        if len({d for d, _, _ in everyone}) == 1:
+        everyone = collectives.allgather_objects(comm, (key, mode))
+        ranks = '; '.join('rank {}: {}, {}'.format(r, step_module.describe_signature(k),
+                                                   _MODES[m])
+                          for r, (k, m) in enumerate(everyone))
+        first = everyone[0][0]
+        parts = []
+        for k, _ in everyone[1:]:
+            parts += [p for p in step_module.signature_change([first], k)[0] if p not in parts]
+        if not parts:
             # one signature, different states (a trace that one rank dropped after a check):
             # every rank records it again, together
             entry.forget()
@@ -88,12 +92,13 @@ class TrainStep(step_module.TrainStep):
                                      'every rank, and its traces are recorded again on every '
                                      'rank'.format(ranks))
         else:
-            self._warn('ranks:signature',
-                       'multinode.TrainStep: the ranks have batches of different signatures '
-                       'at this step ({}): it runs eagerly on every rank (a rank replaying its '
-                       'trace would wait in its collectives for a rank that steps eagerly); '
-                       'give every rank batches of one shape (a last partial batch on some '
-                       'ranks only does this) to keep every step replayed'.format(ranks))
+            self._warn('ranks:' + ','.join(parts),
+                       'multinode.TrainStep: the ranks differ in {} at this step ({}): it runs '
+                       'eagerly on every rank (a rank replaying its trace would wait in its '
+                       'collectives for a rank that steps eagerly); give every rank batches '
+                       'of one shape (a last partial batch on some ranks only does this) and '
+                       'the same settings to keep every step replayed'
+                       .format(' and '.join(parts), ranks))
         return 'eager'
 
     def _broadcast_model(self, args, kwargs):

@@ -219,7 +219,7 @@ class TrainStep:
                                       'max_signatures'.format(describe_signature(key),
                                                               self.max_signatures))
             elif self._entries:
-                what, change = _signature_change(list(self._entries), key)
+                what, change = signature_change(list(self._entries), key)
                 kinds = {'signature:' + w for w in what}     # said once per kind of change
                 if not kinds <= self._warned:
                     self._warned |= kinds
@@ -752,7 +752,7 @@ def describe_signature(key):
         '' if key[2] else ', chainer.config.train False')
 
 
-def _signature_change(kept, new):
+def signature_change(kept, new):
     """(the parts that changed, a sentence): how signature ``new`` differs from the closest of
     the ``kept`` ones (the fewest parts changed)."""
     old = min(kept, key=lambda k: sum(a != b for a, b in zip(k, new)))
