@@ -2,7 +2,7 @@
 (chainer_tc.static_graph._chainer_cudnn).
 
 Without a GPU: the routing (per thread, restored, CuPy's code for what is not routed) and, for each
-of CuPy 13.6's nine wrappers that Chainer's training functions call, what the routed one passes to
+of CuPy 13.6's eleven wrappers that Chainer's training functions call, what the routed one passes to
 cuDNN, with the real library's descriptors read back by cuDNN's getters and a fake handle and
 computations (tests/cudnn_fakes.py). cupyx/cudnn.pyx 13.6 is the reference for every argument.
 With a GPU (marker gpu): each routed wrapper against Chainer's own non-cuDNN code, under CUDA graph
@@ -22,6 +22,7 @@ import chainer.functions as F
 from chainer_tc.cuda import _cudnn_api as api
 from chainer_tc.cuda import conv
 from chainer_tc.cuda import cudnn
+from chainer_tc.cuda import descriptors
 from chainer_tc.cuda import runtime
 from chainer_tc.static_graph import _chainer_cudnn as cc
 
@@ -53,7 +54,7 @@ class Array(FakeArray):
 
 
 def original_module():
-    """A stand-in for ``chainer.backends.cuda.cudnn``: CuPy's nine wrappers, recording calls."""
+    """A stand-in for ``chainer.backends.cuda.cudnn``: CuPy's routed wrappers, recording calls."""
     module = types.ModuleType('fake_cupy_cudnn')
     module.calls = []
     for name in cc.ROUTED:
@@ -510,6 +511,75 @@ def test_softmax_describes_its_axis_as_cupy(routed, shape, axis, dims, mode):
     assert b[4] == b[6] == b[9] == x_desc
 
 
+def read_activation(desc):
+    """(mode, NaN propagation, coef) of an activation descriptor (cuDNN's own getter)."""
+    fn = cudnn.binding().lib.real.cudnnGetActivationDescriptor
+    fn.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int),
+                   ctypes.POINTER(ctypes.c_double)]
+    fn.restype = ctypes.c_int
+    mode, nan, coef = ctypes.c_int(), ctypes.c_int(), ctypes.c_double()
+    assert fn(desc, mode, nan, coef) == 0
+    return mode.value, nan.value, coef.value
+
+
+@needs_cudnn
+@pytest.mark.parametrize('shape,dims', [((2, 3, 4, 5), (2, 60, 1, 1)), ((7,), (7, 1, 1, 1)),
+                                        ((3, 5), (3, 5, 1, 1)), ((), (1, 1, 1, 1))])
+@pytest.mark.parametrize('dtype', [numpy.float16, numpy.float64])
+def test_relu_passes_what_cupy_passes(routed, shape, dims, dtype):
+    """F.relu on a GPU calls cuDNN's activation under the default use_cudnn='auto' (for
+    C-contiguous input): cudnnActivationForward over the array as (shape[0], rest, 1, 1) NCHW,
+    ReLU without NaN propagation, coef 0; its gradient (ReLUGradCudnn) passes y as x too.
+    Found by reading Chainer's relu.py: CuPy refuses the call under capture, so every step
+    with an F.relu ran eagerly where Chainer uses cuDNN."""
+    fake, module = routed
+    x = Array(shape, dtype)
+    y = module.activation_forward(x, api.CUDNN_ACTIVATION_RELU)
+    gy = Array(shape, dtype)
+    gx = module.activation_backward(y, y, gy, api.CUDNN_ACTIVATION_RELU)
+    (_, f), (_, b) = [(n, a) for n, a in lib_calls(fake) if n.startswith('cudnnActivation')]
+    handle, act, alpha, x_desc, xp, beta, y_desc, yp = f
+    assert (handle, xp, yp) == (HANDLE, x.data.ptr, y.data.ptr) and y.shape == shape
+    assert read_activation(act) == (api.CUDNN_ACTIVATION_RELU, api.CUDNN_NOT_PROPAGATE_NAN, 0.0)
+    assert x_desc == y_desc and read_tensor(x_desc)[:5] == (
+        descriptors.data_type(dtype),) + dims
+    c = numpy.float64 if dtype == numpy.float64 else numpy.float32
+    assert scalar(c, alpha) == 1.0 and scalar(c, beta) == 0.0
+    # cudnnActivationBackward(handle, act, alpha, yDesc, y, dyDesc, dy, xDesc, x, beta, dxDesc,
+    # dx)
+    assert b[1] == act and b[3] == b[5] == b[7] == b[10] == x_desc
+    assert (b[4], b[6], b[8], b[11]) == (y.data.ptr, gy.data.ptr, y.data.ptr, gx.data.ptr)
+    assert gx.shape == shape and gx.dtype == numpy.dtype(dtype)
+    assert [n for n, _ in lib_calls(fake) if n == 'cudnnSetStream'], 'on the current stream'
+
+
+@needs_cudnn
+def test_activation_modes_coefficients_and_strided_or_empty_input(monkeypatch, routed):
+    """A clipped ReLU (use_cudnn='always'): its ceiling in the descriptor, in the backward
+    rounded to float32 as CuPy's signature takes it; strided input is copied first; an empty
+    array goes to CuPy's code (whose descriptor would divide by its zero first dimension)."""
+    fake, module = routed
+
+    class Xp:
+        @staticmethod
+        def ascontiguousarray(a):
+            return Array(a.shape, a.dtype)
+    monkeypatch.setattr(cc, '_xp', lambda a: Xp)
+    clipped = 2
+    x = Array((4, 6), numpy.float32, contiguous=False)
+    y = module.activation_forward(x, clipped, 0.1)
+    module.activation_backward(y, y, Array((4, 6), numpy.float32), clipped, 0.1)
+    (_, f), (_, b) = [(n, a) for n, a in lib_calls(fake) if n.startswith('cudnnActivation')]
+    assert read_activation(f[1]) == (clipped, api.CUDNN_NOT_PROPAGATE_NAN, 0.1)
+    assert read_activation(b[1]) == (clipped, api.CUDNN_NOT_PROPAGATE_NAN,
+                                     float(numpy.float32(0.1)))
+    assert f[4] != x.data.ptr, 'a contiguous copy is passed'
+    empty = Array((0, 3), numpy.float32)
+    assert module.activation_forward(empty, 1) == 'cupy'
+    assert module.activation_backward(empty, empty, empty, 1) == 'cupy'
+    assert module.calls == ['activation_forward', 'activation_backward']
+
+
 @needs_cudnn
 @pytest.mark.parametrize('mode', [api.CUDNN_POOLING_MAX, 1])   # max, average (with padding)
 def test_pooling_passes_its_window_and_operands_as_cupy(routed, mode):
@@ -619,6 +689,17 @@ def test_routed_wrappers_equal_chainers_own_gpu_code(cudnn_stack, dtype):
         cupy.testing.assert_allclose(cc.pooling_backward(x, y4, gyp, (3, 3), (2, 2), (1, 1),
                                                          mode), xv.grad, **tol)
 
+    # ReLU (exact: a maximum, and a mask)
+    with chainer.using_config('use_cudnn', 'never'):
+        xv = chainer.Variable(x)
+        yr = F.relu(xv)
+        yr.grad = gyp = cupy.asarray(numpy.random.RandomState(6).randn(*x.shape).astype(dtype))
+        yr.backward()
+    y5 = cc.activation_forward(x, api.CUDNN_ACTIVATION_RELU)
+    cupy.testing.assert_array_equal(y5, yr.array)
+    cupy.testing.assert_array_equal(cc.activation_backward(y5, y5, gyp,
+                                                           api.CUDNN_ACTIVATION_RELU), xv.grad)
+
 
 @pytest.mark.gpu
 def test_routed_wrappers_run_inside_a_cuda_graph(cudnn_stack):
@@ -637,7 +718,8 @@ def test_routed_wrappers_run_inside_a_cuda_graph(cudnn_stack):
             None, 2e-5, 0.9, True, api.CUDNN_BATCHNORM_SPATIAL, False)
         p = cupy.empty((2, 4, 4, 3), numpy.float32)
         cc.pooling_forward(h, p, (3, 3), (2, 2), (1, 1), 0)
-        return y, cc.softmax_forward(p.reshape(2, -1), 1, 2)
+        r = cc.activation_forward(p, api.CUDNN_ACTIVATION_RELU)
+        return y, cc.softmax_forward(r.reshape(2, -1), 1, 2)
 
     expected_first = step(x)
     stream = cupy.cuda.Stream(non_blocking=True)

@@ -191,7 +191,8 @@ def test_the_calls_a_step_makes_are_bound():
     per_call = {'cudnnSetStream', 'cudnnConvolutionForward', 'cudnnConvolutionBackwardData',
                 'cudnnConvolutionBackwardFilter', 'cudnnBatchNormalizationForwardTrainingEx',
                 'cudnnBatchNormalizationBackwardEx', 'cudnnSoftmaxForward', 'cudnnSoftmaxBackward',
-                'cudnnPoolingForward', 'cudnnPoolingBackward'}
+                'cudnnActivationForward', 'cudnnActivationBackward', 'cudnnPoolingForward',
+                'cudnnPoolingBackward'}
     assert api.PER_CALL == per_call and per_call <= set(cudnn.PROTOTYPES)
     assert all(t in KINDS for params in cudnn.PROTOTYPES.values() for _, t in params)
     assert api.HOST_ONLY & per_call == set()

@@ -158,13 +158,21 @@ PROTOTYPES = {
         ('epsilon', _double), ('savedMean', _ptr), ('savedInvVariance', _ptr),
         ('activationDesc', _ptr), ('workSpace', _ptr), ('workSpaceSizeInBytes', _size),
         ('reserveSpace', _ptr), ('reserveSpaceSizeInBytes', _size)),
-    # Chainer's own softmax and pooling (routed through this binding inside a TrainStep)
+    # Chainer's own softmax, activations and pooling (routed through this binding inside a
+    # TrainStep)
     'cudnnSoftmaxForward': (('handle', _ptr), ('algo', _int), ('mode', _int), ('alpha', _ptr),
                             ('xDesc', _ptr), ('x', _ptr), ('beta', _ptr), ('yDesc', _ptr),
                             ('y', _ptr)),
     'cudnnSoftmaxBackward': (('handle', _ptr), ('algo', _int), ('mode', _int), ('alpha', _ptr),
                              ('yDesc', _ptr), ('y', _ptr), ('dyDesc', _ptr), ('dy', _ptr),
                              ('beta', _ptr), ('dxDesc', _ptr), ('dx', _ptr)),
+    'cudnnActivationForward': (('handle', _ptr), ('activationDesc', _ptr), ('alpha', _ptr),
+                               ('xDesc', _ptr), ('x', _ptr), ('beta', _ptr), ('yDesc', _ptr),
+                               ('y', _ptr)),
+    'cudnnActivationBackward': (('handle', _ptr), ('activationDesc', _ptr), ('alpha', _ptr),
+                                ('yDesc', _ptr), ('y', _ptr), ('dyDesc', _ptr), ('dy', _ptr),
+                                ('xDesc', _ptr), ('x', _ptr), ('beta', _ptr), ('dxDesc', _ptr),
+                                ('dx', _ptr)),
     'cudnnPoolingForward': (('handle', _ptr), ('poolingDesc', _ptr), ('alpha', _ptr),
                             ('xDesc', _ptr), ('x', _ptr), ('beta', _ptr), ('yDesc', _ptr),
                             ('y', _ptr)),
@@ -181,7 +189,8 @@ GET_VERSION = 'cudnnGetVersion'
 PER_CALL = frozenset(('cudnnSetStream', 'cudnnConvolutionForward', 'cudnnConvolutionBackwardData',
                       'cudnnConvolutionBackwardFilter', 'cudnnBatchNormalizationForwardTrainingEx',
                       'cudnnBatchNormalizationBackwardEx', 'cudnnSoftmaxForward',
-                      'cudnnSoftmaxBackward', 'cudnnPoolingForward', 'cudnnPoolingBackward'))
+                      'cudnnSoftmaxBackward', 'cudnnActivationForward',
+                      'cudnnActivationBackward', 'cudnnPoolingForward', 'cudnnPoolingBackward'))
 
 # The calls that need no GPU: descriptors are host objects (tests make real ones without a GPU).
 HOST_ONLY = frozenset(n for n in PROTOTYPES if 'Descriptor' in n or n.startswith(

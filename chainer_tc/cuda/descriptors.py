@@ -2,7 +2,7 @@
 
 Descriptors are host objects: creating and setting one needs no GPU and no stream, but it is
 set-up work that must not happen per call (and does not happen while a stream captures). Tensor
-and filter descriptors, the ReLU activation descriptor and the derived batch-norm descriptors are
+and filter descriptors, the activation descriptors and the derived batch-norm descriptors are
 cached for the life of the process, keyed by what they describe, and shared by every user
 (nothing modifies them after creation). A convolution descriptor carries the math type chosen
 with its algorithm, so each convolution plan (``chainer_tc.cuda.conv``) owns its own. The 2-D
@@ -23,7 +23,7 @@ _tensors = {}
 _filters = {}
 _bn = {}
 _pooling = {}
-_relu = []
+_activations = {}
 
 
 def clear_cache():
@@ -32,7 +32,7 @@ def clear_cache():
     _filters.clear()
     _bn.clear()
     _pooling.clear()
-    del _relu[:]
+    _activations.clear()
 
 
 def data_type(dtype):
@@ -150,12 +150,21 @@ def set_math_type(desc, math_type):
 
 
 def relu():
-    """The ReLU activation descriptor (NaN propagated, no ceiling; cached)."""
-    if not _relu:
+    """The ReLU activation descriptor of the fused batch normalization (NaN propagated, no
+    ceiling; cached)."""
+    return activation(api.CUDNN_ACTIVATION_RELU, api.CUDNN_PROPAGATE_NAN, 0.0)
+
+
+def activation(mode, nan_opt, coef):
+    """The activation descriptor of cudnnActivationMode_t ``mode``, cudnnNanPropagation_t
+    ``nan_opt`` and ``coef`` (the ceiling of a clipped ReLU, the slope of an ELU; cached)."""
+    key = (int(mode), int(nan_opt), float(coef))
+    desc = _activations.get(key)
+    if desc is None:
         desc = Descriptor('Activation')
-        desc.set('ActivationDescriptor', api.CUDNN_ACTIVATION_RELU, api.CUDNN_PROPAGATE_NAN, 0.0)
-        _relu.append(desc)
-    return _relu[0]
+        desc.set('ActivationDescriptor', *key)
+        _activations[key] = desc
+    return desc
 
 
 def batch_norm(shape, dtype, layout, mode):

@@ -2,8 +2,10 @@
 
 Chainer's functions call cuDNN through CuPy's wrappers (``chainer.backends.cuda.cudnn``, the
 ``cupy.cudnn`` module of CuPy 13): ``L.Convolution2D`` and ``L.Deconvolution2D``,
-``L.BatchNormalization``, ``F.max_pooling_2d`` / ``F.average_pooling_2d``, and ``F.softmax`` /
-``F.log_softmax`` (so ``F.softmax_cross_entropy``, hence ``L.Classifier``'s default loss). CuPy
+``L.BatchNormalization``, ``F.max_pooling_2d`` / ``F.average_pooling_2d``, ``F.relu`` (cuDNN's
+activation for C-contiguous input under the default ``use_cudnn='auto'``; ``F.sigmoid``,
+``F.tanh`` and ``F.clipped_relu`` under ``'always'``), and ``F.softmax`` / ``F.log_softmax``
+(so ``F.softmax_cross_entropy``, hence ``L.Classifier``'s default loss). CuPy
 13.6 refuses every cuDNN call while a stream captures, so one such call made a whole step
 uncapturable. While :func:`routed` is active on a thread, the wrappers below run what CuPy 13.6's
 would (same descriptors, alpha and beta, cuDNN calls, outputs, casts of float16 batch-norm
@@ -18,6 +20,7 @@ CuPy wrapper (``cupyx/cudnn.pyx`` 13.6)       here
 ``batch_normalization_forward_training_ex`` ``cudnnBatchNormalizationForwardTrainingEx`` (BN)
 ``batch_normalization_backward``            ``cudnnBatchNormalizationBackwardEx`` (BN)
 ``softmax_forward`` / ``softmax_backward``  ``cudnnSoftmaxForward`` / ``Backward``
+``activation_forward`` / ``_backward``      ``cudnnActivationForward`` / ``Backward``
 ``pooling_forward`` / ``pooling_backward``  ``cudnnPoolingForward`` / ``Backward`` (2-D)
 =========================================== ===============================================
 
@@ -292,7 +295,7 @@ def batch_normalization_backward(x, gamma, gy, mean, inv_std, eps, is_for_conv2d
     return gx, ggamma, gbeta
 
 
-# ---- softmax and pooling ------------------------------------------------------------------------
+# ---- softmax, activations and pooling ------------------------------------------------------------------------
 
 def _softmax_descriptor(x, axis):
     """CuPy's: (left, axis, right, 1) NCHW around ``axis``; the mode is CHANNEL (over the axis,
@@ -334,6 +337,40 @@ def softmax_backward(y, gy, axis, algorithm):
     return gx
 
 
+def _as_rows(x):
+    """CuPy's ``_create_tensor_descriptor_as4darray``: (shape[0], size / shape[0], 1, 1) NCHW
+    (elementwise calls: only the element count matters)."""
+    rows = x.shape[0] if x.ndim else 1
+    return descriptors.tensor_4d((rows, x.size // rows, 1, 1), x.dtype, 'NCHW')
+
+
+def activation_forward(x, mode, coef=0.0):
+    if x.size == 0:                  # (CuPy's divides by the zero first dimension)
+        return _original('activation_forward')(x, mode, coef)
+    x = _contiguous(x)
+    y = runtime.empty(x.shape, x.dtype)
+    desc = _as_rows(x)
+    act = descriptors.activation(mode, api.CUDNN_NOT_PROPAGATE_NAN, coef)
+    one, zero = cudnn.scaling_factors(x.dtype)
+    _call('cudnnActivationForward', x, act.value, one, desc.value, x.data.ptr, zero,
+          desc.value, y.data.ptr)
+    return y
+
+
+def activation_backward(x, y, gy, mode, coef=0.0):
+    if x.size == 0:
+        return _original('activation_backward')(x, y, gy, mode, coef)
+    gx = runtime.empty(x.shape, x.dtype)
+    x, y, gy = _contiguous(x), _contiguous(y), _contiguous(gy)
+    desc = _as_rows(y)
+    # (CuPy's signature takes coef as a C float: rounded to float32 before the descriptor)
+    act = descriptors.activation(mode, api.CUDNN_NOT_PROPAGATE_NAN, float(numpy.float32(coef)))
+    one, zero = cudnn.scaling_factors(x.dtype)
+    _call('cudnnActivationBackward', y, act.value, one, desc.value, y.data.ptr, desc.value,
+          gy.data.ptr, desc.value, x.data.ptr, zero, desc.value, gx.data.ptr)
+    return gx
+
+
 def _pooling_takes(x, ksize):
     return x.ndim == 4 and len(ksize) == 2
 
@@ -369,7 +406,8 @@ def pooling_backward(x, y, gy, ksize, stride, pad, mode):
 
 ROUTED = ('convolution_forward', 'convolution_backward_data', 'convolution_backward_filter',
           'batch_normalization_forward_training_ex', 'batch_normalization_backward',
-          'softmax_forward', 'softmax_backward', 'pooling_forward', 'pooling_backward')
+          'softmax_forward', 'softmax_backward', 'activation_forward', 'activation_backward',
+          'pooling_forward', 'pooling_backward')
 
 
 def _original(name):
