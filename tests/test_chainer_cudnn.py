@@ -2,7 +2,7 @@
 (chainer_tc.static_graph._chainer_cudnn).
 
 Without a GPU: the routing (per thread, restored, CuPy's code for what is not routed) and, for each
-of CuPy 13.6's eleven wrappers that Chainer's training functions call, what the routed one passes to
+of CuPy 13.6's twelve wrappers that Chainer's training functions call, what the routed one passes to
 cuDNN, with the real library's descriptors read back by cuDNN's getters and a fake handle and
 computations (tests/cudnn_fakes.py). cupyx/cudnn.pyx 13.6 is the reference for every argument.
 With a GPU (marker gpu): each routed wrapper against Chainer's own non-cuDNN code, under CUDA graph
@@ -440,6 +440,43 @@ def test_bn_fast_nhwc_mode_gets_cudnns_workspace_and_reserve_and_backward_reads_
 
 
 @needs_cudnn
+@pytest.mark.parametrize('param_dtype', [numpy.float16, numpy.float32])
+def test_fixed_bn_passes_what_cupy_passes(routed, param_dtype):
+    """F.fixed_batch_normalization (a frozen BatchNorm in a training step): one
+    cudnnBatchNormalizationForwardInference with the data's descriptor and cuDNN's derived one,
+    float16 vectors cast to float, and nothing set up that a capture would refuse."""
+    fake, module = routed
+    x = Array((4, 3, 3, 8), numpy.float16)
+    gamma, beta, mean, var = (Array((8,), param_dtype) for _ in range(4))
+    y = module.batch_normalization_forward_inference(
+        x, gamma, beta, mean, var, 2e-5, True, api.CUDNN_BATCHNORM_SPATIAL, NHWC)
+    (n1, _), (n2, a) = lib_calls(fake)
+    assert (n1, n2) == ('cudnnSetStream', 'cudnnBatchNormalizationForwardInference')
+    handle, mode, alpha, beta_, x_desc, xp, y_desc, yp, bn_desc, gp, bp, mp, vp, eps = a
+    assert (handle, mode, xp, yp, eps) == (HANDLE, api.CUDNN_BATCHNORM_SPATIAL, x.data.ptr,
+                                           y.data.ptr, 2e-5)
+    assert x_desc == y_desc and read_tensor(x_desc)[:5] == (api.CUDNN_DATA_HALF, 4, 8, 3, 3)
+    assert read_tensor(x_desc)[5:] == (72, 1, 24, 8), 'NHWC strides'
+    assert read_tensor(bn_desc)[:5] == (api.CUDNN_DATA_FLOAT, 1, 8, 1, 1), 'derived: float'
+    assert scalar(numpy.float32, alpha) == 1.0 and scalar(numpy.float32, beta_) == 0.0
+    given = tuple(v.data.ptr for v in (gamma, beta, mean, var))
+    if param_dtype == numpy.float16:
+        assert not set((gp, bp, mp, vp)) & set(given), 'cast to float, each'
+    else:
+        assert (gp, bp, mp, vp) == given
+    assert y.shape == x.shape and y.dtype == numpy.float16 and fake.queries == []
+    # 2-D data: (rows, C, 1, 1) with the per-activation mode
+    x2 = Array((6, 10), numpy.float32)
+    v = [Array((10,), numpy.float32) for _ in range(4)]
+    module.batch_normalization_forward_inference(x2, *v, 2e-5, False,
+                                                 api.CUDNN_BATCHNORM_PER_ACTIVATION, NCHW)
+    a = [a for n, a in lib_calls(fake) if n == 'cudnnBatchNormalizationForwardInference'][1]
+    assert a[1] == api.CUDNN_BATCHNORM_PER_ACTIVATION
+    assert read_tensor(a[4])[:5] == (api.CUDNN_DATA_FLOAT, 6, 10, 1, 1)
+    assert module.calls == []
+
+
+@needs_cudnn
 def test_bn_of_2d_data_is_described_rows_by_channels(routed):
     fake, module = routed
     x = Array((6, 10), numpy.float32)
@@ -664,6 +701,13 @@ def test_routed_wrappers_equal_chainers_own_gpu_code(cudnn_stack, dtype):
     cupy.testing.assert_allclose(g2, xv.grad, **tol)
     cupy.testing.assert_allclose(gg, gv.grad, **tol)
     cupy.testing.assert_allclose(gb, bv2.grad, **tol)
+
+    # fixed batch normalization (a frozen BatchNorm), with the running statistics just taken
+    with chainer.using_config('use_cudnn', 'never'):
+        yf = F.fixed_batch_normalization(x.astype(numpy.float32), gamma, beta, rm, rv, 2e-5)
+    y6 = cc.batch_normalization_forward_inference(x.astype(numpy.float32), gamma, beta, rm, rv,
+                                                  2e-5, True, api.CUDNN_BATCHNORM_SPATIAL)
+    cupy.testing.assert_allclose(y6, yf.array, **tol)
 
     # log-softmax over the classes, and pooling
     z = cupy.asarray(numpy.random.RandomState(5).randn(6, 10).astype(dtype))

@@ -190,7 +190,8 @@ def test_the_calls_a_step_makes_are_bound():
     """What runs per call (also under capture) and the set-up queries: nothing else is called."""
     per_call = {'cudnnSetStream', 'cudnnConvolutionForward', 'cudnnConvolutionBackwardData',
                 'cudnnConvolutionBackwardFilter', 'cudnnBatchNormalizationForwardTrainingEx',
-                'cudnnBatchNormalizationBackwardEx', 'cudnnSoftmaxForward', 'cudnnSoftmaxBackward',
+                'cudnnBatchNormalizationBackwardEx', 'cudnnBatchNormalizationForwardInference',
+                'cudnnSoftmaxForward', 'cudnnSoftmaxBackward',
                 'cudnnActivationForward', 'cudnnActivationBackward', 'cudnnPoolingForward',
                 'cudnnPoolingBackward'}
     assert api.PER_CALL == per_call and per_call <= set(cudnn.PROTOTYPES)

@@ -158,8 +158,13 @@ PROTOTYPES = {
         ('epsilon', _double), ('savedMean', _ptr), ('savedInvVariance', _ptr),
         ('activationDesc', _ptr), ('workSpace', _ptr), ('workSpaceSizeInBytes', _size),
         ('reserveSpace', _ptr), ('reserveSpaceSizeInBytes', _size)),
-    # Chainer's own softmax, activations and pooling (routed through this binding inside a
+    # Chainer's own fixed batch normalization, softmax, activations and pooling (routed through this binding inside a
     # TrainStep)
+    'cudnnBatchNormalizationForwardInference': (
+        ('handle', _ptr), ('mode', _int), ('alpha', _ptr), ('beta', _ptr), ('xDesc', _ptr),
+        ('x', _ptr), ('yDesc', _ptr), ('y', _ptr), ('bnScaleBiasMeanVarDesc', _ptr),
+        ('bnScale', _ptr), ('bnBias', _ptr), ('estimatedMean', _ptr),
+        ('estimatedVariance', _ptr), ('epsilon', _double)),
     'cudnnSoftmaxForward': (('handle', _ptr), ('algo', _int), ('mode', _int), ('alpha', _ptr),
                             ('xDesc', _ptr), ('x', _ptr), ('beta', _ptr), ('yDesc', _ptr),
                             ('y', _ptr)),
@@ -188,7 +193,8 @@ GET_VERSION = 'cudnnGetVersion'
 # What a training step calls per layer (also while a stream captures); the rest is set-up.
 PER_CALL = frozenset(('cudnnSetStream', 'cudnnConvolutionForward', 'cudnnConvolutionBackwardData',
                       'cudnnConvolutionBackwardFilter', 'cudnnBatchNormalizationForwardTrainingEx',
-                      'cudnnBatchNormalizationBackwardEx', 'cudnnSoftmaxForward',
+                      'cudnnBatchNormalizationBackwardEx',
+                      'cudnnBatchNormalizationForwardInference', 'cudnnSoftmaxForward',
                       'cudnnSoftmaxBackward', 'cudnnActivationForward',
                       'cudnnActivationBackward', 'cudnnPoolingForward', 'cudnnPoolingBackward'))
 

@@ -2,7 +2,7 @@
 
 Chainer's functions call cuDNN through CuPy's wrappers (``chainer.backends.cuda.cudnn``, the
 ``cupy.cudnn`` module of CuPy 13): ``L.Convolution2D`` and ``L.Deconvolution2D``,
-``L.BatchNormalization``, ``F.max_pooling_2d`` / ``F.average_pooling_2d``, ``F.relu`` (cuDNN's
+``L.BatchNormalization`` and ``F.fixed_batch_normalization``, ``F.max_pooling_2d`` / ``F.average_pooling_2d``, ``F.relu`` (cuDNN's
 activation for C-contiguous input under the default ``use_cudnn='auto'``; ``F.sigmoid``,
 ``F.tanh`` and ``F.clipped_relu`` under ``'always'``), and ``F.softmax`` / ``F.log_softmax``
 (so ``F.softmax_cross_entropy``, hence ``L.Classifier``'s default loss). CuPy
@@ -19,6 +19,7 @@ CuPy wrapper (``cupyx/cudnn.pyx`` 13.6)       here
 ``convolution_backward_filter``             ``chainer_tc.cuda.conv.backward_filter``
 ``batch_normalization_forward_training_ex`` ``cudnnBatchNormalizationForwardTrainingEx`` (BN)
 ``batch_normalization_backward``            ``cudnnBatchNormalizationBackwardEx`` (BN)
+``batch_normalization_forward_inference``   ``cudnnBatchNormalizationForwardInference`` (fixed)
 ``softmax_forward`` / ``softmax_backward``  ``cudnnSoftmaxForward`` / ``Backward``
 ``activation_forward`` / ``_backward``      ``cudnnActivationForward`` / ``Backward``
 ``pooling_forward`` / ``pooling_backward``  ``cudnnPoolingForward`` / ``Backward`` (2-D)
@@ -295,7 +296,29 @@ def batch_normalization_backward(x, gamma, gy, mean, inv_std, eps, is_for_conv2d
     return gx, ggamma, gbeta
 
 
-# ---- softmax, activations and pooling ------------------------------------------------------------------------
+def batch_normalization_forward_inference(x, gamma, beta, mean, var, eps, is_for_conv2d,
+                                          cudnn_mode, d_layout=api.CUDNN_TENSOR_NCHW):
+    """F.fixed_batch_normalization (a frozen BatchNorm in a training step). No set-up to plan:
+    its two descriptors are host objects, cached. Every vector goes to cuDNN in its parameter
+    dtype, contiguous (CuPy 13.6 makes mean and var contiguous only when it casts them)."""
+    if not _bn_takes(x, is_for_conv2d, False, d_layout):
+        return _original('batch_normalization_forward_inference')(
+            x, gamma, beta, mean, var, eps, is_for_conv2d, cudnn_mode, d_layout)
+    x = _contiguous(x)
+    shape, layout = _bn_shape(x, is_for_conv2d, _layout(d_layout))
+    desc = descriptors.tensor_4d(shape, x.dtype, layout)
+    bn_desc = descriptors.batch_norm(shape, x.dtype, layout, cudnn_mode)
+    dtype = _param_dtype(x.dtype)
+    gamma, beta, mean, var = (_as_param(a, dtype) for a in (gamma, beta, mean, var))
+    y = runtime.empty(x.shape, x.dtype)
+    one, zero = cudnn.scaling_factors(x.dtype)
+    _call('cudnnBatchNormalizationForwardInference', x, cudnn_mode, one, zero, desc.value,
+          x.data.ptr, desc.value, y.data.ptr, bn_desc.value, gamma.data.ptr, beta.data.ptr,
+          mean.data.ptr, var.data.ptr, eps)
+    return y
+
+
+# ---- softmax, activations and pooling ----------------------------------------------------------
 
 def _softmax_descriptor(x, axis):
     """CuPy's: (left, axis, right, 1) NCHW around ``axis``; the mode is CHANNEL (over the axis,
@@ -406,7 +429,7 @@ def pooling_backward(x, y, gy, ksize, stride, pad, mode):
 
 ROUTED = ('convolution_forward', 'convolution_backward_data', 'convolution_backward_filter',
           'batch_normalization_forward_training_ex', 'batch_normalization_backward',
-          'softmax_forward', 'softmax_backward', 'activation_forward', 'activation_backward',
+          'batch_normalization_forward_inference', 'softmax_forward', 'softmax_backward', 'activation_forward', 'activation_backward',
           'pooling_forward', 'pooling_backward')
 
 
