@@ -171,7 +171,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.rank_worker:
         return _worker(args)
-    return _launch([a for a in (argv if argv is not None else sys.argv[1:])])
+    return _launch(list(argv if argv is not None else sys.argv[1:]))
 
 
 if __name__ == '__main__':
