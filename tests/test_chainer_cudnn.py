@@ -2,12 +2,13 @@
 (chainer_tc.static_graph._chainer_cudnn).
 
 Without a GPU: the routing (per thread, restored, CuPy's code for what is not routed) and, for each
-of CuPy 13.6's twelve wrappers that Chainer's training functions call, what the routed one passes to
+of CuPy 13.6's thirteen wrappers that Chainer's training functions call, what the routed one passes to
 cuDNN, with the real library's descriptors read back by cuDNN's getters and a fake handle and
 computations (tests/cudnn_fakes.py). cupyx/cudnn.pyx 13.6 is the reference for every argument.
 With a GPU (marker gpu): each routed wrapper against Chainer's own non-cuDNN code, under CUDA graph
 capture too, and a net of Chainer's stock links captured whole by TrainStep.
 """
+import contextlib
 import ctypes
 import threading
 import types
@@ -477,6 +478,29 @@ def test_fixed_bn_passes_what_cupy_passes(routed, param_dtype):
 
 
 @needs_cudnn
+def test_group_norms_older_bn_entry_point_returns_what_cupys_does(routed):
+    """F.group_normalization calls CuPy's batch_normalization_forward_training (no _ex): the
+    same cuDNN call, (y, mean, inv_std) without the reserve space; (y) given mean and
+    inv_std, as CuPy's."""
+    fake, module = routed
+    x = Array((1, 12, 20, 1), numpy.float32)       # (1, N * groups, rest, 1), as Chainer's
+    g = [Array((12,), numpy.float32) for _ in range(4)]
+    y, mean, inv_std = module.batch_normalization_forward_training(
+        x, *g, None, None, 1e-5, 1.0, True, api.CUDNN_BATCHNORM_SPATIAL, False)
+    a = [a for n, a in lib_calls(fake) if n == 'cudnnBatchNormalizationForwardTrainingEx'][0]
+    assert (a[10], a[18], a[19]) == (y.data.ptr, mean.data.ptr, inv_std.data.ptr)
+    assert read_tensor(a[5])[:5] == (api.CUDNN_DATA_FLOAT, 1, 12, 20, 1) and a[14] == 0.0
+    m, s = Array((12,), numpy.float32), Array((12,), numpy.float32)
+    y2 = module.batch_normalization_forward_training(
+        x, *g, m, s, 1e-5, 1.0, True, api.CUDNN_BATCHNORM_SPATIAL, False)
+    assert y2.shape == x.shape and module.calls == []
+    # what the routed call does not take (debug mode) goes to CuPy's own
+    assert module.batch_normalization_forward_training(
+        x, *g, None, None, 1e-5, 1.0, True, api.CUDNN_BATCHNORM_SPATIAL, True) == 'cupy'
+    assert module.calls == ['batch_normalization_forward_training']
+
+
+@needs_cudnn
 def test_bn_of_2d_data_is_described_rows_by_channels(routed):
     fake, module = routed
     x = Array((6, 10), numpy.float32)
@@ -708,6 +732,20 @@ def test_routed_wrappers_equal_chainers_own_gpu_code(cudnn_stack, dtype):
     y6 = cc.batch_normalization_forward_inference(x.astype(numpy.float32), gamma, beta, rm, rv,
                                                   2e-5, True, api.CUDNN_BATCHNORM_SPATIAL)
     cupy.testing.assert_allclose(y6, yf.array, **tol)
+
+    # group normalization: Chainer's cuDNN path routed (it calls the older BN entry point),
+    # against its own code without cuDNN, forward and backward
+    outs = []
+    for use, routing in (('never', False), ('auto', True)):
+        with chainer.using_config('use_cudnn', use), \
+                (cc.routed() if routing else contextlib.nullcontext()):
+            xv = chainer.Variable(x.astype(numpy.float32))
+            yg = F.group_normalization(xv, 2, gamma, beta)
+            yg.grad = gyb
+            yg.backward()
+        outs.append((yg.array, xv.grad))
+    for a, b in zip(*outs):
+        cupy.testing.assert_allclose(a, b, **tol)
 
     # log-softmax over the classes, and pooling
     z = cupy.asarray(numpy.random.RandomState(5).randn(6, 10).astype(dtype))

@@ -2,7 +2,8 @@
 
 Chainer's functions call cuDNN through CuPy's wrappers (``chainer.backends.cuda.cudnn``, the
 ``cupy.cudnn`` module of CuPy 13): ``L.Convolution2D`` and ``L.Deconvolution2D``,
-``L.BatchNormalization`` and ``F.fixed_batch_normalization``, ``F.max_pooling_2d`` / ``F.average_pooling_2d``, ``F.relu`` (cuDNN's
+``L.BatchNormalization``, ``F.fixed_batch_normalization`` and ``F.group_normalization``,
+``F.max_pooling_2d`` / ``F.average_pooling_2d``, ``F.relu`` (cuDNN's
 activation for C-contiguous input under the default ``use_cudnn='auto'``; ``F.sigmoid``,
 ``F.tanh`` and ``F.clipped_relu`` under ``'always'``), and ``F.softmax`` / ``F.log_softmax``
 (so ``F.softmax_cross_entropy``, hence ``L.Classifier``'s default loss). CuPy
@@ -18,6 +19,7 @@ CuPy wrapper (``cupyx/cudnn.pyx`` 13.6)       here
 ``convolution_backward_data``               ``chainer_tc.cuda.conv.backward_data`` (+ bias)
 ``convolution_backward_filter``             ``chainer_tc.cuda.conv.backward_filter``
 ``batch_normalization_forward_training_ex`` ``cudnnBatchNormalizationForwardTrainingEx`` (BN)
+``batch_normalization_forward_training``    the same, without the reserve space (GroupNorm)
 ``batch_normalization_backward``            ``cudnnBatchNormalizationBackwardEx`` (BN)
 ``batch_normalization_forward_inference``   ``cudnnBatchNormalizationForwardInference`` (fixed)
 ``softmax_forward`` / ``softmax_backward``  ``cudnnSoftmaxForward`` / ``Backward``
@@ -37,6 +39,7 @@ Other threads, and every call outside :func:`routed`, run CuPy's code unchanged.
 """
 import contextlib
 import threading
+import warnings
 
 import numpy
 
@@ -221,10 +224,16 @@ def _bn_takes(x, is_for_conv2d, debug, d_layout):
     return x.ndim == 4 if is_for_conv2d else x.ndim >= 1
 
 
+def _bn_forward_takes(x, mean, inv_std, is_for_conv2d, debug, d_layout):
+    """What the routed training forward takes: :func:`_bn_takes`, and the batch statistics'
+    outputs given both or neither (CuPy says why otherwise)."""
+    return _bn_takes(x, is_for_conv2d, debug, d_layout) and (mean is None) == (inv_std is None)
+
+
 def batch_normalization_forward_training_ex(x, gamma, beta, running_mean, running_var, mean,
                                             inv_std, eps, decay, is_for_conv2d, cudnn_mode,
                                             debug, d_layout=api.CUDNN_TENSOR_NCHW):
-    if not _bn_takes(x, is_for_conv2d, debug, d_layout) or (mean is None) != (inv_std is None):
+    if not _bn_forward_takes(x, mean, inv_std, is_for_conv2d, debug, d_layout):
         return _original('batch_normalization_forward_training_ex')(
             x, gamma, beta, running_mean, running_var, mean, inv_std, eps, decay,
             is_for_conv2d, cudnn_mode, debug, d_layout)
@@ -262,6 +271,26 @@ def batch_normalization_forward_training_ex(x, gamma, beta, running_mean, runnin
     if mean is None:
         return reserve, y, save_mean, save_inv_std
     return reserve, y
+
+
+def batch_normalization_forward_training(x, gamma, beta, running_mean, running_var, mean,
+                                         inv_std, eps, decay, is_for_conv2d, cudnn_mode, debug,
+                                         d_layout=api.CUDNN_TENSOR_NCHW):
+    """CuPy's older entry point (F.group_normalization calls it): the ``_ex`` call without the
+    reserve space in what it returns, and CuPy's PerformanceWarning where there was one."""
+    if not _bn_forward_takes(x, mean, inv_std, is_for_conv2d, debug, d_layout):
+        return _original('batch_normalization_forward_training')(
+            x, gamma, beta, running_mean, running_var, mean, inv_std, eps, decay,
+            is_for_conv2d, cudnn_mode, debug, d_layout)
+    out = batch_normalization_forward_training_ex(
+        x, gamma, beta, running_mean, running_var, mean, inv_std, eps, decay, is_for_conv2d,
+        cudnn_mode, debug, d_layout)
+    if out[0] is not None:
+        from cupy import _util
+        warnings.warn('Could be faster by calling batch_normalization_forward_training_ex() '
+                      'instead of batch_normalization_forward_training().',
+                      _util.PerformanceWarning)
+    return out[1:] if mean is None else out[1]
 
 
 def batch_normalization_backward(x, gamma, gy, mean, inv_std, eps, is_for_conv2d, cudnn_mode,
@@ -428,8 +457,9 @@ def pooling_backward(x, y, gy, ksize, stride, pad, mode):
 # ---- routing ------------------------------------------------------------------------------------
 
 ROUTED = ('convolution_forward', 'convolution_backward_data', 'convolution_backward_filter',
-          'batch_normalization_forward_training_ex', 'batch_normalization_backward',
-          'batch_normalization_forward_inference', 'softmax_forward', 'softmax_backward', 'activation_forward', 'activation_backward',
+          'batch_normalization_forward_training_ex', 'batch_normalization_forward_training',
+          'batch_normalization_backward', 'batch_normalization_forward_inference',
+          'softmax_forward', 'softmax_backward', 'activation_forward', 'activation_backward',
           'pooling_forward', 'pooling_backward')
 
 
