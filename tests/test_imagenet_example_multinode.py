@@ -72,9 +72,10 @@ def test_chainermn_wrapper_path(tiny, tmp_path):
 
 
 def test_multi_node_bn_gives_every_rank_the_global_statistics(tiny, tmp_path):
-    """--multi-node-bn: the BatchNorm links of the NHWC model reduce over both ranks (the
-    run is replayed), so rank 1's running statistics, written next to rank 0's snapshot, are
-    rank 0's bits; without it they are its own batches' (they differ)."""
+    """--multi-node-bn: the BatchNorm links of the NHWC model (ours) and of the NCHW model
+    (ChainerMN's) reduce over both ranks (the runs are replayed), so rank 1's running
+    statistics, written next to rank 0's snapshot, are rank 0's bits; without it they are its
+    own batches' (they differ)."""
     def statistics(out):
         own = numpy.load(str(out / 'snapshot_iter_6.rank1'))
         snap = numpy.load(str(out / 'snapshot_iter_6'))
@@ -88,3 +89,8 @@ def test_multi_node_bn_gives_every_rank_the_global_statistics(tiny, tmp_path):
         numpy.testing.assert_array_equal(mine, rank0)
     run(tiny, tmp_path / 'own', *STATIC)
     assert not all(numpy.array_equal(a, b) for a, b in statistics(tmp_path / 'own'))
+    # an NCHW model of Chainer's links gets ChainerMN's multi-node links, replayed too
+    out = run(tiny, tmp_path / 'nchw', '--batched-update', '--static-graph', '--multi-node-bn')
+    assert 'Static graph: 3 of 6 steps replayed' in out
+    for mine, rank0 in statistics(tmp_path / 'nchw'):
+        numpy.testing.assert_array_equal(mine, rank0)

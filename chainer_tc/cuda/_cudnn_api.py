@@ -158,8 +158,8 @@ PROTOTYPES = {
         ('epsilon', _double), ('savedMean', _ptr), ('savedInvVariance', _ptr),
         ('activationDesc', _ptr), ('workSpace', _ptr), ('workSpaceSizeInBytes', _size),
         ('reserveSpace', _ptr), ('reserveSpaceSizeInBytes', _size)),
-    # Chainer's own fixed batch normalization, softmax, activations and pooling (routed through this binding inside a
-    # TrainStep)
+    # Chainer's own fixed batch normalization, softmax, activations and pooling (routed through
+    # this binding inside a TrainStep)
     'cudnnBatchNormalizationForwardInference': (
         ('handle', _ptr), ('mode', _int), ('alpha', _ptr), ('beta', _ptr), ('xDesc', _ptr),
         ('x', _ptr), ('yDesc', _ptr), ('y', _ptr), ('bnScaleBiasMeanVarDesc', _ptr),
