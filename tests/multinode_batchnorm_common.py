@@ -115,6 +115,8 @@ PARTIAL_AT = 5                  # rank 0 has one image less at this step (a last
 PARTIAL = (3, 4)
 GAIN_AT = 4                     # rank 0 alone changes Net's gain before this step
 GAIN_CHECK_EVERY = 2
+FAIL_STEPS = 6
+BUILD_AT = 2                    # warmup 1: step 1 is the first recorded step, step 2 the build
 
 
 def images_at(step):

@@ -154,6 +154,113 @@ def agreement(comm, out):
                                         if 'TrainStep' in str(w.message)] or [''])
 
 
+def failures(comm, out):
+    """What one rank finds when it builds a replay is every rank's. (1) Rank 0 alone changes
+    GainNet's gain between the two recorded steps: its build fails (a value differs between
+    them), rank 1's does not. (2) A stand-in for a GPU capture (the CPU has none) that fails
+    on rank 0 halfway through its forward (at its second host exchange: out of memory, say),
+    while rank 1's runs its whole forward. The steps' counters, the warnings and the state
+    are written out."""
+    os.environ['CHAINER_TC_EMULATE'] = '0'
+    half = common.TRAIN_BATCH // comm.size
+    model = multinode.create_mnbn_model(common.GainNet(), comm)
+    step = multinode.TrainStep(model, common.optimizer(model), comm, common.lossfun(model))
+    modes = []
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter('always')
+        for s in range(common.FAIL_STEPS):
+            if s == common.BUILD_AT and comm.rank == 0:
+                model.gain = 0.5
+            step(*(a[comm.rank * half:(comm.rank + 1) * half] for a in common.train_batch(s)))
+            modes.append((step.eager_steps, step.replays, step.checks, step.disagreements))
+    out['build/modes'] = numpy.array(modes)
+    out['build/warnings'] = numpy.array([str(w.message) for w in seen
+                                         if 'TrainStep' in str(w.message)] or [''])
+    for k, v in common.state(model).items():
+        out['build/' + k] = v
+
+    model = multinode.create_mnbn_model(common.Net(), comm)
+    step = multinode.TrainStep(model, common.optimizer(model), comm, common.lossfun(model))
+    step._chainer_cudnn_routed = lambda inputs: contextlib.nullcontext()
+    made, replayed = [], []
+    with _standing_in_for_capture(comm, made, replayed), \
+            warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter('always')
+        modes = []
+        for s in range(common.FAIL_STEPS):
+            step(*(a[comm.rank * half:(comm.rank + 1) * half] for a in common.train_batch(s)))
+            modes.append((step.eager_steps, step.replays, step.checks, step.disagreements))
+    out['capture/modes'] = numpy.array(modes)
+    out['capture/warnings'] = numpy.array([str(w.message) for w in seen
+                                           if 'TrainStep' in str(w.message)] or [''])
+    out['capture/made'] = numpy.array(made)            # host exchanges made while capturing
+    out['capture/replayed'] = numpy.array(replayed)    # exchanges replayed while capturing
+    for k, v in common.state(model).items():
+        out['capture/' + k] = v
+
+
+@contextlib.contextmanager
+def _standing_in_for_capture(comm, made, replayed):
+    """multinode.TrainStep's GPU path on NumPy arrays: its build 'captures' with a stand-in
+    that runs the forward as a capture runs it on the host (the data collectives enqueued on
+    the stream, NCCL's way, so no host communication; no array changed: BatchNorm's running
+    statistics are put back) and raises NotReplayable on rank 0 at its second host exchange.
+    ``made`` gets the number of host exchanges made while capturing, ``replayed`` those
+    answered from the recorded step."""
+    from chainer_tc.multinode import collectives
+    from chainer_tc.static_graph import _capture
+    from chainer_tc.static_graph import _program
+    from chainer_tc.static_graph import step as step_module
+
+    class Capture:
+        def __init__(self, step, entry):
+            saved = [(a, a.copy()) for _, _, a in step._persistents()]
+            calls = []
+            real = collectives._allgather_objects
+            tape = collectives._tapes.current
+
+            def exchange(comm_, value):
+                if comm.rank == 0 and tape.next == 1:
+                    raise _program.NotReplayable('out of memory (a test)')
+                return type(tape).exchange(tape, comm_, value)
+
+            def count(*args):
+                calls.append(1)
+                return real(*args)
+            with _patched(collectives, '_allgather_objects', count), \
+                    _patched(tape, 'exchange', exchange), \
+                    _patched(collectives, 'allgather', _enqueued_allgather):
+                try:
+                    step._call_lossfun(entry.buffers)
+                finally:
+                    for a, copy in saved:
+                        a[...] = copy
+                    made.append(len(calls))
+                    replayed.append(tape.next)
+
+    with _patched(step_module, '_is_cupy', lambda arrays: True), \
+            _patched(_capture, 'CapturedStep', Capture):
+        yield
+
+
+def _enqueued_allgather(comm, array, backend_name):
+    return numpy.stack([array] * comm.size)
+
+
+@contextlib.contextmanager
+def _patched(owner, name, value):
+    """``owner.name`` is ``value`` within (an instance's own attribute is removed after)."""
+    had, old = name in vars(owner), vars(owner).get(name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        if had:
+            setattr(owner, name, old)
+        else:
+            delattr(owner, name)
+
+
 def main(outdir):
     comm = chainermn.create_communicator('naive')
     assert comm.size == common.RANKS
@@ -164,6 +271,7 @@ def main(outdir):
     mismatch(comm, out)
     train(comm, out)
     agreement(comm, out)
+    failures(comm, out)
     numpy.savez(os.path.join(outdir, 'rank{}.npz'.format(comm.rank)), **out)
 
 

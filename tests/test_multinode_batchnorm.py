@@ -228,23 +228,83 @@ def test_trainstep_runs_a_step_eagerly_on_every_rank_where_one_rank_has_a_partia
                                       atol=TRAIN_TOL * numpy.abs(v).max(), err_msg=k)
 
 
-def test_trainstep_records_again_on_every_rank_where_one_rank_dropped_its_trace(ranks):
-    """Rank 0 alone changes a value the step reads (GainNet's gain): its next check drops its
-    trace, so it would record the step again while rank 1 replays. Both run that step eagerly,
-    drop the trace, record it together and replay again, in step."""
+def test_a_check_that_sees_a_change_on_one_rank_drops_the_trace_on_every_rank(ranks):
+    """Rank 0 alone changes a value the step reads (GainNet's gain): its next check sees the
+    change while rank 1's check passes. Every rank drops the trace at that check and records
+    it again, in step, with no disagreement: the check's outcome is shared. Before, rank 0
+    alone dropped it, the next step disagreed (rank 0 recording, rank 1 replaying) and ran
+    eagerly on both."""
     m0, m1 = ranks[0]['gain/modes'], ranks[1]['gain/modes']
     numpy.testing.assert_array_equal(m0, m1, err_msg='the ranks stepped differently')
     eager, replays, checks, disagreements = m0.T
-    first = int(numpy.argmax(disagreements))
-    assert disagreements[first] == disagreements[-1] == 1 and first > common.GAIN_AT
-    assert checks[first] == 1 and replays[first] == replays[first - 1]
-    # then two recorded steps on both ranks (eager), and a replay
-    assert list(eager[first + 1:first + 3] - eager[first:first + 2]) == [1, 1]
-    assert replays[first + 3] == replays[first] + 1
-    said = ranks[1]['gain/warnings']
-    assert len(said) == 1 and 'of one signature differently' in said[0], said
-    assert 'rank 0: 2 inputs (4, 6, 6, 3) float32, (4,) int32, a second recorded step' in said[0]
-    assert 'rank 1: 2 inputs (4, 6, 6, 3) float32, (4,) int32, a replay' in said[0]
+    assert not disagreements.any()
+    first = int(numpy.argmax(checks > 0))         # the first check: at GAIN_AT, or after
+    assert first >= common.GAIN_AT and replays[first] == replays[first - 1]
+    # the check was the first recorded step of the new trace: one more recorded step, a replay
+    assert eager[first + 1] == eager[first] + 1 and replays[first + 1] == replays[first]
+    assert replays[first + 2] == replays[first] + 1
+    for said in (ranks[0]['gain/warnings'], ranks[1]['gain/warnings']):
+        assert len(said) == 1 and 'the step changed after it was traced (rank 0: ' in said[0]
+        assert "(1.0 then 0.5)" in said[0], said
+
+
+def _rank_states(r0, r1, prefix):
+    states = []
+    for r in (r0, r1):
+        states.append({k[len(prefix):]: v for k, v in r.items()
+                       if k.startswith(prefix) and ('param' in k or '/avg_' in k)})
+    for k, v in states[0].items():
+        numpy.testing.assert_array_equal(v, states[1][k], err_msg='ranks differ: ' + k)
+    return states[0]
+
+
+def test_a_build_failing_on_one_rank_runs_the_signature_eagerly_on_every_rank(ranks):
+    """Rank 0 alone changes GainNet's gain between the two recorded steps, so its build fails
+    and rank 1's succeeds. The failure is every rank's: both step eagerly from then on, with
+    no disagreement and one warning naming rank 0's reason. Before, rank 0 stepped eagerly and
+    rank 1 was about to replay at every later step: each of them disagreed (an eager step on
+    both, warned), never replayed."""
+    r0, r1 = ranks
+    numpy.testing.assert_array_equal(r0['build/modes'], r1['build/modes'])
+    eager, replays, checks, disagreements = r0['build/modes'].T
+    assert list(eager) == list(range(1, common.FAIL_STEPS + 1))
+    assert not replays.any() and not checks.any() and not disagreements.any()
+    for said in (r0['build/warnings'], r1['build/warnings']):
+        assert len(said) == 1 and said[0].startswith(
+            'TrainStep: this step cannot be replayed, it runs eagerly: rank 0: '), said
+        assert "(1.0 then 0.5)" in said[0] and 'rank 1' not in said[0], said
+    _rank_states(r0, r1, 'build/')
+
+
+def test_a_capture_failing_halfway_on_one_rank_leaves_no_rank_waiting(ranks):
+    """A stand-in for the GPU capture (tests/multinode_batchnorm_worker.py) fails on rank 0
+    at its second BatchNorm layer while rank 1 runs its whole forward. A capture makes no host
+    exchange (the row counts of the recorded step are replayed: rank 1 answered all three of
+    its layers' exchanges so, rank 0 one), so no rank waits for rank 0; the failure is every
+    rank's, and the step runs eagerly on both, once: the training equals one process over the
+    concatenated batches. Before, rank 1's capture exchanged row counts with rank 0's eager
+    step, or waited for it."""
+    r0, r1 = ranks
+    numpy.testing.assert_array_equal(r0['capture/modes'], r1['capture/modes'])
+    eager, replays, _, disagreements = r0['capture/modes'].T
+    assert list(eager) == list(range(1, common.FAIL_STEPS + 1)) and not replays.any()
+    assert not disagreements.any()
+    assert list(r0['capture/made']) == list(r1['capture/made']) == [0]
+    assert list(r0['capture/replayed']) == [1] and list(r1['capture/replayed']) == [3]
+    for said in (r0['capture/warnings'], r1['capture/warnings']):
+        assert list(said) == ['TrainStep: this step cannot be captured, it runs eagerly: '
+                              'rank 0: out of memory (a test)'], said
+    got = _rank_states(r0, r1, 'capture/')
+    model = common.Net()
+    opt = common.optimizer(model)
+    for s in range(common.FAIL_STEPS):
+        opt.update(common.shards_lossfun(model, (common.TRAIN_BATCH // common.RANKS,) *
+                                         common.RANKS), *common.train_batch(s))
+    want = common.state(model)
+    assert sorted(got) == sorted(want)
+    for k, v in want.items():
+        numpy.testing.assert_allclose(got[k], v, rtol=TRAIN_TOL,
+                                      atol=TRAIN_TOL * numpy.abs(v).max(), err_msg=k)
 
 
 # ---- one rank: the single-process functions' bits, gradient checks ------------------------------
@@ -491,6 +551,50 @@ def test_collectives_refuse_what_mpi_cannot_carry():
 
 
 # ---- create_mnbn_model -------------------------------------------------------------------------
+
+class _Ranks:
+    """A communicator of two ranks whose host allgather is this process's answer (rank 1
+    gives ``other``), counting the exchanges."""
+    size = 2
+
+    def __init__(self, other):
+        self.other = other
+        self.calls = 0
+        self.mpi_comm = self
+
+    def allgather(self, value):
+        self.calls += 1
+        return [value, self.other(value)]
+
+
+def test_host_exchanges_replay_without_communicating_and_refuse_what_differs():
+    comm = _Ranks(lambda v: (v[0] + 1,) + v[1:])
+    with collectives.recording_exchanges(comm) as tape:
+        first = collectives.allgather_objects(comm, (4, 8, '<f4'))
+        second = collectives.allgather_objects(comm, (2, 8, '<f4'))
+    assert first == [(4, 8, '<f4'), (5, 8, '<f4')] and second[1] == (3, 8, '<f4')
+    assert comm.calls == 2 and len(tape) == 2
+    other = _Ranks(lambda v: v)
+    assert collectives.allgather_objects(other, 1) == [1, 1] and other.calls == 1, \
+        'another communicator is not recorded'
+    with collectives.replaying_exchanges(comm, tape):
+        again = collectives.allgather_objects(comm, (4, 8, '<f4'))
+        again[0] = None                                  # a new list each time
+        assert collectives.allgather_objects(comm, (2, 8, '<f4')) == second
+        with pytest.raises(collectives.ExchangeChanged, match=r'host exchange 3 of this step: '
+                           r'the recorded step made 2 \(this rank gives 7\)'):
+            collectives.allgather_objects(comm, 7)
+        assert collectives.allgather_objects(other, 1) == [1, 1]
+    assert comm.calls == 2 and other.calls == 2, 'replayed: no exchange on comm'
+    with collectives.replaying_exchanges(comm, tape):
+        assert collectives.allgather_objects(comm, (4, 8, '<f4')) == first
+        with pytest.raises(collectives.ExchangeChanged, match=r"host exchange 2 of this step: "
+                           r"this rank gives \(3, 8, '<f4'\), it gave \(2, 8, '<f4'\) in the "
+                           r"recorded step"):
+            collectives.allgather_objects(comm, (3, 8, '<f4'))
+    assert collectives.allgather_objects(comm, (1, 8, '<f4'))[1] == (2, 8, '<f4')
+    assert comm.calls == 3, 'outside the context: exchanged'
+
 
 def _snapshot(model):
     return {n: numpy.array(p.array) for n, p in model.namedparams()}, \

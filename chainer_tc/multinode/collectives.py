@@ -18,7 +18,15 @@ Where the arrays go:
 
 :func:`allgather_objects` exchanges small Python values on the host (``mpi_comm.allgather``):
 the row counts, which every rank needs on the host before any collective on the data.
+
+A step can record its host exchanges and a later run of the same step can replay them without
+communicating (:func:`recording_exchanges`, :func:`replaying_exchanges`): multinode.TrainStep
+does so while it captures a step into a CUDA graph, so that a capture failing on one rank only,
+halfway, leaves no rank waiting in an exchange the failed rank will not make.
 """
+import contextlib
+import pickle
+import threading
 import warnings
 
 import numpy
@@ -54,10 +62,79 @@ def backend(comm, communication_backend='auto'):
 
 
 def allgather_objects(comm, value):
-    """[value of rank 0, value of rank 1, ...] on every rank (small picklable values)."""
+    """[value of rank 0, value of rank 1, ...] on every rank (small picklable values). Within
+    :func:`replaying_exchanges` for ``comm``: the recorded result, with no exchange."""
+    tape = getattr(_tapes, 'current', None)
+    if tape is not None and tape.comm is comm:
+        return tape.exchange(comm, value)
+    return _allgather_objects(comm, value)
+
+
+def _allgather_objects(comm, value):
     if comm.size == 1:
         return [value]
     return comm.mpi_comm.allgather(value)
+
+
+class ExchangeChanged(RuntimeError):
+    """A replay of recorded host exchanges was asked for one the recording does not hold (this
+    rank's value differs, or one more exchange than recorded)."""
+
+
+class _Tape:
+    def __init__(self, comm, recorded):
+        self.comm = comm
+        self.recording = recorded is None
+        self.entries = [] if recorded is None else recorded
+        self.next = 0
+
+    def exchange(self, comm, value):
+        mine = pickle.dumps(value)
+        if self.recording:
+            result = _allgather_objects(comm, value)
+            self.entries.append((mine, pickle.dumps(result)))
+            return result
+        i = self.next
+        if i == len(self.entries):
+            raise ExchangeChanged(
+                'host exchange {} of this step: the recorded step made {} (this rank gives {!r})'
+                .format(i + 1, i, value))
+        if self.entries[i][0] != mine:
+            raise ExchangeChanged(
+                'host exchange {} of this step: this rank gives {!r}, it gave {!r} in the '
+                'recorded step'.format(i + 1, value, pickle.loads(self.entries[i][0])))
+        self.next = i + 1
+        return pickle.loads(self.entries[i][1])       # a new list, as an exchange gives
+
+
+_tapes = threading.local()
+
+
+@contextlib.contextmanager
+def _using(tape):
+    outer = getattr(_tapes, 'current', None)
+    _tapes.current = tape
+    try:
+        yield tape.entries
+    finally:
+        _tapes.current = outer
+
+
+def recording_exchanges(comm):
+    """A context: every :func:`allgather_objects` on ``comm`` made within it, in this thread,
+    is made as usual and recorded; the context's value is the list of records (this rank's
+    value and the result, pickled), for :func:`replaying_exchanges`."""
+    return _using(_Tape(comm, None))
+
+
+def replaying_exchanges(comm, recorded):
+    """A context: the i-th :func:`allgather_objects` on ``comm`` within it, in this thread,
+    makes no exchange and returns the i-th ``recorded`` result, where this rank's value is
+    the one it gave then; else it raises :class:`ExchangeChanged`. Where every rank replays
+    the records of one recorded step (multinode.TrainStep's ranks agree on each step), each
+    result is what the exchange would give: every rank checked that its own part is the same.
+    A rank that stops midway (a failed capture) leaves no other rank waiting for it."""
+    return _using(_Tape(comm, recorded))
 
 
 def allgather(comm, array, backend_name):

@@ -20,6 +20,14 @@ replaying next to a rank stepping eagerly would wait for it forever. Where the r
 (a last partial batch on some ranks only), every rank runs that step eagerly, and says so once;
 where they differ with one signature (a trace kept by some ranks only), its traces are dropped
 on every rank and recorded again together.
+
+What each rank finds when it builds a replay or checks one is shared too (one more host
+allreduce of one integer, at builds and checks only): where the build fails on one rank (a
+capture that runs out of memory on one GPU, a value that changed on one rank only), or one
+rank's check sees the step change, every rank runs that signature as that rank does. A capture
+makes no host exchange: the multi-node BatchNorm's exchanges of row counts are replayed from
+the recorded step before it (:func:`chainer_tc.multinode.collectives.replaying_exchanges`),
+so that a capture failing halfway on one rank leaves no rank waiting in an exchange.
 """
 import hashlib
 
@@ -100,6 +108,32 @@ class TrainStep(step_module.TrainStep):
                        'the same settings to keep every step replayed'
                        .format(' and '.join(parts), ranks))
         return 'eager'
+
+    def _shared_failure(self, failure):
+        """``failure`` (why this rank's build or check failed, or None) joined with every other
+        rank's: 'rank R: why; ...' where any rank failed, else None (one host allreduce; the
+        reasons are gathered only where one failed)."""
+        comm = self.communicator
+        if comm.size == 1:
+            return failure
+        from mpi4py import MPI
+        failed = numpy.array([failure is not None], numpy.int64)
+        comm.mpi_comm.Allreduce(MPI.IN_PLACE, failed, op=MPI.MAX)
+        if not failed[0]:
+            return None
+        everyone = collectives.allgather_objects(comm, failure)
+        return '; '.join('rank {}: {}'.format(r, why) for r, why in enumerate(everyone)
+                         if why is not None)
+
+    def _recorded(self, inputs, buffers=None, previous=None):
+        """A recorded step, with the host exchanges its functions made (for a capture)."""
+        with collectives.recording_exchanges(self.communicator) as exchanges:
+            trace, result = super()._recorded(inputs, buffers, previous)
+        trace.exchanges = exchanges
+        return trace, result
+
+    def _capturing(self, first):
+        return collectives.replaying_exchanges(self.communicator, first.exchanges)
 
     def _broadcast_model(self, args, kwargs):
         """Rank 0's parameters everywhere (lazy links are initialised by a forward first)."""

@@ -38,8 +38,9 @@ from chainer_tc.static_graph import _trace
 
 
 class CapturedStep:
-    """One input signature's step as a CUDA graph; building it performs the current step
-    (``first_loss``). :meth:`validate` then checks that the graph may be replayed."""
+    """One input signature's step as a CUDA graph, captured (not run) by the constructor;
+    :meth:`first_launch` then performs the current step, and :meth:`validate` checks that the
+    graph may be replayed."""
 
     def __init__(self, step, entry):
         import cupy
@@ -92,11 +93,17 @@ class CapturedStep:
         self.flat = flat
         self.program = None
         self.graph.upload(self.stream)
-        # this step: the reports made while capturing hold the graph's arrays, valid once it
-        # ran, and overwritten by every later launch: they are given copies after this one
-        self.first_loss = self._launch(step, report=False)
-        with flat.device_scope(), self.stream:
-            detach_reports(rec)
+        self._rec = rec
+
+    def first_launch(self, step):
+        """The captured step's loss, run by the graph's first launch. The reports made while
+        capturing hold the graph's arrays, valid once it ran and overwritten by every later
+        launch: they are given copies after this one."""
+        loss = self._launch(step, report=False)
+        with self.flat.device_scope(), self.stream:
+            detach_reports(self._rec)
+        self._rec = None
+        return loss
 
     def _record(self, step, entry, products, reduce, buffers, views):
         """Capture forward, backward and (without hooks) the update on self.stream: (graph,

@@ -119,6 +119,7 @@ class Trace:
         self.leftover_grads = {}   # id of a gradient the backward adds to -> its parameter
         self.untrained_grads = []  # (param, grad) of the target's parameters without a rule
         self.constants = {}        # id -> array an op read that no op made, no external
+        self.exchanges = None      # (multinode.TrainStep) the host exchanges its functions made
 
 
 class _Patches:

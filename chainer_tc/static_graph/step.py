@@ -268,6 +268,27 @@ class TrainStep:
         step (:class:`chainer_tc.multinode.TrainStep`) makes every rank run the same one."""
         return mode
 
+    def _shared_failure(self, failure):
+        """Why a build or check of the current step failed (a string), or None, made the same
+        on every process that steps together: here the one given. A multi-node step
+        (:class:`chainer_tc.multinode.TrainStep`) gives every rank the failures of all, so
+        that no rank replays a step another runs eagerly."""
+        return failure
+
+    def _capturing(self, first):
+        """The context of a capture of the step whose first recorded step is ``first``: here
+        none. A multi-node step replays ``first``'s host exchanges there."""
+        return contextlib.nullcontext()
+
+    def _fail(self, entry, why, done):
+        """The signature of ``entry`` runs eagerly from now on, because of ``why``; said once
+        (``done``: 'replayed' or 'captured', what it cannot be)."""
+        entry.failed = why
+        entry.replay = None
+        entry.visible = ()
+        self._warn('failed:' + why, 'TrainStep: this step cannot be {}, it runs eagerly: {}'
+                                    .format(done, why))
+
     def _drop_traces(self, why):
         """Forget every trace, saying why once (when there was one)."""
         if any(e.first is not None or e.replay is not None for e in self._entries.values()):
@@ -357,15 +378,14 @@ class TrainStep:
             self._update(entry.first.grads)
             return result
         unmarked = _unmarked(self.optimizer, entry.first)
-        if unmarked:
-            entry.failed = ('the gradients of {} were not computed by the loss-scaled backward '
-                            '(their parameters\' _loss_scale is not the optimizer\'s, e.g. '
-                            'under F.forget, whose inner backward Chainer runs unscaled): an '
-                            'eager update leaves them scaled, a replay would unscale them'
-                            .format(', '.join(unmarked)))
+        failure = self._shared_failure(None if not unmarked else (
+            'the gradients of {} were not computed by the loss-scaled backward (their '
+            'parameters\' _loss_scale is not the optimizer\'s, e.g. under F.forget, whose '
+            'inner backward Chainer runs unscaled): an eager update leaves them scaled, a '
+            'replay would unscale them'.format(', '.join(unmarked))))
+        if failure is not None:
+            self._fail(entry, failure, 'replayed')
             entry.first = None
-            self._warn('failed:' + entry.failed, 'TrainStep: this step cannot be replayed, it '
-                                                 'runs eagerly: {}'.format(entry.failed))
             return self._eager(inputs)
         entry.load(inputs)
         if self.capture and _is_cupy(entry.buffers):
@@ -373,13 +393,16 @@ class TrainStep:
         trace, result = self._recorded(inputs, entry.buffers, entry.first)
         grads = list(trace.grads)         # as computed (the build moves them into its views)
         try:
-            entry.replay = self._build(entry, trace)
+            replay, failure = self._build(entry, trace), None
+        except _program.NotReplayable as e:
+            replay, failure = None, str(e)
+        failure = self._shared_failure(failure)
+        if failure is None:
+            entry.replay = replay
             self.traces += 1
             self._traced()
-        except _program.NotReplayable as e:
-            entry.failed = str(e)
-            self._warn('failed:' + str(e), 'TrainStep: this step cannot be replayed, it runs '
-                                            'eagerly: {}'.format(e))
+        else:
+            self._fail(entry, failure, 'replayed')
         entry.first = None
         self._update(grads)
         return result
@@ -440,13 +463,18 @@ class TrainStep:
         trace, result = self._recorded(inputs, None, traced)
         try:
             _compare.check_same_step(traced, trace, traced.externals, trace.externals)
+            change = None
         except _program.NotReplayable as e:
+            change = str(e)
+        change = self._shared_failure(change)
+        if change is not None:
             self._warn('changed', 'TrainStep: the step changed after it was traced ({}); the '
                                   '{} replays of this input signature since it was last '
                                   'checked ran the step as traced. It is traced again, and '
                                   'every other traced signature is checked at its next call '
                                   '(check_every={} bounds how long a change goes unseen; this '
-                                  'warning is given once)'.format(e, replayed, self.check_every))
+                                  'warning is given once)'.format(change, replayed,
+                                                                  self.check_every))
             for other in self._entries.values():
                 if other is not entry and other.replay is not None:
                     other.since_check = self.check_every - 1
@@ -617,28 +645,33 @@ class TrainStep:
         from chainer_tc.static_graph import _capture
         first, entry.first = entry.first, None
         try:
-            captured = _capture.CapturedStep(self, entry)      # runs this step
-        except _program.NotReplayable as e:                    # nothing ran: run it eagerly
-            entry.failed = str(e)
-            self._warn('failed:' + str(e), 'TrainStep: this step cannot be captured, it runs '
-                                            'eagerly: {}'.format(e))
+            with self._capturing(first):
+                captured, failure = _capture.CapturedStep(self, entry), None
+        except _program.NotReplayable as e:
+            captured, failure = None, str(e)
+        failure = self._shared_failure(failure)
+        if failure is not None:                     # nothing ran: run this step eagerly
+            self._fail(entry, failure, 'captured')
             return self._eager(inputs)
+        loss = captured.first_launch(self)          # this step
         try:
             captured.trace.externals = self._externals(entry.buffers)
             captured.validate(first, first.externals, captured.trace.externals)
-        except _program.NotReplayable as e:                    # this step ran; later ones eager
-            entry.failed = str(e)
-            self._warn('failed:' + str(e), 'TrainStep: this step cannot be replayed, it runs '
-                                            'eagerly: {}'.format(e))
+            failure = None
+        except _program.NotReplayable as e:
+            failure = str(e)
+        failure = self._shared_failure(failure)
+        if failure is not None:                     # this step ran; later ones eager
+            self._fail(entry, failure, 'replayed')
             self.eager_steps += 1
-            return captured.first_loss
+            return loss
         entry.replay = captured
         entry.visible = self._visible_variables(captured.trace)   # their arrays: the graph's
         _leave_copies(entry.visible)
         self.traces += 1
         self._traced()
         self.replays += 1
-        return captured.first_loss
+        return loss
 
     def _replay(self, entry, inputs):
         self.replays += 1
