@@ -40,9 +40,10 @@ def _launch(argv):
 
 
 def _counting(collectives):
-    """Wraps the multi-node BatchNorm's three collectives to count their calls."""
+    """Wraps the multi-node BatchNorm's three collectives to count their calls (the host
+    exchanges of row counts that are made: a replay answers them from its recorded step)."""
     counts = collections.Counter()
-    for name in ('allgather_objects', 'allgather', 'allreduce_sum'):
+    for name in ('_allgather_objects', 'allgather', 'allreduce_sum'):
         original = getattr(collectives, name)
 
         def counted(*args, _name=name, _original=original, **kwargs):
@@ -137,7 +138,7 @@ def _worker(args):
         ms = max(comm.mpi_comm.allgather(ms))
         c = per_step[v.name]
         rows.append({'variant': v.name, 'ms_per_step': ms,
-                     'count_exchanges_per_step': c.get('allgather_objects', 0),
+                     'count_exchanges_per_step': c.get('_allgather_objects', 0),
                      'summary_allgathers_per_step': c.get('allgather', 0),
                      'sum_allreduces_per_step': c.get('allreduce_sum', 0),
                      'replays': None if v.step is None else v.step.replays})

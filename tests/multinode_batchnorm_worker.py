@@ -24,6 +24,7 @@ import chainermn  # noqa: E402
 
 import multinode_batchnorm_common as common  # noqa: E402
 from chainer_tc import multinode  # noqa: E402
+from chainer_tc.multinode import collectives  # noqa: E402
 
 
 def function_case(comm, name, path, dtype, pdtype, relu, with_z, images, out):
@@ -93,12 +94,18 @@ def train(comm, out):
             update(*mine(0))            # the loss (BN statistics), then the broadcast: no step
         else:
             update = multinode.TrainStep(model, opt, comm, lossfun)
+        exchanges = []                  # per step: the host exchanges of row counts made
         for s in range(common.TRAIN_STEPS):
-            update(*mine(s))
+            made = []
+            with _counting(collectives, '_allgather_objects', made):
+                update(*mine(s))
+            exchanges.append(len(made))
+        out['train-{}/exchanges'.format(how)] = numpy.array(exchanges)
         for k, v in common.state(model).items():
             out['train-{}/{}'.format(how, k)] = v
         if how == 'trainstep':
             out['train-trainstep/replays'] = numpy.array(update.replays)
+            out['train-trainstep/eager'] = numpy.array(update.eager_steps)
         out['train-{}/types'.format(how)] = numpy.array(
             sorted('{}:{}'.format(p, type(link).__name__) for p, link in model.namedlinks()
                    if 'BatchNorm' in type(link).__name__))
@@ -207,7 +214,6 @@ def _standing_in_for_capture(comm, made, replayed):
     statistics are put back) and raises NotReplayable on rank 0 at its second host exchange.
     ``made`` gets the number of host exchanges made while capturing, ``replayed`` those
     answered from the recorded step."""
-    from chainer_tc.multinode import collectives
     from chainer_tc.static_graph import _capture
     from chainer_tc.static_graph import _program
     from chainer_tc.static_graph import step as step_module
@@ -216,7 +222,6 @@ def _standing_in_for_capture(comm, made, replayed):
         def __init__(self, step, entry):
             saved = [(a, a.copy()) for _, _, a in step._persistents()]
             calls = []
-            real = collectives._allgather_objects
             tape = collectives._tapes.current
 
             def exchange(comm_, value):
@@ -224,10 +229,7 @@ def _standing_in_for_capture(comm, made, replayed):
                     raise _program.NotReplayable('out of memory (a test)')
                 return type(tape).exchange(tape, comm_, value)
 
-            def count(*args):
-                calls.append(1)
-                return real(*args)
-            with _patched(collectives, '_allgather_objects', count), \
+            with _counting(collectives, '_allgather_objects', calls), \
                     _patched(tape, 'exchange', exchange), \
                     _patched(collectives, 'allgather', _enqueued_allgather):
                 try:
@@ -241,6 +243,16 @@ def _standing_in_for_capture(comm, made, replayed):
     with _patched(step_module, '_is_cupy', lambda arrays: True), \
             _patched(_capture, 'CapturedStep', Capture):
         yield
+
+
+def _counting(owner, name, calls):
+    """A context in which ``owner.name`` appends to ``calls`` at each call."""
+    real = getattr(owner, name)
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+    return _patched(owner, name, counted)
 
 
 def _enqueued_allgather(comm, array, backend_name):

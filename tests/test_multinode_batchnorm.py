@@ -183,8 +183,16 @@ def test_training_a_small_nhwc_net_on_two_ranks_equals_one_process(monkeypatch, 
     assert sorted(r0['types']) == ['/bn1:MultiNodeBatchNormAddReLU',
                                    '/bn2:MultiNodeBatchNormAddReLU',
                                    '/bn3:MultiNodeBatchNormalization']
+    exchanges = r0.pop('exchanges')
+    numpy.testing.assert_array_equal(exchanges, r1.pop('exchanges'))
+    # the host exchanges of row counts: one per BatchNorm layer in each eager step; a replay
+    # answers them from its recorded step (the ranks agreed on its signature)
     if how == 'trainstep':
-        assert int(r0.pop('replays')) == int(r1.pop('replays')) >= 1
+        replays, eager = int(r0.pop('replays')), int(r0.pop('eager'))
+        assert replays == int(r1.pop('replays')) >= 1 and eager == int(r1.pop('eager'))
+        assert sorted(exchanges) == [0] * replays + [3] * eager, exchanges
+    else:
+        assert list(exchanges) == [3] * common.TRAIN_STEPS
     start = common.state(common.Net())
     for k, v in want.items():
         numpy.testing.assert_array_equal(r0[k], r1[k], err_msg='ranks differ: ' + k)
@@ -551,6 +559,28 @@ def test_collectives_refuse_what_mpi_cannot_carry():
 
 
 # ---- create_mnbn_model -------------------------------------------------------------------------
+
+def test_summaries_merge_to_the_statistics_of_all_rows():
+    """local_summary of row blocks (one empty, unequal sizes) merged in order: the count, and
+    the mean and M2 of all rows (float32 summaries: within a few ulps of the float64 values of
+    the concatenated rows; a merge adds one rounding per step to each). One summary merges to
+    its own bits; only empty ones to zeros."""
+    from chainer_tc.multinode import batch_norm_function as B
+    r = numpy.random.RandomState(5)
+    blocks = [r.randn(n, 6).astype(numpy.float32) * 3 + 2 for n in (5, 0, 11, 2)]
+    summaries = numpy.stack([B.local_summary(b) for b in blocks])
+    count, mean, m2 = B.merge_summaries(summaries)
+    rows = numpy.concatenate(blocks).astype(numpy.float64)
+    assert count.dtype == mean.dtype == m2.dtype == numpy.float32
+    assert list(count) == [18] * 6
+    numpy.testing.assert_allclose(mean, rows.mean(0), rtol=1e-6)
+    numpy.testing.assert_allclose(m2, ((rows - rows.mean(0)) ** 2).sum(0), rtol=1e-5)
+    one = B.merge_summaries(summaries[:1])
+    for got, want in zip(one, summaries[0].T):
+        numpy.testing.assert_array_equal(got, want)
+    empty = B.merge_summaries(summaries[1:2])
+    assert not any(v.any() for v in empty)
+
 
 class _Ranks:
     """A communicator of two ranks whose host allgather is this process's answer (rank 1

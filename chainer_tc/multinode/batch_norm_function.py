@@ -47,8 +47,10 @@ cuDNN's fused batch normalization is never used: it computes the statistics and 
 one call, with no place for a reduction across ranks between its passes (ChainerMN's link also
 computes without cuDNN). Every call also exchanges the ranks' row counts, dtypes and channel
 counts on the host (one small ``mpi_comm.allgather``, no GPU synchronisation), so that every
-rank knows M, and a mismatch raises the same error on every rank instead of hanging.
-Double backpropagation is not supported.
+rank knows M, and a mismatch raises the same error on every rank instead of hanging
+(multinode.TrainStep answers it from a recorded step in its replays and captures:
+:func:`chainer_tc.multinode.collectives.replaying_exchanges`). Double backpropagation is not
+supported.
 """
 import numpy
 
@@ -70,7 +72,9 @@ from chainer_tc.multinode import collectives
 
 def local_summary(x):
     """(C, 3) (count, mean, M2) of each column of the NumPy (rows, C) array ``x``, in the
-    accumulation dtype: two passes (the mean, then the squared deviations from it)."""
+    accumulation dtype: two passes (the mean, then the squared deviations from it; on small
+    channel counts over the folded view, as :func:`chainer_tc.functions._bn_numpy.statistics`:
+    the same elementwise results)."""
     a = _bn_numpy.acc_dtype(x.dtype)
     rows, c = x.shape
     out = numpy.zeros((c, 3), a)
@@ -78,30 +82,32 @@ def local_summary(x):
         return out
     xa = numpy.ascontiguousarray(x).astype(a, copy=False)
     mean = _bn_numpy.colsum(xa) / a(rows)
-    d = xa - mean
+    m = _bn_numpy._fold(rows, c)
+    d = _bn_numpy._wide(xa, m) - _bn_numpy._tile(mean, m)
     out[:, 0] = rows
     out[:, 1] = mean
-    out[:, 2] = _bn_numpy.colsum(numpy.multiply(d, d, out=d))
+    out[:, 2] = _bn_numpy.colsum(numpy.multiply(d, d, out=d).reshape(rows, c))
     return out
 
 
 def merge_summaries(summaries):
     """(count, mean, M2) per channel of the (R, C, 3) ``summaries`` merged in order with Chan
-    et al.'s formula (the merge of kernels/batchnorm.cu: an empty summary is skipped)."""
+    et al.'s formula (the merge of kernels/batchnorm.cu: an empty summary is skipped). A
+    summary's count is its rows, the same in every channel (as :func:`local_summary` and the
+    kernels make it): the count is a scalar here, each step rounded as the kernel rounds it."""
     a = summaries.dtype.type
     c = summaries.shape[1]
-    n, mean, m2 = numpy.zeros(c, a), numpy.zeros(c, a), numpy.zeros(c, a)
+    n, mean, m2 = a(0), numpy.zeros(c, a), numpy.zeros(c, a)
     for s in summaries:
-        nb, meanb, m2b = s[:, 0], s[:, 1], s[:, 2]
-        if not nb.any():
+        nb = s[0, 0] if c else a(0)
+        if not nb:
             continue
         total = n + nb
-        delta = meanb - mean
-        with numpy.errstate(divide='ignore', invalid='ignore'):
-            mean = mean + delta * (nb / total)
-            m2 = m2 + (m2b + delta * delta * (n * nb / total))
+        delta = s[:, 1] - mean
+        mean = mean + delta * (nb / total)
+        m2 = m2 + (s[:, 2] + delta * delta * (n * nb / total))
         n = total
-    return n, mean, m2
+    return numpy.full(c, n, a), mean, m2
 
 
 class MultiNodeBatchNormAddAct(function_node.FunctionNode):

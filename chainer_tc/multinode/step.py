@@ -25,10 +25,12 @@ What each rank finds when it builds a replay or checks one is shared too (one mo
 allreduce of one integer, at builds and checks only): where the build fails on one rank (a
 capture that runs out of memory on one GPU, a value that changed on one rank only), or one
 rank's check sees the step change, every rank runs that signature as that rank does. A capture
-makes no host exchange: the multi-node BatchNorm's exchanges of row counts are replayed from
+makes no host exchange: the multi-node BatchNorm's exchanges of row counts are answered from
 the recorded step before it (:func:`chainer_tc.multinode.collectives.replaying_exchanges`),
-so that a capture failing halfway on one rank leaves no rank waiting in an exchange.
+so that a capture failing halfway on one rank leaves no rank waiting in an exchange. A CPU
+replay answers them so too (every rank replays the signature its exchanges were recorded at).
 """
+import contextlib
 import hashlib
 
 import numpy
@@ -126,14 +128,19 @@ class TrainStep(step_module.TrainStep):
                          if why is not None)
 
     def _recorded(self, inputs, buffers=None, previous=None):
-        """A recorded step, with the host exchanges its functions made (for a capture)."""
+        """A recorded step, with the host exchanges its functions made (for the capture or
+        the CPU replay of its signature)."""
+        if self.communicator.size == 1:
+            return super()._recorded(inputs, buffers, previous)
         with collectives.recording_exchanges(self.communicator) as exchanges:
             trace, result = super()._recorded(inputs, buffers, previous)
         trace.exchanges = exchanges
         return trace, result
 
-    def _capturing(self, first):
-        return collectives.replaying_exchanges(self.communicator, first.exchanges)
+    def _exchanges_answered(self, trace):
+        if trace.exchanges is None:       # one rank; a GPU replay (no host code runs)
+            return contextlib.nullcontext()
+        return collectives.replaying_exchanges(self.communicator, trace.exchanges)
 
     def _broadcast_model(self, args, kwargs):
         """Rank 0's parameters everywhere (lazy links are initialised by a forward first)."""

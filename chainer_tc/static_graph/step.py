@@ -275,9 +275,10 @@ class TrainStep:
         that no rank replays a step another runs eagerly."""
         return failure
 
-    def _capturing(self, first):
-        """The context of a capture of the step whose first recorded step is ``first``: here
-        none. A multi-node step replays ``first``'s host exchanges there."""
+    def _exchanges_answered(self, trace):
+        """The context of a capture or a CPU replay of the step that ``trace`` recorded (the
+        last recorded step of its signature): here none. A multi-node step answers the host
+        exchanges of its functions there from those ``trace`` made, without communicating."""
         return contextlib.nullcontext()
 
     def _fail(self, entry, why, done):
@@ -645,7 +646,7 @@ class TrainStep:
         from chainer_tc.static_graph import _capture
         first, entry.first = entry.first, None
         try:
-            with self._capturing(first):
+            with self._exchanges_answered(first):
                 captured, failure = _capture.CapturedStep(self, entry), None
         except _program.NotReplayable as e:
             captured, failure = None, str(e)
@@ -676,7 +677,8 @@ class TrainStep:
     def _replay(self, entry, inputs):
         self.replays += 1
         entry.load(inputs)
-        loss = entry.replay.run(self)
+        with self._exchanges_answered(entry.replay.program.trace):
+            loss = entry.replay.run(self)
         _leave_copies(entry.visible)
         return loss
 
