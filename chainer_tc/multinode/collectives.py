@@ -25,6 +25,7 @@ does so while it captures a step into a CUDA graph, so that a capture failing on
 halfway, leaves no rank waiting in an exchange the failed rank will not make.
 """
 import contextlib
+import copy
 import pickle
 import threading
 import warnings
@@ -89,22 +90,24 @@ class _Tape:
         self.next = 0
 
     def exchange(self, comm, value):
+        # compared as MPI sends them, pickled (an array's == is no bool)
         mine = pickle.dumps(value)
         if self.recording:
             result = _allgather_objects(comm, value)
-            self.entries.append((mine, pickle.dumps(result)))
+            self.entries.append((mine, copy.deepcopy(value), copy.deepcopy(result)))
             return result
         i = self.next
         if i == len(self.entries):
             raise ExchangeChanged(
                 'host exchange {} of this step: the recorded step made {} (this rank gives {!r})'
                 .format(i + 1, i, value))
-        if self.entries[i][0] != mine:
+        sent, recorded, result = self.entries[i]
+        if sent != mine:
             raise ExchangeChanged(
                 'host exchange {} of this step: this rank gives {!r}, it gave {!r} in the '
-                'recorded step'.format(i + 1, value, pickle.loads(self.entries[i][0])))
+                'recorded step'.format(i + 1, value, recorded))
         self.next = i + 1
-        return pickle.loads(self.entries[i][1])       # a new list, as an exchange gives
+        return list(result)         # a new list, as an exchange gives (its values shared)
 
 
 _tapes = threading.local()
@@ -123,14 +126,15 @@ def _using(tape):
 def recording_exchanges(comm):
     """A context: every :func:`allgather_objects` on ``comm`` made within it, in this thread,
     is made as usual and recorded; the context's value is the list of records (this rank's
-    value and the result, pickled), for :func:`replaying_exchanges`."""
+    value, pickled and as it was, and the result), for :func:`replaying_exchanges`."""
     return _using(_Tape(comm, None))
 
 
 def replaying_exchanges(comm, recorded):
     """A context: the i-th :func:`allgather_objects` on ``comm`` within it, in this thread,
-    makes no exchange and returns the i-th ``recorded`` result, where this rank's value is
-    the one it gave then; else it raises :class:`ExchangeChanged`. Where every rank replays
+    makes no exchange and returns the i-th ``recorded`` result (a new list of the recorded
+    values: read them, do not change them), where this rank's value is the one it gave then;
+    else it raises :class:`ExchangeChanged`. Where every rank replays
     the records of one recorded step (multinode.TrainStep's ranks agree on each step), each
     result is what the exchange would give: every rank checked that its own part is the same.
     A rank that stops midway (a failed capture) leaves no other rank waiting for it."""
