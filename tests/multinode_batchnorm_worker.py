@@ -144,21 +144,33 @@ def agreement(comm, out):
                                            if 'multinode.TrainStep' in str(w.message)] or [''])
 
     model = multinode.create_mnbn_model(common.GainNet(), comm)
-    opt = common.optimizer(model)
-    step = multinode.TrainStep(model, opt, comm, common.lossfun(model),
+    step = multinode.TrainStep(model, common.optimizer(model), comm, common.lossfun(model),
                                check_every=common.GAIN_CHECK_EVERY)
+    out['gain/modes'], out['gain/warnings'] = _steps(comm, step, common.AGREE_STEPS + 2,
+                                                     _gain_halved(comm, model, common.GAIN_AT))
+
+
+def _steps(comm, step, steps, before=lambda s: None):
+    """``steps`` steps of ``step`` on this rank's half of each global batch, ``before(s)``
+    ahead of step s: (the step's counters after each step, the TrainStep warnings)."""
     half = common.TRAIN_BATCH // comm.size
     modes = []
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter('always')
-        for s in range(common.AGREE_STEPS + 2):
-            if s == common.GAIN_AT and comm.rank == 0:
-                model.gain = 0.5
+        for s in range(steps):
+            before(s)
             step(*(a[comm.rank * half:(comm.rank + 1) * half] for a in common.train_batch(s)))
             modes.append((step.eager_steps, step.replays, step.checks, step.disagreements))
-    out['gain/modes'] = numpy.array(modes)
-    out['gain/warnings'] = numpy.array([str(w.message) for w in seen
-                                        if 'TrainStep' in str(w.message)] or [''])
+    return numpy.array(modes), numpy.array([str(w.message) for w in seen
+                                            if 'TrainStep' in str(w.message)] or [''])
+
+
+def _gain_halved(comm, model, at):
+    """Rank 0 alone sets GainNet's gain to 0.5 before step ``at``."""
+    def before(s):
+        if s == at and comm.rank == 0:
+            model.gain = 0.5
+    return before
 
 
 def failures(comm, out):
@@ -169,20 +181,10 @@ def failures(comm, out):
     while rank 1's runs its whole forward. The steps' counters, the warnings and the state
     are written out."""
     os.environ['CHAINER_TC_EMULATE'] = '0'
-    half = common.TRAIN_BATCH // comm.size
     model = multinode.create_mnbn_model(common.GainNet(), comm)
     step = multinode.TrainStep(model, common.optimizer(model), comm, common.lossfun(model))
-    modes = []
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter('always')
-        for s in range(common.FAIL_STEPS):
-            if s == common.BUILD_AT and comm.rank == 0:
-                model.gain = 0.5
-            step(*(a[comm.rank * half:(comm.rank + 1) * half] for a in common.train_batch(s)))
-            modes.append((step.eager_steps, step.replays, step.checks, step.disagreements))
-    out['build/modes'] = numpy.array(modes)
-    out['build/warnings'] = numpy.array([str(w.message) for w in seen
-                                         if 'TrainStep' in str(w.message)] or [''])
+    out['build/modes'], out['build/warnings'] = _steps(
+        comm, step, common.FAIL_STEPS, _gain_halved(comm, model, common.BUILD_AT))
     for k, v in common.state(model).items():
         out['build/' + k] = v
 
@@ -190,16 +192,8 @@ def failures(comm, out):
     step = multinode.TrainStep(model, common.optimizer(model), comm, common.lossfun(model))
     step._chainer_cudnn_routed = lambda inputs: contextlib.nullcontext()
     made, replayed = [], []
-    with _standing_in_for_capture(comm, made, replayed), \
-            warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter('always')
-        modes = []
-        for s in range(common.FAIL_STEPS):
-            step(*(a[comm.rank * half:(comm.rank + 1) * half] for a in common.train_batch(s)))
-            modes.append((step.eager_steps, step.replays, step.checks, step.disagreements))
-    out['capture/modes'] = numpy.array(modes)
-    out['capture/warnings'] = numpy.array([str(w.message) for w in seen
-                                           if 'TrainStep' in str(w.message)] or [''])
+    with _standing_in_for_capture(comm, made, replayed):
+        out['capture/modes'], out['capture/warnings'] = _steps(comm, step, common.FAIL_STEPS)
     out['capture/made'] = numpy.array(made)            # host exchanges made while capturing
     out['capture/replayed'] = numpy.array(replayed)    # exchanges replayed while capturing
     for k, v in common.state(model).items():
