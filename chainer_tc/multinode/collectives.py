@@ -66,7 +66,7 @@ def allgather_objects(comm, value):
     """[value of rank 0, value of rank 1, ...] on every rank (small picklable values). Within
     :func:`replaying_exchanges` for ``comm``: the recorded result, with no exchange."""
     tape = getattr(_tapes, 'current', None)
-    if tape is not None and tape.comm is comm:
+    if tape is not None and tape.mpi_comm is getattr(comm, 'mpi_comm', None):
         return tape.exchange(comm, value)
     return _allgather_objects(comm, value)
 
@@ -84,7 +84,8 @@ class ExchangeChanged(RuntimeError):
 
 class _Tape:
     def __init__(self, comm, recorded):
-        self.comm = comm
+        # (two ChainerMN communicators made over one MPI communicator share its object)
+        self.mpi_comm = comm.mpi_comm
         self.recording = recorded is None
         self.entries = [] if recorded is None else recorded
         self.next = 0
@@ -124,7 +125,8 @@ def _using(tape):
 
 
 def recording_exchanges(comm):
-    """A context: every :func:`allgather_objects` on ``comm`` made within it, in this thread,
+    """A context: every :func:`allgather_objects` on ``comm`` (or another communicator over
+    ``comm.mpi_comm``) made within it, in this thread,
     is made as usual and recorded; the context's value is the list of records (this rank's
     value, pickled and as it was, and the result), for :func:`replaying_exchanges`."""
     return _using(_Tape(comm, None))

@@ -43,6 +43,17 @@ class CapturedStep:
     graph may be replayed."""
 
     def __init__(self, step, entry):
+        try:
+            self._make(step, entry)
+        except _program.NotReplayable:
+            raise
+        except Exception as e:
+            # what surrounds the capture (the capture's pool, the cuBLAS workspace from it,
+            # the graph's upload) failing, e.g. out of memory: the step can still run eagerly
+            raise _program.NotReplayable('preparing the capture of the step failed: {}: {}'
+                                         .format(type(e).__name__, e)) from e
+
+    def _make(self, step, entry):
         import cupy
         opt = step.optimizer
         flat = opt._flat
