@@ -22,7 +22,8 @@ the row counts, which every rank needs on the host before any collective on the 
 A step can record its host exchanges and a later run of the same step can replay them without
 communicating (:func:`recording_exchanges`, :func:`replaying_exchanges`): multinode.TrainStep
 does so while it captures a step into a CUDA graph, so that a capture failing on one rank only,
-halfway, leaves no rank waiting in an exchange the failed rank will not make.
+halfway, leaves no rank waiting in an exchange the failed rank will not make, and in its CPU
+replays.
 """
 import contextlib
 import copy
@@ -125,21 +126,22 @@ def _using(tape):
 
 
 def recording_exchanges(comm):
-    """A context: every :func:`allgather_objects` on ``comm`` (or another communicator over
-    ``comm.mpi_comm``) made within it, in this thread,
-    is made as usual and recorded; the context's value is the list of records (this rank's
-    value, pickled and as it was, and the result), for :func:`replaying_exchanges`."""
+    """A context: every :func:`allgather_objects` on ``comm`` (or on another communicator
+    over ``comm.mpi_comm``) made within it, in this thread, is made as usual and recorded; the
+    context's value is the list of records (this rank's value, pickled and as it was, and the
+    result), for :func:`replaying_exchanges`."""
     return _using(_Tape(comm, None))
 
 
 def replaying_exchanges(comm, recorded):
-    """A context: the i-th :func:`allgather_objects` on ``comm`` within it, in this thread,
-    makes no exchange and returns the i-th ``recorded`` result (a new list of the recorded
-    values: read them, do not change them), where this rank's value is the one it gave then;
-    else it raises :class:`ExchangeChanged`. Where every rank replays
-    the records of one recorded step (multinode.TrainStep's ranks agree on each step), each
-    result is what the exchange would give: every rank checked that its own part is the same.
-    A rank that stops midway (a failed capture) leaves no other rank waiting for it."""
+    """A context: the i-th :func:`allgather_objects` on ``comm`` (or on another communicator
+    over ``comm.mpi_comm``) within it, in this thread, makes no exchange and returns the i-th
+    ``recorded`` result (a new list of the recorded values: read them, do not change them),
+    where this rank's value is the one it gave then; else it raises :class:`ExchangeChanged`.
+    Where every rank replays the records of one recorded step (multinode.TrainStep's ranks
+    agree on each step), each result is what the exchange would give: every rank checked that
+    its own part is the same. A rank that stops midway (a failed capture) leaves no other rank
+    waiting for it."""
     return _using(_Tape(comm, recorded))
 
 

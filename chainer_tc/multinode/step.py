@@ -25,10 +25,11 @@ What each rank finds when it builds a replay or checks one is shared too (a host
 one integer at each check and each stage of a build; none in replays): where the build fails
 on one rank (a capture that runs out of memory on one GPU, a value that changed on one rank
 only), or one rank's check sees the step change, every rank runs that signature as that rank
-does. A capture makes no host exchange over the step's MPI communicator: the multi-node BatchNorm's exchanges of row counts are answered from
-the recorded step before it (:func:`chainer_tc.multinode.collectives.replaying_exchanges`),
-so that a capture failing halfway on one rank leaves no rank waiting in an exchange. A CPU
-replay answers them so too (every rank replays the signature its exchanges were recorded at).
+does. A capture makes no host exchange over the step's MPI communicator: the multi-node
+BatchNorm's exchanges of row counts are answered from the recorded step before it
+(:func:`chainer_tc.multinode.collectives.replaying_exchanges`), so that a capture failing
+halfway on one rank leaves no rank waiting in an exchange. A CPU replay answers them so too
+(every rank replays the signature its exchanges were recorded at).
 """
 import contextlib
 import hashlib
