@@ -120,6 +120,119 @@ except KernelLaunchError as e:
             'of shape (4,)) at byte offset {}'.format(-got)) in proc.stdout, proc.stdout
 
 
+def _next_region(elements_of):
+    """The index that takes an access from the data of the arena's region k to that of region
+    k + 1 (2 slots and a page on: docs/emulator.md), in elements of ``elements_of`` bytes."""
+    return (2 * emulator.FAR_BYTES + os.sysconf('SC_PAGE_SIZE')) // elements_of
+
+
+@pytest.mark.parametrize('kernel,access', [('write_at', 'a write'),
+                                           ('atomic_at', 'an atomic access')])
+def test_the_far_check_finds_a_far_access_that_lands_in_another_array(buggy, kernel, access):
+    """A 64-bit index 64 GiB off `a` lands exactly in `b`'s data: the plain memcheck takes it for
+    an access to `b` (the hole the far check closes); the far check runs the launch again with
+    the arrays laid out anew, sees the access land elsewhere, and names it, its line and both
+    landing places, with the arrays left as they were."""
+    if emulator._far_warned:
+        pytest.skip('this process could not reserve 32 GiB slots (ulimit -v)')
+    f = buggy.get_function(kernel)
+    a, b = numpy.zeros(4, numpy.float32), numpy.zeros(4, numpy.float32)
+    with emulator.checking(far=False):
+        f((1,), (1,), (a, b, numpy.int64(_next_region(4))))
+    assert b.tolist() == [1, 2, 0, 0] and not a.any()       # b[0] written through a
+    b[:] = 0
+    with emulator.checking(far=True):
+        with pytest.raises(KernelLaunchError) as e:
+            f((1,), (1,), (a, b, numpy.int64(_next_region(4))))
+    msg = str(e.value)
+    assert msg.startswith("kernel '{}': {} of 4 bytes in thread (0,0,0) of block (0,0,0) (at "
+                          .format(kernel, access)), msg
+    assert 'buggy.cu:' in msg
+    assert ('lands in different places depending on where the launch\'s arrays lie: in argument '
+            '1 (float*, float32 array of shape (4,)) at byte offset 0 with them about 2^36 bytes '
+            'apart, outside every array the launch was given with them about 2^35 bytes apart. '
+            'Its address was computed far out of its own array (more than 2^35 bytes off: a '
+            '64-bit index) or from the distance between two arrays') in msg, msg
+    assert not a.any() and not b.any()
+    with emulator.checking(far=True):          # within bounds: no report, the same result
+        f((1,), (1,), (a, b, numpy.int64(3)))
+    assert a.tolist() == [0, 0, 0, 1] and b.tolist() == [0, 2, 0, 0]
+
+
+def test_the_far_check_follows_pointer_tables(buggy):
+    """An access through a table's first address that lands in the allocation its second
+    address points into (two regions on) is found too, and named against that allocation."""
+    if emulator._far_warned:
+        pytest.skip('this process could not reserve 32 GiB slots (ulimit -v)')
+    x, y = numpy.full(4, 3, numpy.float32), numpy.full(4, 7, numpy.float32)
+    table = numpy.array([x.ctypes.data, y.ctypes.data], numpy.uint64)
+    out = numpy.zeros(1, numpy.float32)
+    f = buggy.get_function('table_read_at')
+    with emulator.checking(far=False):
+        f((1,), (1,), (table, out, numpy.int64(_next_region(4))))
+    assert out[0] == 7                                          # y[0], read through x
+    with emulator.checking(far=True):
+        with pytest.raises(KernelLaunchError, match=r"a read of 4 bytes .* lands in different "
+                                                    r"places .*: in the 16-byte array whose "
+                                                    r"address argument 0 .* holds at byte offset "
+                                                    r"8, at byte offset 0 with them about 2\^36"):
+            f((1,), (1,), (table, out, numpy.int64(_next_region(4))))
+        f((1,), (1,), (table, out, numpy.int64(2)))
+    assert out[0] == 3
+
+
+def test_the_far_check_finds_results_that_depend_on_addresses(buggy):
+    """A kernel that writes addresses as values: its result differs between the two layouts."""
+    out = numpy.zeros(3, numpy.uint64)
+    args = (numpy.zeros(2, numpy.float32), numpy.zeros(2, numpy.float16), numpy.zeros(2), out)
+    with emulator.checking(far=True):
+        with pytest.raises(KernelLaunchError, match=r"the result depends on where the launch's "
+                                                    r"arrays lie: argument 3 .* differs at byte "
+                                                    r"offset 0 .* under schedule forward"):
+            buggy.get_function('addresses')((1,), (1,), args)
+    assert not out.any()
+
+
+def test_the_far_check_is_on_with_the_race_detector(monkeypatch, buggy):
+    """On by default with the race detector, off without it; CHAINER_TC_EMULATOR_FAR (0 or 1)
+    and checking(far=...) say otherwise, the innermost checking() last."""
+    monkeypatch.delenv(emulator.ENV_FAR, raising=False)
+    monkeypatch.delenv(emulator.ENV_RACECHECK, raising=False)
+    assert not emulator.current_far()
+    with emulator.checking(race=True):
+        assert emulator.current_far()
+        with emulator.checking(far=False):
+            assert not emulator.current_far()
+    monkeypatch.setenv(emulator.ENV_RACECHECK, '1')
+    assert emulator.current_far()
+    monkeypatch.setenv(emulator.ENV_FAR, '0')
+    assert not emulator.current_far()
+    monkeypatch.setenv(emulator.ENV_FAR, '1')
+    monkeypatch.setenv(emulator.ENV_RACECHECK, '0')
+    assert emulator.current_far()
+    with emulator.checking(far=False):
+        assert not emulator.current_far()
+    monkeypatch.delenv(emulator.ENV_FAR)
+    if emulator._far_warned:
+        return
+    a, b = numpy.zeros(4, numpy.float32), numpy.zeros(4, numpy.float32)
+    with emulator.checking(race=True, schedules=['forward']):
+        with pytest.raises(KernelLaunchError, match='lands in different places'):
+            buggy.get_function('write_at')((1,), (1,), (a, b, numpy.int64(_next_region(4))))
+
+
+def test_an_atomic_outside_the_launchs_memory_is_reported(buggy):
+    """An atomic on an address no launch gives a kernel (host memory passed as an integer) is
+    reported as a plain access there is, and the host memory is left alone."""
+    host = numpy.zeros(1, numpy.float32)
+    with pytest.raises(KernelLaunchError, match=r"an atomic access of 4 bytes at address "
+                                                r"0x[0-9a-f]+ in thread \(0,0,0\) of block "
+                                                r"\(0,0,0\) \(at .*buggy.cu:\d+\): memory the "
+                                                r"launch did not give"):
+        buggy.get_function('atomic_to_address')((1,), (1,), (numpy.uint64(host.ctypes.data),))
+    assert host[0] == 0
+
+
 def test_arrays_are_aligned_as_cudamalloc_aligns_them(buggy):
     out = numpy.zeros(3, numpy.uint64)
     for n in (1, 3, 1001):          # sizes that are no multiple of anything

@@ -25,7 +25,10 @@ Checks, chosen per launch (see docs/emulator.md):
   integer division by zero), ``__launch_bounds__``, shared-memory and parameter-block limits;
 - ``CHAINER_TC_EMULATOR_RACECHECK=1`` (or ``with emulator.checking(race=True)``): the race detector,
   and the launch run under several schedules (``forward,reverse,random:1`` unless
-  ``CHAINER_TC_EMULATOR_SCHEDULES`` says otherwise) whose results must agree.
+  ``CHAINER_TC_EMULATOR_SCHEDULES`` says otherwise) whose results must agree, and the far check
+  (the first schedule again over arrays laid out anew: an access so far off its array that it
+  landed in another one is found; ``CHAINER_TC_EMULATOR_FAR=1``/``0`` or ``checking(far=...)``
+  turns it on or off alone).
 
 ``with emulator.recording() as launches:`` counts every access of each launch per array, by
 width, with its bytes (``chainer_tc.testing.access_counts``): a kernel's vector path, or the bytes
@@ -76,6 +79,7 @@ ENV_RACECHECK = 'CHAINER_TC_EMULATOR_RACECHECK'
 ENV_FTZ = 'CHAINER_TC_EMULATOR_FTZ'
 ENV_FMAD = 'CHAINER_TC_EMULATOR_FMAD'
 ENV_SCHEDULES = 'CHAINER_TC_EMULATOR_SCHEDULES'
+ENV_FAR = 'CHAINER_TC_EMULATOR_FAR'
 DEFAULT_RACE_SCHEDULES = ('forward', 'reverse', 'random:1')
 
 _launch_lock = threading.RLock()
@@ -784,6 +788,7 @@ class _LaunchArgs(ctypes.Structure):
         ('ftz', ctypes.c_int),
         ('restrict', ctypes.POINTER(ctypes.c_int)),
         ('nc_all', ctypes.c_int),
+        ('far', ctypes.c_int),
     ]
 
 
@@ -910,6 +915,18 @@ def _current_flag(env, index):
     return value
 
 
+def current_far():
+    """Whether the next launch runs the far check (its first schedule again, over arrays laid
+    out anew): the innermost :func:`checking` that says, else CHAINER_TC_EMULATOR_FAR (``1`` or
+    ``0``), else whether the race detector is on."""
+    value = os.environ.get(ENV_FAR, '')
+    value = current_checks()[0] if value not in ('0', '1') else value == '1'
+    for override in getattr(_checks, 'stack', ()):
+        if override[4] is not None:
+            value = override[4]
+    return value
+
+
 def current_ftz():
     """Whether the next launch flushes float32 subnormals as CuPy's ``-ftz=true`` does: the
     innermost :func:`checking` that says, else CHAINER_TC_EMULATOR_FTZ=1."""
@@ -924,17 +941,21 @@ def current_fmad():
 
 
 @contextlib.contextmanager
-def checking(race=None, schedules=None, ftz=None, fmad=None):
+def checking(race=None, schedules=None, ftz=None, fmad=None, far=None):
     """Within this block, launches run with the race detector on or off (``race``), under the
     given ``schedules`` (a list such as ``['forward', 'reverse', 'random:7']``, or a count),
     flushing float32 subnormals to zero or not (``ftz``: as a GPU does under CuPy's
-    ``-ftz=true``; float64 subnormals flush too here, which a GPU does not do), and with
+    ``-ftz=true``; float64 subnormals flush too here, which a GPU does not do), with
     ``a * b + c`` contracted into fmas or not (``fmad``: as NVRTC does by default; the ``_rn``
-    intrinsics are never contracted). A module is compiled a second time, once, for ``fmad``."""
+    intrinsics are never contracted), and with the far check or not (``far``: the first schedule
+    runs again over arrays laid out anew, and every access must land where it did, which finds
+    an access so far off its array that it landed in another one; on by default with the race
+    detector). A module is compiled a second time, once, for ``fmad``."""
     if not hasattr(_checks, 'stack'):
         _checks.stack = []
     _checks.stack.append((race, None if schedules is None else _schedule_names(schedules),
-                          None if ftz is None else bool(ftz), None if fmad is None else bool(fmad)))
+                          None if ftz is None else bool(ftz), None if fmad is None else bool(fmad),
+                          None if far is None else bool(far)))
     try:
         yield
     finally:
@@ -1087,7 +1108,7 @@ class Function:
             ftz=int(current_ftz()),
             restrict=array(ctypes.c_int, [r if self.params[i].is_pointer else 0
                                           for i, r in enumerate(restrict)]),
-            nc_all=int(self._nc_all))
+            nc_all=int(self._nc_all), far=int(current_far()))
         with _launch_lock:
             rc = self._launch(ctypes.byref(la))
         if slot_bytes.value:

@@ -529,3 +529,24 @@ extern "C" __global__ void shift_by_width(const unsigned* s, unsigned* out) {
 extern "C" __global__ void cast_out_of_range(const float* x, int* out) {
   out[threadIdx.x] = (int)x[threadIdx.x];
 }
+
+// Far accesses with a 64-bit index: `index` elements off `a`, where the caller puts another
+// array of the launch (the emulator's far check must find the one that lands in it).
+extern "C" __global__ void write_at(float* a, float* b, long long index) {
+  a[index] = 1.0f;
+  b[1] = 2.0f;
+}
+extern "C" __global__ void atomic_at(float* a, float* b, long long index) {
+  atomicAdd(a + index, 1.0f);
+  b[1] = 2.0f;
+}
+// Through the first address of a table of two.
+extern "C" __global__ void table_read_at(const unsigned long long* table, float* out,
+                                         long long index) {
+  out[0] = reinterpret_cast<const float*>(table[0])[index];
+}
+
+// An atomic on an address passed as an integer: host memory no launch gives a kernel.
+extern "C" __global__ void atomic_to_address(unsigned long long address) {
+  atomicAdd(reinterpret_cast<float*>(address), 1.0f);
+}

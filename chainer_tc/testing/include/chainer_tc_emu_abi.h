@@ -67,6 +67,8 @@ struct LaunchArgs {
                                // control register: float64 ones flush too, unlike on a GPU)
   const int* restrict_;        // per parameter: 2 const T* __restrict__, 1 T* __restrict__, else 0
   int nc_all;                  // the module loads through __ldg: track every array's written bytes
+  int far;                     // the far check: run the first schedule again over an arena laid
+                               // out anew; every access must land where it did (emu_runtime.cpp)
 };
 
 enum { kErrLen = 2048, kMaxParams = 1024, kCountsPerRegion = 21 };

@@ -21,6 +21,8 @@
 //   GPU), each in its own 32 GiB slot of address space with an empty slot between two (see "the
 //   arena"). Every instrumented access is checked against its region exactly (memcheck); one
 //   outside any region is an error naming the region it belongs to, the offset and the thread.
+//   The far check runs the first schedule again over an arena laid out anew and compares where
+//   each access landed (see "far accesses").
 // - Race detector (on request): a shadow cell per byte of every region records the last write and
 //   two reads (block, thread, barrier generation, warp-sync count, atomic or not); a byte that more
 //   than two threads read with no order between them keeps each reading thread's latest read in a
@@ -313,6 +315,12 @@ struct Runtime {
   char* arena;
   size_t arena_size;
   unsigned slot_shift;             // log2 of the slot size: region k in slot 2k + 1
+  // the far check (see "far accesses"): where the first run's accesses landed, for the second
+  int far_mode;                    // kFarOff, kFarRecord (the first run), kFarCompare (the second)
+  std::vector<u64> far_log;        // per access: its region + 2 (1: outside every region), offset
+  u64 far_tail[2];                 // accesses past the log's cap, hashed: first run, second run
+  size_t far_count[2];             // accesses noted: first run, second run
+  unsigned far_shift[2];           // slot shift of each layout
   bool counting;                   // count accesses per region (the first schedule, on request)
   unsigned long fp_caller, fp_kernel;   // the floating-point control register outside and inside
   std::vector<Region> regions;
@@ -430,10 +438,28 @@ size_t region_span(size_t bytes, size_t lead) { return round_up(lead + (bytes ? 
 // after the last region), each at least twice `largest` bytes. Where 32 GiB slots do not fit, the
 // first size that does is halved once more, so that as much address space is left for what the
 // launch maps after the arena (the threads' stacks, the race detector's shadows).
-void reserve_arena(size_t regions, size_t largest) {
+// `avoid` (the far check's second layout): a slot shift the arena must not have; it gets the
+// next smaller one where that holds twice `largest`, else the next larger one.
+void reserve_arena(size_t regions, size_t largest, unsigned avoid = 0) {
   unsigned shift = kSlotShift;
   while (shift < 62 && ((size_t)1 << shift) < 2 * largest) ++shift;
   size_t slots = 2 * regions + 1;
+  if (avoid) {
+    unsigned tries[2] = {avoid - 1, avoid + 1};
+    for (unsigned t : tries) {
+      if (t < kMinSlotShift || t >= 62 || ((size_t)1 << t) < 2 * largest) continue;
+      size_t bytes = slots << t;
+      if ((bytes >> t) != slots) continue;
+      void* m = mmap(nullptr, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+      if (m == MAP_FAILED) continue;
+      rt.arena = (char*)m;
+      rt.arena_size = bytes;
+      rt.slot_shift = t;
+      return;
+    }
+    fail("emulator: the far check cannot reserve %zu slots of 2^%u or 2^%u bytes of address space "
+         "for its second layout of the launch", slots, avoid - 1, avoid + 1);
+  }
   bool refused = false;
   for (;;) {
     size_t bytes = slots << shift;
@@ -562,7 +588,91 @@ int owner_of(const char* a) {
   return above >= 0 ? above : below;
 }
 
+// ---- far accesses ----------------------------------------------------------------------------
+// An access more than a slot off its array (a 64-bit index) lands in an empty slot (caught), in no
+// mapping (caught) or in another region's data, where it would pass as an access to that region.
+// The far check (emulator.checking(far=True); on with the race check) finds the last kind: the
+// launch runs once more, the same schedule with race detection off, over an arena laid out anew
+// with slots of another size, so that the distance between any two regions changes by a slot or
+// more. Every access of the first run is logged (its region and offset; an access outside every
+// region, to a local or a module variable, as such); each access of the second must land where
+// its turn in the first did. The two runs execute the same code in the same order, so an access
+// whose landing place depends on where the arrays lie is the first to differ, and is named with
+// both landing places. Past kFarLogCap accesses only a hash of them is compared.
+enum { kFarOff, kFarRecord, kFarCompare };
+enum : size_t { kFarLogCap = (size_t)1 << 25 };       // 256 MiB of log
+
+inline u64 far_entry(int id, size_t off) {
+  return ((u64)(id + 2) << 48) | ((u64)off & ((1ull << 48) - 1));
+}
+
+inline u64 far_mix(u64 h, u64 e) {
+  h = (h ^ e) * 0x9e3779b97f4a7c15ull;
+  return h ^ (h >> 31);
+}
+
+void far_place(char* buf, size_t n, u64 e) {
+  int id = (int)(e >> 48) - 2;
+  if (id == -2) snprintf(buf, n, "outside every array the launch was given");
+  else if (id < 0) snprintf(buf, n, "in memory outside the arrays (a local or a module variable)");
+  else {
+    char what[192];
+    describe_region(what, sizeof what, rt.regions[id]);
+    unsigned long long off = e & ((1ull << 48) - 1);
+    snprintf(buf, n, "in %s at byte offset %llu", what, off);
+  }
+}
+
+// The second run's access number rt.far_count[1] landed at `now` (far_entry; 0: in no region):
+// not where the first run's did.
+[[noreturn]] void far_diverged(u64 now, size_t n, int flags, uint64_t pc) {
+  char w[128], tag[48], first[256], second[256];
+  where(w, sizeof w);
+  pc_tag(tag, sizeof tag, pc);
+  size_t i = rt.far_count[1];
+  if (i < rt.far_log.size()) far_place(first, sizeof first, rt.far_log[i]);
+  else snprintf(first, sizeof first, "nowhere (the first run made only %zu accesses)", i);
+  far_place(second, sizeof second, now);
+  fail("kernel '%s': %s of %zu bytes in %s%s lands in different places depending on where the "
+       "launch's arrays lie: %s with them about 2^%u bytes apart, %s with them about 2^%u bytes "
+       "apart. Its "
+       "address was computed far out of its own array (more than 2^%u bytes off: a 64-bit index) "
+       "or from the distance between two arrays (the emulator's far check)", rt.kernel_name,
+       flags & kAtomic ? "an atomic access" : flags & kWrite ? "a write" : "a read", n, w, tag,
+       first, rt.far_shift[0] + 1, second, rt.far_shift[1] + 1, rt.far_shift[0]);
+}
+
+void far_note(int id, size_t off, size_t n, int flags, uint64_t pc) {
+  if (!rt.running) return;
+  u64 e = far_entry(id, off);
+  if (rt.far_mode == kFarRecord) {
+    if (rt.far_count[0]++ < kFarLogCap) rt.far_log.push_back(e);
+    else rt.far_tail[0] = far_mix(rt.far_tail[0], e);
+    return;
+  }
+  size_t i = rt.far_count[1];
+  if (i < kFarLogCap) {
+    if (i >= rt.far_log.size() || rt.far_log[i] != e) far_diverged(e, n, flags, pc);
+  } else {
+    rt.far_tail[1] = far_mix(rt.far_tail[1], e);
+  }
+  rt.far_count[1]++;
+}
+
+// After the second run: it made as many accesses as the first, those past the log alike.
+void far_finish() {
+  if (rt.far_count[0] == rt.far_count[1] && rt.far_tail[0] == rt.far_tail[1]) return;
+  fail("kernel '%s': what the launch does depends on where its arrays lie: %zu accesses with them "
+       "about 2^%u bytes apart, %zu%s with them about 2^%u bytes apart, as after an access "
+       "computed far out of its own array (more than 2^%u bytes off) or from the distance between "
+       "two arrays (the emulator's far check)", rt.kernel_name, rt.far_count[0],
+       rt.far_shift[0] + 1, rt.far_count[1],
+       rt.far_count[0] == rt.far_count[1] ? ", not all to the same places," : "",
+       rt.far_shift[1] + 1, rt.far_shift[0]);
+}
+
 [[noreturn]] void out_of_bounds(char* a, size_t n, int flags, uint64_t pc, const char* cause) {
+  if (rt.far_mode == kFarCompare && rt.running) far_diverged(0, n, flags, pc);
   char w[128], what[192], tag[48];
   where(w, sizeof w);
   pc_tag(tag, sizeof tag, pc);
@@ -1186,6 +1296,7 @@ __attribute__((noinline)) void checked_access(char* a, size_t n, int flags, uint
   if (id < 0) out_of_bounds(a, n, flags, pc, "SIGSEGV");
   Region* rp = &rt.regions[id];
   if (a < rp->data || a + n > rp->data + rp->nbytes) out_of_bounds(a, n, flags, pc, "SIGSEGV");
+  if (rt.far_mode) far_note(id, (size_t)(a - rp->data), n, flags, pc);
   if (rp->track || rp->mirror >= 0 || (flags & kNC)) rp = tracked_access(rp, a, n, flags, pc);
   Region& r = *rp;
   if (r.written && rt.running) track_shared_write(r, a, n, flags, pc);
@@ -1229,7 +1340,12 @@ bool own_memory(uintptr_t a) {
 }
 
 __attribute__((noinline)) void foreign_access(char* a, size_t n, int flags, uint64_t pc) {
-  if (!rt.running || own_memory((uintptr_t)a)) return;
+  if (!rt.running) return;
+  if (own_memory((uintptr_t)a)) {
+    if (rt.far_mode) far_note(-1, 0, n, flags, pc);
+    return;
+  }
+  if (rt.far_mode == kFarCompare) far_diverged(0, n, flags, pc);
   char w[128], tag[48];
   where(w, sizeof w);
   pc_tag(tag, sizeof tag, pc);
@@ -1745,7 +1861,22 @@ struct Snapshot {
   std::vector<char> bytes;
 };
 
-void compare(const std::vector<Snapshot>& snaps, const Schedule& first, const Schedule& now) {
+// Table words inside array arguments get their host values back (those the kernel left as
+// translated): before results are compared between runs, and before the copy back.
+void untranslate_tables() {
+  for (const Slot& s : rt.slots_) {
+    int id = rt.arg_region[s.arg];
+    if (id < 0) continue;
+    u64 now;
+    memcpy(&now, rt.regions[id].data + s.offset, 8);
+    if (now == s.translated) memcpy(rt.regions[id].data + s.offset, &s.original, 8);
+  }
+}
+
+// The results of a run against the first run's (`snaps`): under another schedule, or (`relaid`)
+// the same one over an arena laid out anew (the far check).
+void compare(const std::vector<Snapshot>& snaps, const Schedule& first, const Schedule& now,
+             bool relaid = false) {
   for (const Snapshot& s : snaps) {
     const Region& r = rt.regions[s.region];
     if (!memcmp(r.data, s.bytes.data(), r.nbytes)) continue;
@@ -1759,6 +1890,14 @@ void compare(const std::vector<Snapshot>& snaps, const Schedule& first, const Sc
       snprintf(hb + 2 * k, 3, "%02x", (unsigned char)r.data[e * r.itemsize + k]);
     }
     int key = r.kind == kArg ? r.index : -1;
+    if (relaid)
+      fail("kernel '%s': the result depends on where the launch's arrays lie: %s differs at byte "
+           "offset %zu (element %zu of %zu): {hex:%d:%s} with them about 2^%u bytes apart, "
+           "{hex:%d:%s} with them about 2^%u bytes apart, under schedule %s (an address used as "
+           "a value, or computed from the distance between two arrays: the emulator's far "
+           "check)", rt.kernel_name, what, e * r.itemsize, e,
+           r.nbytes / r.itemsize, key, ha, rt.far_shift[0] + 1, key, hb, rt.far_shift[1] + 1,
+           now.name);
     fail("kernel '%s': the result depends on the order in which threads run: %s differs at byte "
          "offset %zu (element %zu of %zu): {hex:%d:%s} under schedule %s, {hex:%d:%s} under schedule "
          "%s (a missing __syncthreads() or __threadfence(), a race, or an atomic whose order "
@@ -1910,8 +2049,11 @@ void nc_read(const void* p, usize size, const void* caller) {
 void atomic_access(void* p, usize size, const void* caller, int exchange) {
   if (rt.yield_atomics) yield_now();
   char* a = (char*)p;
-  if ((size_t)(a - rt.arena) >= rt.arena_size) return;
   uint64_t pc = (uint64_t)caller;
+  if ((size_t)(a - rt.arena) >= rt.arena_size) {     // a local or a module variable, or no memory
+    foreign_access(a, size, kAtomic | kWrite, pc);
+    return;
+  }
   checked_access(a, size, kAtomic | kWrite | (exchange ? kExchange : 0), pc);
   if (rt.race && rt.running) {
     const Region& r = rt.regions[region_at(a)];
@@ -2027,6 +2169,105 @@ void check_width(int width) {
     fail_here("warp shuffle width must be a power of 2 in [1, 32]");
 }
 
+namespace {
+// Lays the launch's memory out in a fresh arena: a region for each array argument (and a mirror
+// for each __restrict__ alias), each pointer-table target and each live block's dynamic shared
+// memory (static __shared__ variables get theirs as they are reached), and points the kernel's
+// parameters (`vals`) and the table words at them. `avoid`: a slot shift the arena must not
+// have (the far check's second layout), or 0.
+void lay_out(const LaunchArgs* la, const usize* aligns, void** vals, unsigned k, unsigned avoid) {
+  rt.regions.clear();
+  rt.arg_region.assign(la->nargs > 0 ? la->nargs : 0, -1);
+  for (unsigned s = 0; s < kMaxSlots; ++s) {
+    rt.slots[s].svar.clear();
+    rt.slots[s].dyn = -1;
+    rt.slots[s].active = false;
+  }
+  // address space: a slot for every array and table target, the dynamic shared memory and the
+  // static __shared__ variables (registered as they are reached) of each live block
+  size_t nregions = (size_t)k * (1 + kSharedVarsPerBlock), largest = region_span(kMaxDynamicOptIn, 0);
+  for (int i = 0; i < la->nargs; ++i)
+    if (la->nbytes[i] != ~0ull) {        // an alias may get a region of its own (a mirror)
+      ++nregions;
+      largest = std::max(largest, region_span(la->nbytes[i], 256));
+    }
+  for (int t = 0; t < la->ntargets; ++t)
+    if (la->target_arg[t] < 0) {
+      ++nregions;
+      largest = std::max(largest, region_span(la->target_nbytes[t], 0));
+    }
+  reserve_arena(nregions, largest, avoid);
+  for (int i = 0; i < la->nargs; ++i) {
+    if (la->nbytes[i] == ~0ull) {              // by value: read in place, so it must be aligned
+      if ((uintptr_t)la->args[i] % aligns[i])
+        fail("emulator: the value of argument %d is at %p, not aligned to the %zu bytes of its type",
+             i, la->args[i], (size_t)aligns[i]);
+      vals[i] = la->args[i];
+      continue;
+    }
+    if (la->alias[i] >= 0) {                   // the same array passed twice: one copy
+      rt.arg_region[i] = rt.arg_region[la->alias[i]];
+      if (restrict_group(la, la->alias[i])) rt.arg_region[i] = new_mirror(rt.arg_region[i], i, la);
+      continue;
+    }
+    int id = new_region(la->nbytes[i], la->itemsize[i], kArg, i, -1, la->misalign[i] % 256);
+    rt.regions[id].host = (u64)(uintptr_t)*(void* const*)la->args[i];
+    rt.regions[id].output = la->writeback[i] != 0;
+    rt.arg_region[i] = id;
+    // tracked: a const __restrict__ parameter's array (loaded through the non-coherent cache),
+    // every array when the module uses __ldg, a group of arguments with a __restrict__ one
+    if (restrict_of(i) == 2 || la->nc_all || restrict_group(la, i)) track_alloc(rt.regions[id]);
+    rt.regions[id].members[0] = i;
+  }
+  for (int i = 0; i < la->nargs; ++i) {     // a pointer to const written through as well
+    int id = rt.arg_region[i];
+    if (id >= 0 && rt.regions[id].mirror >= 0) id = rt.regions[id].mirror;
+    if (la->alias[i] >= 0 && la->writeback[i]) rt.regions[id].output = true;
+  }
+  map_tables(la, vals);
+  if (la->nc_all)
+    for (int t = 0; t < la->ntargets; ++t)
+      if (la->target_arg[t] < 0) track_alloc(rt.regions[rt.target_region[t]]);
+  // the slot holding each array's device pointer (shared by aliases)
+  static void* slots[kMaxParams];
+  for (int i = 0; i < la->nargs; ++i) {
+    if (rt.arg_region[i] < 0) continue;
+    slots[i] = rt.regions[rt.arg_region[i]].data;
+    vals[i] = &slots[i];
+  }
+  for (unsigned s = 0; s < k; ++s) {
+    ensure_stacks(rt.slots[s], rt.nthreads);
+    if (la->shared_mem) rt.slots[s].dyn = new_region(la->shared_mem, 1, kDyn, 0, (int)s);
+  }
+}
+
+// The far check's second run (see "far accesses"): the schedule `s` again, without the race
+// detector, over an arena laid out anew; its accesses must land where the first run's did, and
+// its results (`snaps`: the first run's) must be the same.
+void run_relaid(const LaunchArgs* la, const usize* aligns, void** vals, const Schedule& s,
+                const std::vector<Snapshot>& snaps) {
+  for (const Slot& t : rt.slots_)             // table words in by-value arguments: as given
+    if (rt.arg_region[t.arg] < 0) memcpy((char*)vals[t.arg] + t.offset, &t.original, 8);
+  rt.far_shift[0] = rt.slot_shift;
+  release_arena();
+  rt.race = false;
+  rt.launch_id++;                             // static __shared__ variables: new regions
+  rt.static_shared = 0;
+  lay_out(la, aligns, vals, rt.kslots, rt.far_shift[0]);
+  rt.far_shift[1] = rt.slot_shift;
+  copy_inputs(la);
+  rt.far_mode = kFarCompare;
+  run_grid(s);
+  rt.far_mode = kFarOff;
+  rt.running = nullptr;
+  cur = nullptr;
+  far_finish();
+  check_canaries();
+  untranslate_tables();
+  compare(snaps, s, s, true);
+}
+}  // namespace
+
 int run_launch(const char* name, const LaunchArgs* la, int nparams, const usize* aligns,
                void** vals, void (*body)(void*), void* ctx) {
   rt.page = (size_t)sysconf(_SC_PAGESIZE);
@@ -2041,13 +2282,10 @@ int run_launch(const char* name, const LaunchArgs* la, int nparams, const usize*
   rt.max_dyn_shared = la->max_dyn_shared;
   rt.race = la->race != 0;
   rt.yield_atomics = false;
-  rt.regions.clear();
-  rt.arg_region.assign(la->nargs > 0 ? la->nargs : 0, -1);
-  for (unsigned s = 0; s < kMaxSlots; ++s) {
-    rt.slots[s].svar.clear();
-    rt.slots[s].dyn = -1;
-    rt.slots[s].active = false;
-  }
+  rt.far_mode = kFarOff;
+  rt.far_log.clear();
+  rt.far_tail[0] = rt.far_tail[1] = 0;
+  rt.far_count[0] = rt.far_count[1] = 0;
   int rc = 0;
   rt.launch_thread = pthread_self();
   module_base();
@@ -2073,63 +2311,8 @@ int run_launch(const char* name, const LaunchArgs* la, int nparams, const usize*
     for (int s = 0; s < nsched; ++s) random |= schedules[s].kind == Schedule::kRandom;
     unsigned k = random ? (unsigned)(rt.nblocks < kMaxSlots ? rt.nblocks : kMaxSlots) : 1;
     rt.kslots = k;
-    // address space: a slot for every array and table target, the dynamic shared memory and the
-    // static __shared__ variables (registered as they are reached) of each live block
-    size_t nregions = (size_t)k * (1 + kSharedVarsPerBlock), largest = region_span(kMaxDynamicOptIn, 0);
-    for (int i = 0; i < la->nargs; ++i)
-      if (la->nbytes[i] != ~0ull) {        // an alias may get a region of its own (a mirror)
-        ++nregions;
-        largest = std::max(largest, region_span(la->nbytes[i], 256));
-      }
-    for (int t = 0; t < la->ntargets; ++t)
-      if (la->target_arg[t] < 0) {
-        ++nregions;
-        largest = std::max(largest, region_span(la->target_nbytes[t], 0));
-      }
-    reserve_arena(nregions, largest);
+    lay_out(la, aligns, vals, k, 0);
     if (la->slot_bytes) *la->slot_bytes = (u64)1 << rt.slot_shift;
-    for (int i = 0; i < la->nargs; ++i) {
-      if (la->nbytes[i] == ~0ull) {              // by value: read in place, so it must be aligned
-        if ((uintptr_t)la->args[i] % aligns[i])
-          fail("emulator: the value of argument %d is at %p, not aligned to the %zu bytes of its type",
-               i, la->args[i], (size_t)aligns[i]);
-        vals[i] = la->args[i];
-        continue;
-      }
-      if (la->alias[i] >= 0) {                   // the same array passed twice: one copy
-        rt.arg_region[i] = rt.arg_region[la->alias[i]];
-        if (restrict_group(la, la->alias[i])) rt.arg_region[i] = new_mirror(rt.arg_region[i], i, la);
-        continue;
-      }
-      int id = new_region(la->nbytes[i], la->itemsize[i], kArg, i, -1, la->misalign[i] % 256);
-      rt.regions[id].host = (u64)(uintptr_t)*(void* const*)la->args[i];
-      rt.regions[id].output = la->writeback[i] != 0;
-      rt.arg_region[i] = id;
-      // tracked: a const __restrict__ parameter's array (loaded through the non-coherent cache),
-      // every array when the module uses __ldg, a group of arguments with a __restrict__ one
-      if (restrict_of(i) == 2 || la->nc_all || restrict_group(la, i)) track_alloc(rt.regions[id]);
-      rt.regions[id].members[0] = i;
-    }
-    for (int i = 0; i < la->nargs; ++i) {     // a pointer to const written through as well
-      int id = rt.arg_region[i];
-      if (id >= 0 && rt.regions[id].mirror >= 0) id = rt.regions[id].mirror;
-      if (la->alias[i] >= 0 && la->writeback[i]) rt.regions[id].output = true;
-    }
-    map_tables(la, vals);
-    if (la->nc_all)
-      for (int t = 0; t < la->ntargets; ++t)
-        if (la->target_arg[t] < 0) track_alloc(rt.regions[rt.target_region[t]]);
-    // the slot holding each array's device pointer (shared by aliases)
-    static void* slots[kMaxParams];
-    for (int i = 0; i < la->nargs; ++i) {
-      if (rt.arg_region[i] < 0) continue;
-      slots[i] = rt.regions[rt.arg_region[i]].data;
-      vals[i] = &slots[i];
-    }
-    for (unsigned s = 0; s < k; ++s) {
-      ensure_stacks(rt.slots[s], rt.nthreads);
-      if (la->shared_mem) rt.slots[s].dyn = new_region(la->shared_mem, 1, kDyn, 0, (int)s);
-    }
     rt.body = body;
     rt.body_ctx = ctx;
     std::vector<Snapshot> snaps;
@@ -2137,13 +2320,16 @@ int run_launch(const char* name, const LaunchArgs* la, int nparams, const usize*
       if (si) reset_for_schedule(la);
       else copy_inputs(la);
       rt.counting = si == 0 && la->counts;
+      rt.far_mode = si == 0 && la->far ? kFarRecord : kFarOff;
       run_grid(schedules[si]);
+      rt.far_mode = kFarOff;
       rt.counting = false;
       if (si == 0) report_counts(la);
       rt.running = nullptr;
       cur = nullptr;
       check_canaries();
-      if (nsched > 1) {
+      untranslate_tables();
+      if (nsched > 1 || la->far) {
         if (si == 0) {
           for (size_t id = 0; id < rt.regions.size(); ++id) {
             const Region& r = rt.regions[id];
@@ -2159,14 +2345,7 @@ int run_launch(const char* name, const LaunchArgs* la, int nparams, const usize*
       }
       free_vcs();
     }
-    // table words inside array arguments get their host values back before the copy back
-    for (const Slot& s : rt.slots_) {
-      int id = rt.arg_region[s.arg];
-      if (id < 0) continue;
-      u64 now;
-      memcpy(&now, rt.regions[id].data + s.offset, 8);
-      if (now == s.translated) memcpy(rt.regions[id].data + s.offset, &s.original, 8);
-    }
+    if (la->far) run_relaid(la, aligns, vals, schedules[0], snaps);
     for (int i = 0; i < la->nargs; ++i) {
       int id = rt.arg_region[i];
       if (id < 0 || la->alias[i] >= 0 || !rt.regions[id].output || !la->nbytes[i]) continue;
