@@ -496,7 +496,7 @@ def test_a_write_in_place_in_the_loss_function_is_refused_with_what_was_written(
     (me, oe), (ms, os_) = pair(Counting)
     step = TrainStep(ms, os_, lossfun(ms))
     name = {'input': 'input 0', 'parameter': 'parameter l1/W', 'persistent': 'persistent l1/calls',
-            'persistent_read': 'persistent center'}[what]
+            'persistent_read': r'persistent center before function #\d+ \(_ - _\) read it'}[what]
     with pytest.warns(RuntimeWarning, match='cannot be replayed.*wrote into {} in place'
                       .format(name)):
         for i, (x, t) in enumerate(data(6)):
@@ -546,6 +546,76 @@ def test_a_buffer_the_loss_function_refills_in_place_is_compared_by_its_values(a
         assert len(said) == 1 and re.search(r'wrote into an array function #\d+ '
                                             r'\(MeanSquaredError\) reads \(shape \(4, 5\)\) '
                                             r'in place', said[0]), said
+
+
+class LateWrites(MLP):
+    """MLP with state the loss function changes in Python: ``how='queue'``, a MoCo-style
+    queue (a plain attribute) that a function reads and that is refilled after it;
+    ``how='class_weight'``, class weights kept as a persistent array and refilled before
+    ``softmax_cross_entropy`` is handed them; ``how='counter'``, a persistent number;
+    ``how='stats'``, running statistics kept as plain arrays and handed to
+    ``F.batch_normalization``, which updates them (state a function updates: replayed)."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.queue = numpy.zeros((5, 6), numpy.float32)
+        self.add_persistent('class_weight', numpy.ones(5, numpy.float32))
+        self.add_persistent('seen', 0)
+        with self.init_scope():
+            self.gamma = chainer.Parameter(numpy.ones(8, numpy.float32))
+            self.beta = chainer.Parameter(numpy.zeros(8, numpy.float32))
+        self.mean, self.var = numpy.zeros(8, numpy.float32), numpy.ones(8, numpy.float32)
+
+    def loss(self, x, t):
+        h = self.l1(x)
+        if self.how == 'stats':
+            h = F.batch_normalization(h, self.gamma, self.beta, running_mean=self.mean,
+                                      running_var=self.var)
+        y = self.l2(F.relu(h))
+        if self.how == 'queue':
+            y = y + F.matmul(y, self.queue)[:, :5] * 0.1
+            self.queue[:4, :4] = y.array[:, :4].T           # after the read
+        if self.how == 'class_weight':
+            self.class_weight[...] = 1 + numpy.bincount(t, minlength=5)
+        if self.how == 'counter':
+            self.seen += len(x)
+        return F.softmax_cross_entropy(y, t, class_weight=self.class_weight)
+
+
+@pytest.mark.parametrize('how,said', [
+    ('queue', r'wrote into an array function #\d+ \(MatMul\) reads \(shape \(5, 6\)\), '
+              r'after it read it'),
+    ('class_weight', r'wrote into persistent class_weight before function #\d+ '
+                     r'\(SoftmaxCrossEntropy\) read it'),
+    ('counter', r'wrote into persistent seen \(a number: 4 when the step began, 8 after it\)'),
+    ('stats', None)])
+def test_state_the_loss_function_changes_in_python_is_refused(how, said):
+    """Three writes a replay would not redo, each silently frozen before (the values replays
+    used were the last recorded step's; found by an adversarial review): an array a function
+    read and the loss function wrote into afterwards, a persistent array written before the
+    function it is handed to reads it (it was exempt, as BatchNormalization's running
+    statistics are), and a persistent number. Each is refused, naming it, and every step equals
+    an eager one; running statistics a function updates in place still replay."""
+    (me, oe), (ms, os_) = pair(lambda: LateWrites(how))
+    step = TrainStep(ms, os_, ms.loss)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        for i, (x, t) in enumerate(data(7)):
+            eager_update(oe, me.loss, x, t)
+            step(x, t)
+            assert_same(params(me), params(ms), 'step {} params'.format(i))
+            assert me.seen == ms.seen
+            state = ('queue', 'class_weight', 'mean', 'var')
+            assert_same({a: getattr(me, a) for a in state}, {a: getattr(ms, a) for a in state},
+                        'step {} state'.format(i))
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    if said is None:
+        assert step.replays == 4 and not messages, messages
+    else:
+        assert step.replays == 0
+        assert len(messages) == 1 and re.search('cannot be replayed.*' + said, messages[0]), \
+            messages
 
 
 def test_an_input_variable_with_a_graph_is_refused_and_one_needing_a_gradient_is_warned_of():

@@ -181,7 +181,7 @@ class Recorder(chainer.FunctionHook):
 
     name = 'chainer_tc_static_graph_recorder'
 
-    def __init__(self, externals=None, watch=()):
+    def __init__(self, externals=None, watch=(), persistents=()):
         self.trace = Trace()
         self._depth = 0
         self._last_config = None
@@ -198,6 +198,14 @@ class Recorder(chainer.FunctionHook):
         self._known = None if externals is None else {id(a) for a in externals}
         self._learned = 0           # ops whose results are in _known
         self._watch = {id(a): a.copy() for a in watch}     # (the arrays: held by that step)
+        self._read = {}             # id of a watched constant -> (array, who first read it)
+        # ``persistents``: (name, array, its value when the step began) of the model's
+        # persistent arrays. One first handed to a function with another value was written
+        # before, in Python (a class weight the loss function refills): a replay would hand
+        # the function the recorded value. (Functions that update one, BatchNormalization its
+        # running statistics, are handed it first: what it holds after is theirs.)
+        self._unhanded = {id(a): (name, a, before) for name, a, before in persistents}
+        self.stale = set()          # ids of those found written so
 
     def __enter__(self):
         super().__enter__()
@@ -242,6 +250,12 @@ class Recorder(chainer.FunctionHook):
         self.trace.ops.append(op)
         if self._known is not None:
             self._constants(op)
+        if self._unhanded:
+            self._handed(op)
+        # watched constants read earlier and unchanged since: one the forward changes is state
+        # the function updates in place
+        kept = [a for a in _arrays_of(op) if id(a) in self._read
+                and same_bits(a, self._watch[id(a)])] if self._read else ()
         forward = function.forward
         recorder = self
 
@@ -254,6 +268,8 @@ class Recorder(chainer.FunctionHook):
                 function.__dict__.pop('forward', None)
             op.outputs = tuple(outputs)
             op.post = _kept_values(op.state)
+            for a in kept:
+                recorder._updated(a)
             return outputs
 
         function.__dict__['forward'] = recording_forward
@@ -284,9 +300,40 @@ class Recorder(chainer.FunctionHook):
                 continue
             constants[id(a)] = a
             before = self._watch.get(id(a))
-            if before is not None and not same_bits(a, before):
-                self.trace.written.append('an array function #{} ({}) reads (shape {})'.format(
-                    len(ops) - 1, op.label, a.shape))
+            if before is None:
+                continue
+            reader = 'an array function #{} ({}) reads (shape {})'.format(
+                len(ops) - 1, op.label, a.shape)
+            if not same_bits(a, before):
+                self.trace.written.append(reader)
+            else:
+                self._read[id(a)] = (a, reader)
+
+    def _updated(self, a):
+        """After a function's forward: a watched constant it was handed, unchanged until then,
+        that it changed is state the function updates in place (running statistics given to
+        ``F.batch_normalization`` as plain arrays), which a replay updates too: watched from
+        its new value on."""
+        if not same_bits(a, self._watch[id(a)]):
+            self._watch[id(a)] = a.copy()
+
+    def _handed(self, op):
+        """A persistent array handed to ``op`` for the first time in this step: it must hold
+        its value from when the step began."""
+        for a in _arrays_of(op):
+            entry = self._unhanded.pop(id(a), None)
+            if entry is not None and not same_bits(a, entry[2]):
+                self.stale.add(id(a))
+                self.trace.written.append('{} before function #{} ({}) read it'.format(
+                    entry[0], len(self.trace.ops) - 1, op.label))
+
+    def finish(self):
+        """At the end of the step: a watched constant a function read, changed after that by
+        no function (a queue the loss function fills after using it, a teacher model's
+        weights averaged in Python), which a replay would leave as it was."""
+        for i, (a, reader) in self._read.items():
+            if not same_bits(a, self._watch[i]):
+                self.trace.written.append(reader + ', after it read it')
 
     def backward_preprocess(self, function, in_data, out_grad):
         if self._depth:
@@ -403,6 +450,15 @@ def leftover_grads(loss):
 def _capturing(arrays):
     return any(a is not None and type(a).__module__.startswith('cupy') for a in arrays) \
         and runtime.is_capturing()
+
+
+def _arrays_of(op):
+    """The arrays ``op`` is handed: its inputs, and its attributes' (in tuples and lists)."""
+    arrays = array_types()
+    for v in list(op.inputs) + list(op.pre.values()):
+        for a in (v if isinstance(v, (tuple, list)) else (v,)):
+            if isinstance(a, arrays):
+                yield a
 
 
 def same_bits(a, b):

@@ -423,13 +423,20 @@ class TrainStep:
         before = [a.copy() for _, a in watched]
         state = self._named_persistents()
         state_before = [a.copy() for _, a in state]
+        numbers = self._persistent_numbers()
         watch = () if previous is None else previous.constants.values()
-        with _trace.Recorder(self._externals(buffers), watch) as rec:
+        with _trace.Recorder(self._externals(buffers), watch,
+                             [(n, a, b) for (n, a), b in zip(state, state_before)]) as rec:
             loss = self._call_lossfun(buffers)
             opt.target.cleargrads()
             rec.trace.leftover_grads = _trace.leftover_grads(loss)    # (for the messages)
             opt.scaled_backward(loss)
+            rec.finish()
         trace = rec.trace
+        # a persistent number (a counter registered with add_persistent) changed in the step:
+        # in Python, which a replay does not run
+        trace.written += ['{} (a number: {!r} when the step began, {!r} after it)'.format(
+            name, v, d[key]) for name, d, key, v in numbers if not _same_number(d[key], v)]
         # (after what the recorder found: constants written in the step)
         trace.written[:0] = [name for (name, a), b in zip(watched, before)
                              if not _trace.same_bits(a, b)]
@@ -438,7 +445,8 @@ class TrainStep:
         handed = {id(x) for op in trace.ops for v in op.pre.values()
                   for x in (v if isinstance(v, (tuple, list)) else (v,))}
         trace.written += [name for (name, a), b in zip(state, state_before)
-                          if id(a) not in handed and not _trace.same_bits(a, b)]
+                          if id(a) not in handed and id(a) not in rec.stale
+                          and not _trace.same_bits(a, b)]
         trace.externals = self._externals(buffers)
         with variable._AllowArrayAccessWithNonstandardLayout():
             flat = opt._try_build(required=True)
@@ -585,6 +593,22 @@ class TrainStep:
                         seen.add(id(a))
                         out.append(('persistent ' + '{}/{}'.format(path, name).lstrip('/')
                                     .replace('//', '/'), a))
+        return out
+
+    def _persistent_numbers(self):
+        """('persistent <path>', link's dict, name, value) of every persistent of the model
+        and the optimizer's target that is a number (not an array), each link once."""
+        out, seen = [], set()
+        for root in self._roots():
+            for path, link in root.namedlinks():
+                if id(link) in seen:
+                    continue
+                seen.add(id(link))
+                for name in link._persistent:
+                    v = link.__dict__[name]
+                    if not isinstance(v, _trace.array_types()):
+                        out.append(('persistent ' + '{}/{}'.format(path, name).lstrip('/')
+                                    .replace('//', '/'), link.__dict__, name, v))
         return out
 
     def _others(self):
@@ -742,6 +766,17 @@ def _unmarked(opt, trace):
         return []
     return [e.name for e, g, m in zip(opt._flat.entries, trace.grads, trace.marks)
             if g is not None and m is not _scaler.SCALED_ON_DEVICE]
+
+
+def _same_number(a, b):
+    """Whether a persistent's value ``a`` is still ``b`` (NaN is itself; numbers of other
+    types or objects compared by ==, anything else by identity)."""
+    if a is b:
+        return True
+    try:
+        return type(a) is type(b) and bool(a == b or (a != a and b != b))
+    except Exception:
+        return False
 
 
 def _caller_level():
