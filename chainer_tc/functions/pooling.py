@@ -277,8 +277,19 @@ class _PoolingGrad(function_node.FunctionNode):
                                   'supported')
 
 
-def max_pooling_2d(x, ksize, stride=None, pad=0, cover_all=True):
-    """Max pooling of NHWC ``x`` (Chainer's arguments and defaults)."""
+def max_pooling_2d(x, ksize, stride=None, pad=0, cover_all=True, return_indices=False):
+    """Max pooling of NHWC ``x`` (Chainer's arguments and defaults). ``return_indices=True`` is
+    refused with NotImplementedError: Chainer's indices (each window's argmax, an NCHW array)
+    are for ``F.upsampling_2d``, which unpools NCHW data, and there is no NHWC unpooling here;
+    where they are needed, pool NCHW data with ``F.max_pooling_2d``."""
+    if return_indices:
+        raise NotImplementedError(
+            'chainer_tc.functions.max_pooling_2d: return_indices=True is not supported; got '
+            'return_indices={!r}. Chainer\'s indices (each window\'s argmax, an NCHW array) are '
+            'for F.upsampling_2d, which unpools NCHW data, and chainer_tc has no NHWC '
+            'unpooling: where they are needed, pool NCHW data with Chainer\'s function, '
+            'F.max_pooling_2d(F.transpose(x, (0, 3, 1, 2)), ksize, ..., return_indices=True)'
+            .format(return_indices))
     return MaxPooling2D(ksize, stride, pad, cover_all).apply((x,))[0]
 
 

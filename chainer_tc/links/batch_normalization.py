@@ -29,7 +29,8 @@ from chainer_tc.links import _messages
 class BatchNormalization(L.BatchNormalization):
     """``L.BatchNormalization`` over the channels (last axis) of NHWC input.
 
-    ``axis`` is not accepted: the statistics are always over every axis but the last.
+    ``axis`` is not accepted: the statistics are always over every axis but the last. ``size``
+    is the channel count C, ``(C,)`` (taken as C, as Chainer's link does) or None.
     """
 
     _relu = False
@@ -41,12 +42,7 @@ class BatchNormalization(L.BatchNormalization):
             raise ValueError('{} normalises NHWC input over every axis but the last (the '
                              'channels); axis={} is not supported'
                              .format(type(self).__name__, axis))
-        if size is not None and (isinstance(size, bool) or
-                                 not isinstance(size, (int, numpy.integer))):
-            raise TypeError('{}: size must be the channel count (an int) or None; got {!r}: a '
-                            'BatchNormalization of each element (a tuple size) has no '
-                            'channels-last form, use L.BatchNormalization'
-                            .format(type(self).__name__, size))
+        size = channel_count(size, type(self).__name__)
         eps = check_eps(eps)
         dtype = parameter_dtype(dtype, type(self).__name__)
         # Chainer needs an axis to defer the size; ours comes from x.shape[-1] at the first call
@@ -117,6 +113,27 @@ def with_running_statistics(link, x, z, gamma, beta):
             x, z, gamma, beta, link.avg_mean, link.avg_var, link.eps)
     return bn_functions.fixed_batch_normalization(x, gamma, beta, link.avg_mean,
                                                   link.avg_var, link.eps)
+
+
+def channel_count(size, owner):
+    """The channel count an NHWC BatchNorm link is built with: ``size`` itself when it is None
+    or an int C, and C for ``(C,)`` (per channel in ``L.BatchNormalization`` too). A TypeError
+    naming ``owner`` (the link's class) for anything else: a size of more axes normalises each
+    element, which has no channels-last form."""
+    def is_int(v):
+        return not isinstance(v, bool) and isinstance(v, (int, numpy.integer))
+
+    if size is None or is_int(size):
+        return size
+    if isinstance(size, (tuple, list)) and len(size) == 1 and is_int(size[0]):
+        return int(size[0])
+    if isinstance(size, (tuple, list)) and len(size) > 1:
+        why = (', a size of {} axes: a BatchNormalization of each element has no channels-last '
+               'form (use L.BatchNormalization); a 1-tuple (C,) is taken as C'.format(len(size)))
+    else:
+        why = ' (a 1-tuple (C,) is taken as C)'
+    raise TypeError('{}: size must be the channel count (an int) or None; got {!r}{}'
+                    .format(owner, size, why))
 
 
 def parameter_dtype(dtype, owner):

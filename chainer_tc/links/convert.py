@@ -19,7 +19,10 @@ held in two places (one link, converted once; also in a list attribute ``forward
 and parameters shared by ``copy(mode='share')`` (still shared). A link that works on the
 channel axis and has no counterpart (a subclass of Chainer's convolution or BatchNormalization,
 ``L.DepthwiseConvolution2D``, ``L.Deconvolution2D``, ...) is refused, naming it, before anything
-changes: the converted model would feed it data in the other layout.
+changes: the converted model would feed it data in the other layout. So is a link to convert
+that carries what its replacement would not get (link hooks such as SpectralNormalization,
+parameters or persistent values added to it): dropped, they would change the outputs without an
+error; remove them, convert, and add them to the new link.
 """
 import copy
 
@@ -41,6 +44,12 @@ _CHANNEL_AXIS_LINKS = tuple(getattr(L, n) for n in (
     'Deconvolution3D', 'DeconvolutionND', 'DeformableConvolution2D', 'DepthwiseConvolution2D',
     'DilatedConvolution2D', 'LocalConvolution2D', 'GroupNormalization',
     'DecorrelatedBatchNormalization') if hasattr(L, n))
+
+# the parameters and persistent values the converted links register themselves (Chainer's and
+# ours alike); anything else a link to convert carries (a user's add_param / add_persistent,
+# what a link hook registered) has no place in its replacement, and neither have its link hooks
+_OWN_ATTRIBUTES = {L.Convolution2D: ({'W', 'b'}, set()),
+                   L.BatchNormalization: ({'gamma', 'beta'}, {'avg_mean', 'avg_var', 'N'})}
 
 
 def _unconvertible(link, to_nhwc):
@@ -99,6 +108,7 @@ class _Converter:
                                 'changed'.format('NHWC' if self.to_nhwc else 'NCHW',
                                                  path or '/', type(link).__name__, why))
             if self._replaced(link):
+                self._refuse_extras(path or '/', link)
                 self._refuse(link)
 
     def _replaced(self, link):
@@ -110,6 +120,42 @@ class _Converter:
         if not self._replaced(link):
             return None
         return self._conv(link) if isinstance(link, L.Convolution2D) else self._bn(link)
+
+    def _refuse_extras(self, path, link):
+        """A ValueError naming what ``link`` (at ``path``), which this conversion replaces,
+        carries that its replacement would not get: link hooks (SpectralNormalization,
+        WeightStandardization, ...), parameters and persistent values besides its own. Dropped,
+        they would change the model's outputs without a word."""
+        conv = isinstance(link, L.Convolution2D)
+        own_params, own_persistent = _OWN_ATTRIBUTES[
+            L.Convolution2D if conv else L.BatchNormalization]
+        hooks = list(link._local_link_hooks or ())
+        params = sorted(set(link._params) - own_params)
+        persistent = sorted(set(link._persistent) - own_persistent)
+        if not (hooks or params or persistent):
+            return
+        carried = []
+        for what, names in (('link hook', hooks), ('parameter', params),
+                            ('persistent value', persistent)):
+            if names:
+                carried.append('{}{} {}'.format(what, 's' if len(names) > 1 else '',
+                                                ', '.join(map(repr, names))))
+        carried = ' and '.join(filter(None, (', '.join(carried[:-1]), carried[-1])))
+        layout = 'NHWC' if self.to_nhwc else 'NCHW'
+        note = ''
+        if conv:
+            note = ('; a hook that computes on W sees the filter as the new link holds it, {} '
+                    '(SpectralNormalization and WeightStandardization, over axis 0, compute the '
+                    'same), and a value that follows the filter\'s layout must be transposed'
+                    .format('(out, kh, kw, in/groups)' if self.to_nhwc
+                            else '(out, in/groups, kh, kw)'))
+        raise ValueError(
+            'cannot convert the model to {}: {} ({}) carries {}, which the {} link replacing it '
+            'would not get (its outputs would change without an error); nothing was changed. '
+            'Remove them from the link (link.delete_hook(name) removes a hook and what it '
+            'registered, such as SpectralNormalization\'s W_u; delattr(link, name) a parameter or '
+            'persistent value of your own), convert, then add them to the new link{}'.format(
+                layout, path, type(link).__name__, carried, layout, note))
 
     def _refuse(self, link):
         """A ValueError naming why ``link``, which this conversion replaces, cannot be."""

@@ -105,6 +105,24 @@ class Convolution2D(L.Convolution2D):
         with chainer.using_config('compute_mode', None):
             super().__init__(in_channels, out_channels, ksize, stride, pad, nobias, initialW,
                              initial_bias, **kwargs)
+        # a lazy link's filter gets its shape at the first call, or from what fills it without
+        # one (load_npz, copyparams, to_nhwc): its initializer draws in Chainer's layout either way
+        self._wrap_initializer()
+
+    def __setstate__(self, state):
+        # a lazy link pickled by an earlier version, its filter filled by load_npz or
+        # copyparams, kept the raw initializer, which would draw in this link's layout
+        self.__dict__.update(state)
+        self._wrap_initializer()
+
+    def _wrap_initializer(self):
+        """Makes ``W.initializer`` a :class:`_ChainerLayoutFilter` (once), so that whatever
+        initialises the filter (the link's first call, ``Link.copy(mode='init')``, ``repeat``)
+        draws Chainer's (out, in, kh, kw) filter with its fans, transposed."""
+        init = self.W.initializer
+        if init is not None and not isinstance(init, _ChainerLayoutFilter):
+            self.W.initializer = _ChainerLayoutFilter(
+                init, self.in_channels if self.pad_channels is not None else None)
 
     @property
     def printable_specs(self):
@@ -120,10 +138,7 @@ class Convolution2D(L.Convolution2D):
             raise ValueError('the number of input channels ({}) must be divisible by the number '
                              'of groups ({})'.format(in_channels, self.groups))
         kh, kw = self.ksize if hasattr(self.ksize, '__getitem__') else (self.ksize, self.ksize)
-        # wrapped once, here: L.Convolution2D's __init__ already calls this method
-        if not isinstance(self.W.initializer, _ChainerLayoutFilter):
-            self.W.initializer = _ChainerLayoutFilter(
-                self.W.initializer, in_channels if self.pad_channels else None)
+        self._wrap_initializer()    # (L.Convolution2D's __init__ calls this method first)
         self.W.initialize((self.out_channels, kh, kw,
                            self.pad_channels or in_channels // self.groups))
 
