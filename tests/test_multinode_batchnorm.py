@@ -517,9 +517,11 @@ def test_bad_arguments_are_named(comm):
     with pytest.raises(ValueError, match=r"communication_backend='nccl' needs a communicator "
                                          r'with NCCL .*got NaiveCommunicator'):
         MNBN(3, comm, communication_backend='nccl')
-    for size in ('3', 0, (3,), 2.0, True):
+    for size in ('3', 0, (0,), (3, 4), 2.0, True):
         with pytest.raises(TypeError, match=r'size: expected the channel count'):
             MNBN(size, comm)
+    for size in ((3,), [3], (numpy.int64(3),)):           # per channel, as L.BatchNormalization
+        assert MNBN(size, comm).avg_mean.shape == (3,)
     with pytest.raises(TypeError, match=r'dtype must be a floating-point type'):
         MNBN(3, comm, dtype=numpy.int32)
     with pytest.raises(ValueError, match=r'^decay: expected a number in \[0, 1\]'):

@@ -60,7 +60,7 @@ class MultiNodeBatchNormalization(chainer.Link):
     with the training statistics of every rank of ``comm``.
 
     Args:
-        size (int or None): the channel count C; None takes it from the first input.
+        size (int, (C,) or None): the channel count C; None takes it from the first input.
         comm: a ChainerMN communicator (``chainermn.create_communicator(...)``).
         decay, eps, dtype, use_gamma, use_beta, initial_gamma, initial_beta: as
             ``chainer_tc.links.BatchNormalization`` (``dtype=None``: float32 under a float16
@@ -78,10 +78,12 @@ class MultiNodeBatchNormalization(chainer.Link):
                  communication_backend='auto'):
         super().__init__()
         name = type(self).__name__
+        if isinstance(size, (tuple, list)) and len(size) == 1:
+            size = size[0]                  # (C,): per channel, as in L.BatchNormalization
         if size is not None and (isinstance(size, bool) or
                                  not isinstance(size, (int, numpy.integer)) or size < 1):
-            raise TypeError('{}: size: expected the channel count (a positive int) or None; got '
-                            '{!r}'.format(name, size))
+            raise TypeError('{}: size: expected the channel count (a positive int, or (C,)) or '
+                            'None; got {!r}'.format(name, size))
         _communicator.check(comm, 'comm')
         self._communication_backend = collectives.backend(comm, communication_backend)
         self.comm = comm
