@@ -618,6 +618,40 @@ def test_state_the_loss_function_changes_in_python_is_refused(how, said):
             messages
 
 
+@pytest.mark.parametrize('how,function', [('clip', r'#2 \(LinearFunction\) \(shape \(4, 5\)\)'),
+                                          ('mask', r'#0 \(LinearFunction\) \(shape \(4, 8\)\)'),
+                                          ('loss', r'#\d+ \(SoftmaxCrossEntropy\) \(shape \(\)\)')])
+def test_a_write_in_place_into_a_functions_result_is_refused(how, function):
+    """``numpy.clip(y.array, .., out=y.array)``, rows of a hidden layer zeroed in place, the loss
+    scaled in place: a replay recomputes each result and skips the write (silently different
+    parameters and a different returned loss before; found by an adversarial review). A
+    recorded step checksums the forward's results as its functions make them and again before
+    the backward: refused, naming the function whose result was written; every step equals an
+    eager one."""
+    def lossfun(model):
+        def f(x, t):
+            h = model.l1(x)
+            if how == 'mask':
+                h.array[t == 0] = 0
+            y = model.l2(F.relu(h))
+            if how == 'clip':
+                numpy.clip(y.array, -0.3, 0.3, out=y.array)
+            loss = F.softmax_cross_entropy(y, t)
+            if how == 'loss':
+                loss.array *= 2
+            return loss
+        return f
+    (me, oe), (ms, os_) = pair(MLP)
+    step = TrainStep(ms, os_, lossfun(ms))
+    with pytest.warns(RuntimeWarning, match='cannot be replayed.*wrote into the result of '
+                                            'function ' + function + ' in place'):
+        for i, (x, t) in enumerate(data(6)):
+            expected = eager_update(oe, lossfun(me), x, t).array
+            assert step(x, t).array.tobytes() == expected.tobytes(), 'step {} loss'.format(i)
+            assert_same(params(me), params(ms), 'step {} params'.format(i))
+    assert step.replays == 0
+
+
 def test_an_input_variable_with_a_graph_is_refused_and_one_needing_a_gradient_is_warned_of():
     """A step runs from copies of its inputs' arrays: a Variable computed by functions (a
     model's output fed to the step) would leave what made it untrained, silently, so it is

@@ -27,6 +27,7 @@ Reports (``chainer.report`` and reporters' ``report``) made during the step are 
 Nothing here changes what the step computes: a recorded step is an eager step.
 """
 import threading
+import zlib
 
 import numpy
 
@@ -206,6 +207,11 @@ class Recorder(chainer.FunctionHook):
         # running statistics, are handed it first: what it holds after is theirs.)
         self._unhanded = {id(a): (name, a, before) for name, a, before in persistents}
         self.stale = set()          # ids of those found written so
+        # the NumPy results of the forward's functions, each with a checksum (a recorded step
+        # on the CPU: a CUDA graph captures the loss function's own array work, a CPU replay
+        # does not run it): one written into in Python before the backward (numpy.clip(y.array,
+        # ..., out=y.array), loss.array *= 2) would be recomputed by a replay without the write
+        self._results = [] if externals is not None else None
 
     def __enter__(self):
         super().__enter__()
@@ -248,6 +254,7 @@ class Recorder(chainer.FunctionHook):
             return
         op = Op(function, in_data, self._config())
         self.trace.ops.append(op)
+        index = len(self.trace.ops) - 1
         if self._known is not None:
             self._constants(op)
         if self._unhanded:
@@ -270,6 +277,9 @@ class Recorder(chainer.FunctionHook):
             op.post = _kept_values(op.state)
             for a in kept:
                 recorder._updated(a)
+            if recorder._results is not None:
+                recorder._results.extend((y, _checksum(y), op, index) for y in op.outputs
+                                         if type(y) is numpy.ndarray)
             return outputs
 
         function.__dict__['forward'] = recording_forward
@@ -326,6 +336,15 @@ class Recorder(chainer.FunctionHook):
                 self.stale.add(id(a))
                 self.trace.written.append('{} before function #{} ({}) read it'.format(
                     entry[0], len(self.trace.ops) - 1, op.label))
+
+    def forward_done(self):
+        """Between the forward and the backward: a result of a function (this step's, on the
+        CPU) that no longer holds what the function computed was written into in Python."""
+        results, self._results = self._results, None
+        for y, checksum, op, index in results or ():
+            if _checksum(y) != checksum:
+                self.trace.written.append('the result of function #{} ({}) (shape {})'.format(
+                    index, op.label, y.shape))
 
     def finish(self):
         """At the end of the step: a watched constant a function read, changed after that by
@@ -450,6 +469,13 @@ def leftover_grads(loss):
 def _capturing(arrays):
     return any(a is not None and type(a).__module__.startswith('cupy') for a in arrays) \
         and runtime.is_capturing()
+
+
+def _checksum(a):
+    """A checksum of a NumPy array's values (CRC-32 of its bytes, read in place when it is
+    contiguous)."""
+    data = a if a.flags.c_contiguous else numpy.ascontiguousarray(a)
+    return zlib.crc32(memoryview(data.reshape(-1)).cast('B'))
 
 
 def _arrays_of(op):

@@ -428,6 +428,7 @@ class TrainStep:
         with _trace.Recorder(self._externals(buffers), watch,
                              [(n, a, b) for (n, a), b in zip(state, state_before)]) as rec:
             loss = self._call_lossfun(buffers)
+            rec.forward_done()
             opt.target.cleargrads()
             rec.trace.leftover_grads = _trace.leftover_grads(loss)    # (for the messages)
             opt.scaled_backward(loss)
