@@ -618,9 +618,10 @@ def test_state_the_loss_function_changes_in_python_is_refused(how, said):
             messages
 
 
-@pytest.mark.parametrize('how,function', [('clip', r'#2 \(LinearFunction\) \(shape \(4, 5\)\)'),
-                                          ('mask', r'#0 \(LinearFunction\) \(shape \(4, 8\)\)'),
-                                          ('loss', r'#\d+ \(SoftmaxCrossEntropy\) \(shape \(\)\)')])
+@pytest.mark.parametrize('how,function', [
+    ('clip', r'#2 \(LinearFunction\) \(shape \(4, 5\)\)'),
+    ('mask', r'#0 \(LinearFunction\) \(shape \(4, 8\)\)'),
+    ('loss', r'#\d+ \(SoftmaxCrossEntropy\) \(shape \(\)\)')])
 def test_a_write_in_place_into_a_functions_result_is_refused(how, function):
     """``numpy.clip(y.array, .., out=y.array)``, rows of a hidden layer zeroed in place, the loss
     scaled in place: a replay recomputes each result and skips the write (silently different
