@@ -653,6 +653,30 @@ def test_a_write_in_place_into_a_functions_result_is_refused(how, function):
     assert step.replays == 0
 
 
+def test_iterating_over_a_variable_replays():
+    """``a, b = y[:2]`` or ``list(y)`` iterate over a Variable: Python calls ``y[i]`` until
+    GetItem raises IndexError, which the iteration catches. The failed GetItem made nothing
+    and is no part of the step (it was recorded as a function whose forward did not return,
+    and such models ran eagerly, warned). Replayed, every step equal to an eager one."""
+    def lossfun(model):
+        def f(x, t):
+            y = model(x)
+            a, b = y[:2]
+            rows = list(F.transpose(y))
+            return F.softmax_cross_entropy(y, t) + F.sum(a * b) * 0.01 + sum(
+                F.sum(r * r) for r in rows) * 0.001
+        return f
+    (me, oe), (ms, os_) = pair(MLP)
+    step = TrainStep(ms, os_, lossfun(ms))
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        for i, (x, t) in enumerate(data(6)):
+            expected = eager_update(oe, lossfun(me), x, t).array
+            assert step(x, t).array.tobytes() == expected.tobytes(), 'step {} loss'.format(i)
+            assert_same(params(me), params(ms), 'step {} params'.format(i))
+    assert step.replays == 3
+
+
 def test_an_input_variable_with_a_graph_is_refused_and_one_needing_a_gradient_is_warned_of():
     """A step runs from copies of its inputs' arrays: a Variable computed by functions (a
     model's output fed to the step) would leave what made it untrained, silently, so it is

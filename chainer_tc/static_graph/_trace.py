@@ -270,6 +270,13 @@ class Recorder(chainer.FunctionHook):
             recorder._depth += 1
             try:
                 outputs = forward(inputs)
+            except BaseException:
+                # a function that raised made nothing, and code that goes on caught it
+                # (iterating over a Variable ends with GetItem's IndexError): not in the step
+                ops = recorder.trace.ops
+                if ops and ops[-1] is op:
+                    ops.pop()
+                raise
             finally:
                 recorder._depth -= 1
                 function.__dict__.pop('forward', None)
