@@ -89,6 +89,15 @@ def eager_update(opt, lossfun, *args):
     return held[-1]
 
 
+def steps_equal_eager(step, lossfun, ms, me, oe, n=6):
+    """``n`` steps of ``step`` (over ``ms``, from ``lossfun(ms)``) against eager updates of
+    ``me`` by ``oe``: each returned loss and every parameter bit for bit."""
+    for i, (x, t) in enumerate(data(n)):
+        expected = eager_update(oe, lossfun(me), x, t).array
+        assert step(x, t).array.tobytes() == expected.tobytes(), 'step {} loss'.format(i)
+        assert_same(params(me), params(ms), 'step {} params'.format(i))
+
+
 def grads(model):
     return {n: None if p.grad is None else p.grad.copy() for n, p in model.namedparams()}
 
@@ -646,10 +655,7 @@ def test_a_write_in_place_into_a_functions_result_is_refused(how, function):
     step = TrainStep(ms, os_, lossfun(ms))
     with pytest.warns(RuntimeWarning, match='cannot be replayed.*wrote into the result of '
                                             'function ' + function + ' in place'):
-        for i, (x, t) in enumerate(data(6)):
-            expected = eager_update(oe, lossfun(me), x, t).array
-            assert step(x, t).array.tobytes() == expected.tobytes(), 'step {} loss'.format(i)
-            assert_same(params(me), params(ms), 'step {} params'.format(i))
+        steps_equal_eager(step, lossfun, ms, me, oe)
     assert step.replays == 0
 
 
@@ -670,10 +676,7 @@ def test_iterating_over_a_variable_replays():
     step = TrainStep(ms, os_, lossfun(ms))
     with warnings.catch_warnings():
         warnings.simplefilter('error')
-        for i, (x, t) in enumerate(data(6)):
-            expected = eager_update(oe, lossfun(me), x, t).array
-            assert step(x, t).array.tobytes() == expected.tobytes(), 'step {} loss'.format(i)
-            assert_same(params(me), params(ms), 'step {} params'.format(i))
+        steps_equal_eager(step, lossfun, ms, me, oe)
     assert step.replays == 3
 
 
