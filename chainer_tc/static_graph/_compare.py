@@ -130,7 +130,8 @@ def check_trace(trace):
     if trace.written:
         raise NotReplayable(
             'the step wrote into {} in place, outside any Chainer function (e.g. `x -= ...` '
-            'or `out=` on the array in the loss function): a replay would not do it again. '
+            'or `out=` on the array in the loss function, or a link hook that updates state '
+            'in Python, as SpectralNormalization its W_u): a replay would not do it again. '
             'Compute a new array with Chainer functions instead (x = x - ...); change '
             'parameters in an optimizer hook, other state (a persistent array: a running '
             'mean, a counter) after the call (hooks and code outside the step run at every '
