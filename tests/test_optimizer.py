@@ -438,7 +438,8 @@ def test_resume_mid_run_is_bit_identical(path, monkeypatch, tmp_path, fmt):
     straight = state_of(opt)
 
     model2, opt2 = make()
-    opt2.loss_scaling(interval=2, initial_scale=64.0)     # overwritten by the snapshot
+    # the same configuration as the saved run's: the scale goes on from the snapshot's
+    opt2.loss_scaling(interval=2, initial_scale=64.0)
     load(str(tmp_path / ('opt.' + fmt)), opt2)
     load(str(tmp_path / ('model.' + fmt)), model2)
     assert (opt2.t, opt2.loss_scale, opt2.skipped_steps) == (4, saved_scale, saved_skipped)

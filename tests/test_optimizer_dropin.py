@@ -566,6 +566,41 @@ def test_float64_with_static_loss_scaling_equals_chainer(path):
     assert_same_params(ref, ours)
 
 
+@pytest.mark.parametrize('dtype', [numpy.float32, numpy.float64])
+@pytest.mark.parametrize('scale, how', [
+    (None, 'none'), (8.0, 'optimizer'), (10.0, 'optimizer'), (10.3, 'optimizer'),
+    (10.3, 'backward'), (3 * 2.0 ** -20, 'optimizer')])
+@pytest.mark.parametrize('wd', [0.0, 1e-2])
+def test_bit_for_bit_with_chainer_exactly_under_the_documented_conditions(path, dtype, scale,
+                                                                          how, wd):
+    """docs/optimizer.md, "Bit for bit with Chainer": equal without loss scaling, or with a
+    power-of-two scale; without weight decay also with any float32 scale (float64: a scale
+    that is a float32 number, or one given to backward()); different otherwise (Chainer adds
+    the decay to the scaled gradient; ours keeps the optimizer's scale as float32)."""
+    x, t = data(dtype)
+    ref, o_ref, ours, o = chainer_pair(dtype, wd=wd)
+    if how == 'optimizer':
+        for opt in (o_ref, o):
+            opt.loss_scaling(scale=scale)
+    for _ in range(4):
+        for m, opt in ((ref, o_ref), (ours, o)):
+            if how == 'backward':
+                m.cleargrads()
+                lossfun(m, x, t)().backward(loss_scale=scale)
+                opt.update()
+            else:
+                opt.update(lossfun(m, x, t))
+    power_of_two = scale is None or numpy.log2(scale).is_integer()
+    float32_number = scale is None or numpy.float32(scale) == scale
+    if wd:
+        expected = power_of_two
+    else:
+        expected = dtype == numpy.float32 or float32_number or how == 'backward'
+    same = all(numpy.array_equal(p.array, q.array)
+               for p, q in zip(ref.params(), ours.params()))
+    assert same == expected
+
+
 def test_mixed_float64_float32_float16_parameters_kernel_equals_numpy(monkeypatch):
     def run(emulate):
         monkeypatch.setenv('CHAINER_TC_EMULATE', '1' if emulate else '0')
@@ -1148,3 +1183,316 @@ def test_a_hyperparameter_set_to_none_is_refused_at_the_update_naming_it(path, w
         message = "parameter /fc/W: update_rule.hyperparam.momentum must be a number; got 'high'"
     with pytest.raises(TypeError, match=message):
         o.update(lossfun(model, x, t))
+
+
+@pytest.mark.parametrize('where', ['optimizer', 'rule'])
+def test_a_hyperparameter_object_lacking_weight_decay_is_refused_saying_so(path, where):
+    """Replacing ``optimizer.hyperparam`` (or a rule's, without a parent chain to the
+    optimizer's) with a Hyperparameter holding only Chainer's lr and momentum: the error says
+    which hyperparameter is missing and what to do (it used to read "the optimizer has no
+    hyperparameter 'NoneType' object has no attribute 'weight_decay'")."""
+    x, t = data()
+    model = Net()
+    o = optimizers.MomentumSGD().setup(model)
+    h = chainer.optimizer.Hyperparameter()
+    h.lr, h.momentum = 0.1, 0.9
+    if where == 'optimizer':
+        o.hyperparam = h
+        message = (r"^the optimizer's hyperparam has no 'weight_decay' \(not set on it nor on "
+                   r'its parents\).*must set all three \(weight_decay = 0.0 for none\)$')
+    else:
+        model.fc.W.update_rule.hyperparam = h
+        message = (r"^parameter /fc/W: its update_rule.hyperparam has no 'weight_decay': not "
+                   r"set on it nor on its parents, and its parents do not lead to the "
+                   r"optimizer's hyperparam")
+    with pytest.raises(AttributeError, match=message):
+        o.update(lossfun(model, x, t))
+
+
+# ---- parameter groups, init_state, detached rules, untrained gradients (audit) ----------------
+
+def test_a_parameter_group_between_rules_and_the_optimizer_is_followed_like_chainer(path):
+    """A Hyperparameter between a rule and the optimizer's (``group = Hyperparameter(
+    opt.hyperparam)``, ``rule.hyperparam = Hyperparameter(group)``): a later assignment on the
+    group reaches the update (it used to be ignored: the kernel went on with the value of
+    the table's last rebuild). Also a group above a group, ``del`` on it, and the optimizer's
+    old hyperparam after ``optimizer.hyperparam`` was replaced (the rules still inherit it,
+    as Chainer's)."""
+    x, t = data()
+    ref, o_ref, ours, o = chainer_pair(wd=0)
+    groups = {}
+    for m, opt in ((ref, o_ref), (ours, o)):
+        outer = chainer.optimizer.Hyperparameter(opt.hyperparam)
+        inner = chainer.optimizer.Hyperparameter(outer)
+        for p in m.conv.params():
+            p.update_rule.hyperparam = chainer.optimizer.Hyperparameter(inner)
+        groups[id(m)] = outer, inner
+        outer.lr = 0.01
+    step_both(ref, o_ref, ours, o, x, t, 2)
+    assert_same_params(ref, ours)
+    changes = [lambda outer, inner, opt: setattr(outer, 'lr', 0.3),
+               lambda outer, inner, opt: setattr(inner, 'momentum', 0.5),
+               lambda outer, inner, opt: delattr(outer, 'lr'),
+               lambda outer, inner, opt: setattr(opt, 'hyperparam',
+                                                 chainer.optimizer.Hyperparameter()),
+               lambda outer, inner, opt: setattr(outer._parent, 'lr', 0.2)]
+    for change in changes:
+        for m, opt in ((ref, o_ref), (ours, o)):
+            outer, inner = groups[id(m)]
+            change(outer, inner, opt)
+        if change is changes[3]:                 # (ours needs all three on the new one)
+            o.hyperparam.lr, o.hyperparam.momentum, o.hyperparam.weight_decay = 0.5, 0.9, 0.0
+            o_ref.hyperparam.lr, o_ref.hyperparam.momentum = 0.5, 0.9
+        step_both(ref, o_ref, ours, o, x, t, 2)
+        assert_same_params(ref, ours)
+    assert ours.conv.W.update_rule.hyperparam.lr == 0.2
+
+
+def test_a_hyperparameter_object_given_to_a_second_rule_is_read_for_it(path):
+    """One Hyperparameter object as the hyperparam of two rules, the second given it after an
+    update (when it was already tracked): the second rule reads it too."""
+    x, t = data()
+    ref, o_ref, ours, o = chainer_pair(wd=0)
+    shared = {}
+    for m, opt in ((ref, o_ref), (ours, o)):
+        h = shared[id(m)] = chainer.optimizer.Hyperparameter(opt.hyperparam)
+        h.lr = 0.02
+        m.conv.W.update_rule.hyperparam = h
+    step_both(ref, o_ref, ours, o, x, t, 1)
+    for m in (ref, ours):
+        m.fc.W.update_rule.hyperparam = shared[id(m)]
+    step_both(ref, o_ref, ours, o, x, t, 2)
+    assert_same_params(ref, ours)
+
+
+def test_a_group_whose_parent_is_another_optimizers_hyperparam_follows_it(path):
+    """A chain through another optimizer's hyperparam: an assignment there (its own lr
+    schedule) reaches this optimizer's table too."""
+    x, t = data()
+    results = {}
+    for name, cls in (('chainer', chainer.optimizers.MomentumSGD),
+                      ('ours', optimizers.MomentumSGD)):
+        a, b = Net(), Net()
+        oa, ob = cls(lr=0.1).setup(a), cls(lr=0.1).setup(b)
+        for p in b.fc.params():
+            p.update_rule.hyperparam = chainer.optimizer.Hyperparameter(oa.hyperparam)
+        for step in range(4):
+            if step == 2:
+                oa.lr = 0.01
+            oa.update(lossfun(a, x, t))
+            ob.update(lossfun(b, x, t))
+        results[name] = snapshot(b)
+    for n in results['chainer']:
+        numpy.testing.assert_array_equal(results['ours'][n], results['chainer'][n], err_msg=n)
+
+
+def test_init_state_resets_the_momentum_like_chainer(path):
+    """``update_rule.init_state(param)``: Chainer's MomentumSGDRule makes a new zero ``v``
+    (users reset the momentum with it); ours zeroes the flat buffer's view (it used to do
+    nothing). Also in a copy whose buffers are not built yet (its state is a plain dict)."""
+    x, t = data()
+    ref, o_ref, ours, o = chainer_pair()
+    step_both(ref, o_ref, ours, o, x, t, 2)
+    for m in (ref, ours):
+        for p in m.params():
+            p.update_rule.init_state(p)
+    for e in o._flat.entries:
+        assert e.param.update_rule.state['v'] is e.v and not e.v.any()
+    step_both(ref, o_ref, ours, o, x, t, 2)
+    assert_same_params(ref, ours)
+    ours2, o2 = copy.deepcopy((ours, o))
+    assert type(ours2.fc.W.update_rule.state) is dict          # adopted at the first update
+    for m in (ref, ours2):
+        m.fc.W.update_rule.init_state(m.fc.W)
+    step_both(ref, o_ref, ours2, o2, x, t, 2)
+    assert_same_params(ref, ours2)
+    with pytest.raises(ValueError, match=r'init_state: the parameter given has shape \(5,\); '
+                                         r"this rule's momentum has shape \(5, 64\)"):
+        ours.fc.W.update_rule.init_state(ours.fc.b)
+
+
+def test_init_state_keeps_the_float16_master():
+    model = Net(numpy.float16)
+    o = optimizers.MomentumSGD(lr=0.1).setup(model)
+    x, t = data(numpy.float16)
+    o.update(lossfun(model, x, t))
+    master = model.fc.W.update_rule.state['master'].copy()
+    model.fc.W.update_rule.init_state(model.fc.W)
+    assert not model.fc.W.update_rule.state['v'].any()
+    numpy.testing.assert_array_equal(model.fc.W.update_rule.state['master'], master)
+
+
+def test_a_rule_detached_from_its_parameter_stops_counting_like_chainer(path):
+    """``update_rule = None`` for a while, then the rule given back; a link deleted; a second
+    setup() before any update: Chainer does not call those rules, so their ``t`` stops (ours
+    went on counting). The parameters train as Chainer's, also under a hook that reads ``t``
+    (GradientNoise: its noise shrinks with the rule's t)."""
+    class Noise(chainer.optimizer_hooks.GradientNoise):
+        def __call__(self, rule, param):
+            if rule is not None:
+                super().__call__(rule, param)
+    x, t = data()
+    ref, o_ref, ours, o = chainer_pair(wd=0, net=WithExtra)
+    for opt in (o_ref, o):
+        opt.add_hook(Noise(0.3))
+    ts = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        for step in range(6):
+            for m in (ref, ours):
+                if step == 1:
+                    ts[id(m)] = m.extra.W.update_rule
+                    m.extra.W.update_rule = None
+                if step == 4:
+                    m.extra.W.update_rule = ts[id(m)]
+            for m, opt in ((ref, o_ref), (ours, o)):
+                numpy.random.seed(step)
+                opt.update(lossfun(m, x, t))
+            if step == 2:
+                assert ts[id(ours)].t == ts[id(ref)].t == 1
+    assert ours.extra.W.update_rule.t == ref.extra.W.update_rule.t == 3
+    assert ours.extra.b.update_rule.t == ref.extra.b.update_rule.t == 6
+    assert_same_params(ref, ours)
+    for m in (ref, ours):
+        ts[id(m)] = m.extra.W.update_rule
+        del m.extra
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        step_both(ref, o_ref, ours, o, x, t, 2)
+    assert ts[id(ours)].t == ts[id(ref)].t == 3
+    for cls in (chainer.optimizers.MomentumSGD, optimizers.MomentumSGD):
+        first, second = Net(), Net()
+        opt = cls(lr=0.1).setup(first)
+        opt.setup(second)                             # before any update
+        opt.update(lossfun(second, x, t))
+        assert (first.fc.W.update_rule.t, second.fc.W.update_rule.t) == (0, 1), cls
+
+
+@pytest.mark.parametrize('hooks', [False, True])
+@pytest.mark.parametrize('frozen_by', ['update_rule = None', 'disable_update'])
+def test_an_overflow_in_an_untrained_parameters_gradient_skips_the_step_like_chainer(
+        path, hooks, frozen_by):
+    """Chainer's check_nan_in_grads() reads the gradient of every parameter of the target,
+    also one without an update rule: an inf there skips the step under dynamic loss scaling
+    (ours used to check only the parameters it trains). A finite one does not."""
+    x, t = data()
+    ref, o_ref, ours, o = chainer_pair(wd=0)
+    # Chainer's dynamic scale starts at 1 and stays there after a skip; ours halves from 2 to 1
+    # (the clipping hook sees the scaled gradients: the finite step needs the same scale)
+    o_ref.loss_scaling()
+    o.loss_scaling(initial_scale=2.0)
+    for m, opt in ((ref, o_ref), (ours, o)):
+        if hooks:
+            opt.add_hook(chainer.optimizer_hooks.GradientHardClipping(-1e-3, 1e-3))
+        if frozen_by == 'disable_update':
+            m.conv.disable_update()
+        else:
+            for p in m.conv.params():
+                p.update_rule = None
+    results = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        for m, opt in ((ref, o_ref), (ours, o)):
+            before = snapshot(m)
+            for inf in (True, False):
+                m.cleargrads()
+                lossfun(m, x, t)().backward(loss_scale=opt._loss_scale)
+                if inf:
+                    m.conv.W.grad[0, 0, 0, 0] = numpy.inf
+                opt.update()
+                if inf:
+                    skipped = all(numpy.array_equal(p.array, before[n])
+                                  for n, p in m.namedparams())
+            results[id(opt)] = (skipped, opt.t, m.fc.W.update_rule.t)
+    assert results[id(o)] == results[id(o_ref)] == (True, 2, 1)
+    assert o.skipped_steps == 1
+    assert_same_params(ref, ours)
+
+
+# ---- loss scaling in snapshots: the code's configuration stays, as with Chainer -----------------
+
+@pytest.mark.parametrize('saved, code, resumed', [
+    # (the snapshot's run, this run's loss_scaling() kwargs or None, whether the state resumes)
+    (None, {}, False),
+    ({}, None, False),
+    (dict(scale=8.0), dict(scale=16.0), False),
+    (dict(initial_scale=2.0 ** 10), dict(max_scale=2.0 ** 8, initial_scale=4.0), False),
+    (dict(initial_scale=2.0 ** 10, interval=2), dict(interval=5, initial_scale=4.0), True),
+    (dict(scale=8.0), dict(scale=8.0), True),
+])
+def test_a_snapshot_keeps_the_loss_scaling_made_in_code_like_chainer(tmp_path, saved, code,
+                                                                     resumed):
+    """Chainer's optimizers save no loss scaling: a load keeps the configuration made in
+    code. Ours does too (a snapshot used to replace it: loss scaling enabled in code was
+    switched off by a file saved without it); the file's state (scale, clean and skipped
+    steps) goes on where it fits the code's configuration, else a warning says why not."""
+    x, t = data()
+    model = Net()
+    opt = optimizers.MomentumSGD(lr=0.1).setup(model)
+    if saved is not None:
+        opt.loss_scaling(**saved)
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        opt.update(lossfun(model, x * numpy.float32(numpy.inf), t))    # one skipped step
+        for _ in range(3):
+            opt.update(lossfun(model, x, t))
+    serializers.save_npz(str(tmp_path / 'opt.npz'), opt)
+    chainer_opt = chainer.optimizers.MomentumSGD(lr=0.1).setup(Net())
+    again = optimizers.MomentumSGD(lr=0.1).setup(Net())
+    for o in (chainer_opt, again):
+        if code is not None:
+            o.loss_scaling(**{k: v for k, v in code.items()
+                              if o is again or k in ('scale',)})
+    config = (again._scaler.mode, again._scaler.interval, again._scaler.min_scale,
+              again._scaler.max_scale)
+    own = (again.loss_scale, again.skipped_steps)
+    serializers.load_npz(str(tmp_path / 'opt.npz'), chainer_opt)
+    if resumed:
+        with warnings.catch_warnings():
+            warnings.simplefilter('error')
+            tc_serializers.load_npz(str(tmp_path / 'opt.npz'), again)
+        assert (again.loss_scale, again.skipped_steps) == (opt.loss_scale, opt.skipped_steps)
+    else:
+        with pytest.warns(UserWarning, match="the snapshot's loss scaling is not resumed: "
+                                             r'.*keeps the loss-scaling configuration made in '
+                                             'code'):
+            tc_serializers.load_npz(str(tmp_path / 'opt.npz'), again)
+        assert (again.loss_scale, again.skipped_steps) == own
+    assert (again._scaler.mode, again._scaler.interval, again._scaler.min_scale,
+            again._scaler.max_scale) == config
+    assert again._loss_scaling_is_dynamic == chainer_opt._loss_scaling_is_dynamic
+    assert (again._loss_scale is None) == (chainer_opt._loss_scale is None)
+    assert again.t == chainer_opt.t == 4
+
+
+# ---- references to parameter arrays (docs/optimizer.md, "An array taken from a parameter") ----
+
+@pytest.mark.parametrize('lazy', [False, True])
+def test_an_array_taken_before_the_buffers_stops_following_and_a_shared_copy_follows(lazy):
+    """What the docs tell users: an array referenced before the buffers are built (before
+    ``setup()``; for a lazy model also after it, before its first update), and a model given
+    the same arrays (``q.array = p.array``), keep the old values; one taken after they are
+    built follows; ``Link.copy(mode='share')``, made before ``setup()``, follows training."""
+    x, t = data()
+    model = Net()
+    if lazy:
+        del model.fc
+        with model.init_scope():
+            model.fc = L.Linear(None, 5)
+    shared = model.copy(mode='share')
+    aliased = Net()
+    for p, q in zip(model.conv.params(), aliased.conv.params()):
+        q.array = p.array
+    before_setup = model.conv.W.array
+    opt = optimizers.MomentumSGD(lr=0.1).setup(model)
+    after_setup = model.conv.W.array
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        for _ in range(2):
+            opt.update(lossfun(model, x, t))
+    live = model.conv.W.array
+    assert not numpy.array_equal(before_setup, live)
+    assert not numpy.array_equal(aliased.conv.W.array, live)
+    assert (after_setup is live) == (not lazy)
+    for (n, p), (_, q) in zip(model.namedparams(), shared.namedparams()):
+        assert q.array is p.array, n

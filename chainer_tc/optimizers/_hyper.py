@@ -5,7 +5,8 @@
     row 1 + i: parameter i's own lr, momentum, weight_decay, flags (ENABLED, OWN_*)
 
 A parameter's value is used only where its OWN_* flag is set (it was set on its update rule, or on
-a Hyperparameter between the rule and the optimizer); otherwise the kernel reads row 0. So a
+a Hyperparameter between the rule and the optimizer: every one of those is tracked once the table
+is built, so a later assignment on it rebuilds the rows); otherwise the kernel reads row 0. So a
 learning-rate schedule that moves the optimizer's lr every step writes row 0 alone: on a GPU one
 tiny kernel launch (``momentum_sgd_set_globals``, no host synchronisation, outside any captured
 graph), on the CPU three stores. The per-parameter rows are rebuilt only when something per
@@ -17,7 +18,6 @@ NumPy does when Chainer's update multiplies a float32 array by a Python float.
 import numpy
 
 from chainer_tc.optimizers import _rule
-from chainer_tc.optimizers import _scaler
 
 ENABLED, OWN_LR, OWN_MOMENTUM, OWN_WD = 1, 2, 4, 8
 _OWN = (OWN_LR, OWN_MOMENTUM, OWN_WD)
@@ -42,7 +42,7 @@ class HyperTable:
         was written."""
         seen_globals, seen_entries = self._seen
         if versions.entries != seen_entries:
-            self._rebuild(root)
+            self._rebuild(root, versions)
             self._upload()
         elif versions.globals != seen_globals:
             self.host[0, :3] = self._globals(root)
@@ -64,19 +64,27 @@ class HyperTable:
 
     @staticmethod
     def _globals(root):
-        try:
-            return [_scaler.number('the optimizer\'s ' + name, getattr(root, name))
-                    for name in _rule.HYPERPARAMETERS]
-        except AttributeError as e:
-            raise AttributeError('the optimizer has no hyperparameter {}'.format(e)) from None
+        return [_rule.resolve_root(root, name) for name in _rule.HYPERPARAMETERS]
 
-    def _rebuild(self, root):
+    def _rebuild(self, root, versions):
         host = self.host
+        # a Hyperparameter between a rule and the optimizer's (a "parameter group"), or above
+        # the optimizer's, reports its assignments from now on: tracked here, since every
+        # change of a chain (a rule's hyperparam replaced, a _parent assigned, a new rule)
+        # moves Versions.entries, which brings the table here
+        try:
+            _rule.track_chain(root.__dict__.get('_parent'), versions)
+        except (TypeError, ValueError) as err:
+            raise type(err)("the optimizer's hyperparam: {}".format(err)) from None
         host[0, :3] = self._globals(root)
         host[0, 3] = 0
         for i, e in enumerate(self.flat.entries, 1):
             rule = e.param.update_rule
             flags = ENABLED if rule.enabled else 0
+            try:
+                _rule.track_chain(rule.hyperparam, versions, stop=root)
+            except (TypeError, ValueError) as err:
+                raise type(err)('parameter {}: {}'.format(e.name, err)) from None
             for j, name in enumerate(_rule.HYPERPARAMETERS):
                 try:
                     value, own = _rule.resolve(rule.hyperparam, name, root)

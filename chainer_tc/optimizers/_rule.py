@@ -1,35 +1,45 @@
 """Per-parameter update rules of the batched optimizer: what Chainer code expects to find on
-``param.update_rule`` (``enabled``, ``hyperparam``, ``state``, ``t``, ``serialize``), while the
-update itself runs for all parameters at once in ``MomentumSGD.update()``.
+``param.update_rule`` (``enabled``, ``hyperparam``, ``state``, ``t``, ``serialize``,
+``init_state``), while the update itself runs for all parameters at once in
+``MomentumSGD.update()``.
 
 Changes that matter to the kernel are tracked, not polled: assigning any hyperparameter (the
-optimizer's, or a parameter's own) or ``enabled`` bumps a counter in :class:`Versions`, and the
-optimizer rebuilds its device-side hyperparameter table only when a counter moved. The common
-step, where nothing changed, costs two integer comparisons.
+optimizer's, a parameter's own, or one on a Hyperparameter between them: a "parameter group")
+or ``enabled`` bumps a counter in :class:`Versions`, and the optimizer rebuilds its device-side
+hyperparameter table only when a counter moved. The common step, where nothing changed, costs
+two integer comparisons.
 """
 import numpy
 
+import chainer
+from chainer import backend
 from chainer import optimizer as chainer_optimizer
 from chainer import serializer as serializer_module
 
+from chainer_tc.optimizers import _flat
 from chainer_tc.optimizers import _scaler
 
 HYPERPARAMETERS = ('lr', 'momentum', 'weight_decay')
 _PRIVATE = ('_parent', '_versions', '_is_global')
+_UNTRACKED = ('_versions', '_is_global')       # (bookkeeping, not hyperparameters)
 
 
 class Versions:
-    """Change counters shared by an optimizer, its hyperparameters and its rules."""
+    """Change counters shared by an optimizer, its hyperparameters and its rules. ``root`` is
+    the optimizer's own Hyperparameter: an assignment on it moves ``globals`` (row 0 of the
+    table), one on any other tracked Hyperparameter ``entries`` (the per-parameter rows)."""
 
-    __slots__ = ('globals', 'entries')
+    __slots__ = ('globals', 'entries', 'root')
 
     def __init__(self):
         self.globals = 0      # the optimizer's own hyperparameters
         self.entries = 0      # anything per parameter: own values, enabled, the set of rules
+        self.root = None
 
 
 class TrackedHyperparameter(chainer_optimizer.Hyperparameter):
-    """A ``chainer.optimizer.Hyperparameter`` that reports every assignment to :class:`Versions`."""
+    """A ``chainer.optimizer.Hyperparameter`` that reports every assignment to the
+    :class:`Versions` of each optimizer that reads it (usually one)."""
 
     def __setattr__(self, name, value):
         object.__setattr__(self, name, value)
@@ -40,14 +50,15 @@ class TrackedHyperparameter(chainer_optimizer.Hyperparameter):
         self._changed(name)
 
     def _changed(self, name):
-        d = self.__dict__
-        versions = d.get('_versions')
-        if versions is None or name in ('_versions', '_is_global'):
+        tracked = self.__dict__.get('_versions')
+        if tracked is None or name in _UNTRACKED:
             return
-        if d.get('_is_global'):
-            versions.globals += 1
-        else:
-            versions.entries += 1
+        for versions in (tracked if type(tracked) is list else (tracked,)):
+            # (a new _parent changes what the whole chain reads: every row is rebuilt)
+            if name != '_parent' and getattr(versions, 'root', None) is self:
+                versions.globals += 1
+            else:
+                versions.entries += 1
 
     def get_dict(self):
         d = super().get_dict()
@@ -56,8 +67,10 @@ class TrackedHyperparameter(chainer_optimizer.Hyperparameter):
         return d
 
 
-def track(hyperparam, versions, is_global):
-    """Make ``hyperparam`` (a Chainer Hyperparameter, possibly the user's own object) tracked."""
+def track(hyperparam, versions, changed=True):
+    """Make ``hyperparam`` (a Chainer Hyperparameter, possibly the user's own object) report its
+    assignments to ``versions`` (besides any other optimizer's it already reports to).
+    ``changed``: it was just given to a rule or to the optimizer (the table is rebuilt)."""
     if not isinstance(hyperparam, chainer_optimizer.Hyperparameter):
         raise TypeError('hyperparam must be a chainer.optimizer.Hyperparameter; got {!r}'
                         .format(type(hyperparam).__name__))
@@ -66,11 +79,30 @@ def track(hyperparam, versions, is_global):
     elif not isinstance(hyperparam, TrackedHyperparameter):
         raise TypeError('hyperparam of type {} cannot be tracked; use '
                         'chainer.optimizer.Hyperparameter'.format(type(hyperparam).__name__))
-    hyperparam.__dict__['_is_global'] = is_global
-    hyperparam.__dict__['_versions'] = versions
-    versions.globals += 1
-    versions.entries += 1
+    d = hyperparam.__dict__
+    tracked = d.get('_versions')
+    tracked = [] if tracked is None else tracked if type(tracked) is list else [tracked]
+    if not any(v is versions for v in tracked):
+        d['_versions'] = tracked + [versions]
+    if changed:
+        versions.globals += 1
+        versions.entries += 1
+    d.pop('_is_global', None)          # (an earlier version's flag: Versions.root says it now)
     return hyperparam
+
+
+def track_chain(hyperparam, versions, stop=None):
+    """Track every Hyperparameter from ``hyperparam`` up its parents (to ``stop``, excluded,
+    or to the end): a later assignment on any of them then reaches the table. A parent that
+    is not a Hyperparameter is refused, as is a cycle."""
+    seen = set()
+    h = hyperparam
+    while h is not None and h is not stop:
+        if id(h) in seen:
+            raise ValueError('its hyperparam\'s parents form a cycle')
+        seen.add(id(h))
+        track(h, versions, changed=False)
+        h = h.__dict__.get('_parent')
 
 
 def resolve(hyperparam, name, root):
@@ -84,7 +116,30 @@ def resolve(hyperparam, name, root):
         if name in d:
             return _scaler.number('hyperparam.' + name, d[name]), True
         h = d.get('_parent')
-    raise AttributeError('hyperparameter {!r} is not set (nor inherited)'.format(name))
+    raise AttributeError(
+        'its update_rule.hyperparam has no {!r}: not set on it nor on its parents, and its '
+        "parents do not lead to the optimizer's hyperparam (chainer_tc's MomentumSGD reads lr, "
+        'momentum and weight_decay for every parameter); set it there (weight_decay = 0.0 for '
+        'none), or give the Hyperparameter a parent chain that ends at optimizer.hyperparam'
+        .format(name))
+
+
+def resolve_root(root, name):
+    """``name`` as Chainer reads it from the optimizer's ``root`` Hyperparameter (on it, or on
+    its parents), or an AttributeError that says which hyperparameter is missing."""
+    h = root
+    seen = set()
+    while h is not None and id(h) not in seen:
+        seen.add(id(h))
+        d = getattr(h, '__dict__', {})
+        if name in d:
+            return _scaler.number("the optimizer's " + name, d[name])
+        h = d.get('_parent')
+    raise AttributeError(
+        "the optimizer's hyperparam has no {!r} (not set on it nor on its parents): "
+        "chainer_tc's MomentumSGD reads lr, momentum and weight_decay from it; a "
+        'Hyperparameter that replaces optimizer.hyperparam must set all three '
+        '(weight_decay = 0.0 for none)'.format(name))
 
 
 class Clock:
@@ -146,18 +201,22 @@ class Rule(chainer_optimizer.UpdateRule):
 
     ``enabled`` (``Link.disable_update()``), ``hyperparam.lr/momentum/weight_decay`` and
     ``state['v']`` (and ``state['master']`` for float16 parameters) behave as with Chainer's
-    ``MomentumSGDRule``; ``state`` arrays are views of the optimizer's flat buffers. ``t`` counts
-    the steps applied while the rule was enabled, as Chainer's does. The update itself is the
-    optimizer's: ``param.update()`` alone is refused, and so are hooks on a single rule.
+    ``MomentumSGDRule``; ``state`` arrays are views of the optimizer's flat buffers, and
+    ``init_state(param)`` zeroes the momentum. ``t`` counts the steps applied while the rule was
+    enabled and its parameter's (Chainer does not call a rule that is disabled, or no longer
+    on a parameter of the target). The update itself is the optimizer's: ``param.update()``
+    alone is refused, and so are hooks on a single rule.
     """
 
     is_elementwise = True
     _decay_pending = None     # the parameter's name while its decay_filter waits for its array
+    _attached = True          # the parameter is the optimizer's (see MomentumSGD._try_build)
 
     def __init__(self, parent_hyperparam, clock, versions):
         self._clock = clock
         self._versions = versions
         self._enabled = True
+        self._attached = True
         self._t_base = 0
         self._t_frozen = 0
         super().__init__(parent_hyperparam)
@@ -168,7 +227,7 @@ class Rule(chainer_optimizer.UpdateRule):
 
     @hyperparam.setter
     def hyperparam(self, value):
-        self._hyperparam = track(value, self._versions, is_global=False)
+        self._hyperparam = track(value, self._versions)
 
     @property
     def enabled(self):
@@ -184,16 +243,55 @@ class Rule(chainer_optimizer.UpdateRule):
         self.t = t
         self._versions.entries += 1
 
+    def _attach(self, attached):
+        """Whether the optimizer updates this rule's parameter (it is on a parameter of the
+        target): while it does not (``update_rule = None``, the link deleted), ``t`` stops, as
+        Chainer's, which is not called then. Set when the buffers are built."""
+        if attached == self._attached:
+            return
+        t = self.t
+        self._attached = attached
+        self.t = t
+
     @property
     def t(self):
-        return self._t_base + self._clock.applied() if self._enabled else self._t_frozen
+        if self._enabled and self._attached:
+            return self._t_base + self._clock.applied()
+        return self._t_frozen
 
     @t.setter
     def t(self, value):
-        if self._enabled:
+        if self._enabled and self._attached:
             self._t_base = int(value) - self._clock.applied()
         else:
             self._t_frozen = int(value)
+
+    def init_state(self, param):
+        """As Chainer's ``MomentumSGDRule.init_state``: the momentum starts again from zeros
+        (how Chainer users reset it). Zeroed in place in the flat buffer, so the next update
+        reads zeros; a float16 parameter's master weights stay (they hold its value)."""
+        state = self._state
+        if state is None:
+            return                       # no momentum yet: it starts from zeros
+        v = state.get('v')
+        if v is None:
+            return
+        shape = getattr(param, 'shape', None) if getattr(param, 'array', None) is not None \
+            else None
+        if shape is not None and tuple(shape) != tuple(v.shape):
+            raise ValueError('init_state: the parameter given has shape {}; this rule\'s '
+                             'momentum has shape {}'.format(tuple(shape), tuple(v.shape)))
+        if not isinstance(state, _flat.FlatState):
+            # (not in the flat buffers yet, e.g. loaded before the first update: a new array,
+            # as Chainer's; the buffers adopt it when they are built)
+            device = backend.get_device_from_array(v)
+            with chainer.using_device(device):
+                state['v'] = device.xp.zeros_like(v)
+        elif isinstance(v, numpy.ndarray):
+            v[...] = 0
+        else:
+            with v.device:
+                v.fill(0)
 
     def update(self, param):
         raise RuntimeError(

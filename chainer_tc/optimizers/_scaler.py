@@ -113,6 +113,32 @@ class LossScaler:
                              'counter {}); a saved state has both 0'.format(host[FOUND_INF],
                                                                         host[DONE]))
 
+    def why_not_resumed(self, saved):
+        """None where the state of ``saved`` (a file's LossScaler, validated) can go on under
+        this configuration, else why not: another mode, another static scale, or a dynamic
+        scale outside [min_scale, max_scale] (reading the scale synchronises)."""
+        there, here = _describe(saved), _describe(self)
+        if saved.mode != self.mode:
+            return 'it is {}, this optimizer\'s (set in code) {}'.format(there, here)
+        if self.mode == STATIC and saved.scale != self.scale:
+            return 'it is {}, this optimizer\'s (set in code) {}'.format(there, here)
+        if self.mode == DYNAMIC and not self.min_scale <= saved.scale <= self.max_scale:
+            return ('its scale {} lies outside this optimizer\'s [min_scale, max_scale] = '
+                    '[{}, {}] (set in code)'.format(saved.scale, self.min_scale, self.max_scale))
+        return None
+
+    def resume(self, host):
+        """Take the state ``host`` (uint32[8], a file's) as this scaler's."""
+        host = numpy.array(host, numpy.uint32)
+        with numpy.errstate(over='ignore'):      # (the float16 copy, from the float32 scale)
+            host[SCALE_F16] = numpy.float16(host[SCALE:SCALE + 1].view(numpy.float32)[0]) \
+                .view(numpy.uint16)
+        if isinstance(self.state, numpy.ndarray):
+            self.state[...] = host
+        else:
+            with self.state.device:
+                self.state.set(host)
+
     def to_device(self, xp):
         """Move the state next to the parameters (numpy, or cupy on the current device: the
         caller makes the parameters' device current), also from one GPU to another."""
@@ -254,6 +280,14 @@ class SkipWatch:
                         'nan or inf loss); parameters are not updated while this '
                         'lasts'.format(scaler.min_scale))
         warnings.warn(message, UserWarning, stacklevel=stacklevel + 1)
+
+
+def _describe(scaler):
+    if scaler.mode == NONE:
+        return 'no loss scaling'
+    if scaler.mode == STATIC:
+        return 'static loss scaling, scale {}'.format(scaler.scale)
+    return 'dynamic loss scaling, scale {}'.format(scaler.scale)
 
 
 def number(name, value):

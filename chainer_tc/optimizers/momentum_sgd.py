@@ -103,7 +103,9 @@ class MomentumSGD(chainer_optimizer.GradientMethod):
 
     @hyperparam.setter
     def hyperparam(self, value):
-        self._hyperparam = _rule.track(value, self._versions, is_global=True)
+        self._hyperparam = _rule.track(value, self._versions)
+        self._versions.root = value      # (the rules created before keep their parent, as
+        #                                   Chainer's: tracked as any other Hyperparameter)
 
     @property
     def t(self):
@@ -205,11 +207,25 @@ class MomentumSGD(chainer_optimizer.GradientMethod):
                     'optimizers do not; call optimizer.setup(model) again to train them'
                     ).format(names), UserWarning)
             self._flat = flat = _flat.FlatParams(trained, untrained, waiting)
+            self._attach_rules([p.update_rule for _, p in trained + waiting])
         with flat.device_scope():
             self._scaler.to_device(flat.xp)
         self._table = _hyper.HyperTable(flat, kernels.backend(flat.xp) != 'numpy')
         self._temps = None
         return flat
+
+    def _attach_rules(self, rules):
+        """The rules of the target's parameters (``rules``) count their steps; a rule the last
+        build had and this one has not (its parameter's ``update_rule = None``, its link
+        deleted) stops counting, as Chainer's, which is then not called, until it is back."""
+        rules = [r for r in rules if isinstance(r, _rule.Rule) and r._versions is self._versions]
+        now = {id(r) for r in rules}
+        for r in getattr(self, '_attached_rules', ()):
+            if id(r) not in now:
+                r._attach(False)
+        for r in rules:
+            r._attach(True)
+        self._attached_rules = rules
 
     def _warn_once(self, key, message, category=chainer.warnings.PerformanceWarning):
         if key not in self._warned:
@@ -254,6 +270,8 @@ class MomentumSGD(chainer_optimizer.GradientMethod):
     def __setstate__(self, state):
         marks = state.pop('_loss_scale_marks', None)
         self.__dict__.update(state)
+        if getattr(self._versions, 'root', None) is None:    # (pickled by an earlier version)
+            self._versions.root = self._hyperparam
         if marks is not None:
             for (_, p), mark in zip(_flat.unique_params(self.target.namedparams()), marks):
                 p._loss_scale = mark
@@ -379,7 +397,8 @@ class MomentumSGD(chainer_optimizer.GradientMethod):
                 copied = []
                 grads = flat.grads(copied=copied)
                 self._step(self._plan(flat, grads, checked=checked, copied=copied,
-                                      marks=[e.param._loss_scale for e in flat.entries]))
+                                      marks=[e.param._loss_scale for e in flat.entries],
+                                      untrained=self._untrained_grads(flat, checked)))
             except BaseException:
                 if checked is not None:
                     self._scaler.clear_flag()       # the step never ran: no flag left set
@@ -400,8 +419,17 @@ class MomentumSGD(chainer_optimizer.GradientMethod):
             return None
         copied = []
         step = self._plan(flat, flat.grads(copied=copied), copied=copied,
-                          marks=[e.param._loss_scale for e in flat.entries])
+                          marks=[e.param._loss_scale for e in flat.entries],
+                          untrained=self._untrained_grads(flat, None))
         return step.check_now()
+
+    def _untrained_grads(self, flat, checked):
+        """The gradients of the target's parameters without an update rule, for the overflow
+        check of dynamic loss scaling (Chainer's ``check_nan_in_grads()`` reads every
+        parameter's): none when the step does not check (already checked, or not dynamic)."""
+        if checked is not None or self._scaler.mode != _scaler.DYNAMIC or not flat.untrained:
+            return ()
+        return [g for _, g in flat.untrained_grads()]
 
     def _has_hooks(self, timing):
         h = self._hookable
@@ -422,7 +450,8 @@ class MomentumSGD(chainer_optimizer.GradientMethod):
         # (a synchronisation per epoch: says whether steps were skipped since the last look)
         self._skip_watch.now(self._scaler, self.t, stacklevel=2)
 
-    def _plan(self, flat, grads, flat_grads=None, marks=None, checked=None, copied=()):
+    def _plan(self, flat, grads, flat_grads=None, marks=None, checked=None, copied=(),
+              untrained=()):
         """A callable that updates every parameter from ``grads`` (one array or None per entry
         of ``flat``), reading everything else (hyperparameters, loss scale) when it runs.
         ``flat_grads``: the gradients are views of these buffers (``flat.grad_buffers()``),
@@ -433,16 +462,19 @@ class MomentumSGD(chainer_optimizer.GradientMethod):
         quotient written back goes there too.
         ``checked``: what ``check_now()`` of a step over this step's gradients returned before
         the pre-update hooks (dynamic loss scaling): the step skips on that check instead of
-        checking again (as Chainer, which checks before its hooks only); None: it checks."""
-        if flat_grads is not None and (marks is not None or checked is not None or copied):
+        checking again (as Chainer, which checks before its hooks only); None: it checks.
+        ``untrained``: gradients of parameters without an update rule, which the overflow
+        check reads too (as they are: Chainer's check reads every gradient), never updated."""
+        if flat_grads is not None and (marks is not None or checked is not None or copied
+                                       or untrained):
             raise ValueError('a step over flat gradient buffers takes its gradients from '
                              'scaled_backward(): marks must be None')
         if flat_grads is not None and kernels.backend(flat.xp) == 'numpy':
             return _NumpyFlatStep(self, flat, grads, flat_grads)
         step_grads = _grads.StepGrads(self._scaler.mode, flat, grads, marks, copied)
         if kernels.backend(flat.xp) != 'numpy':
-            return _KernelStep(self, flat, step_grads, checked)
-        return _NumpyStep(self, flat, step_grads, checked)
+            return _KernelStep(self, flat, step_grads, checked, untrained)
+        return _NumpyStep(self, flat, step_grads, checked, untrained)
 
     def _set_globals(self, row):
         flat = self._flat
@@ -492,14 +524,14 @@ class MomentumSGD(chainer_optimizer.GradientMethod):
         self.epoch = serializer('epoch', self.epoch)
         sc = self._scaler
         saving = not isinstance(serializer, chainer.serializer.Deserializer)
-        if saving or _has_key(serializer, 'loss_scaling_mode'):  # none in Chainer's files
-            sc.mode = int(serializer('loss_scaling_mode', sc.mode))
-            sc.interval = int(serializer('loss_scaling_interval', sc.interval))
-            sc.min_scale = float(serializer('loss_scaling_min', sc.min_scale))
-            sc.max_scale = float(serializer('loss_scaling_max', sc.max_scale))
-            state = serializer('loss_scaler', sc.state)
-            if state is not None and state is not sc.state:   # loaded before the first build
-                sc.state[...] = state
+        if saving:
+            serializer('loss_scaling_mode', sc.mode)
+            serializer('loss_scaling_interval', sc.interval)
+            serializer('loss_scaling_min', sc.min_scale)
+            serializer('loss_scaling_max', sc.max_scale)
+            serializer('loss_scaler', sc.state)
+        elif _has_key(serializer, 'loss_scaling_mode'):  # none in Chainer's files
+            self._load_loss_scaling(serializer)
         self._clock.forget()
         layout = self._filter_state_layout(serializer)
         filters = _file_layout.filters_with_file_layout(self.target)
@@ -520,6 +552,38 @@ class MomentumSGD(chainer_optimizer.GradientMethod):
                 elif link is not None:
                     inner = _file_layout.LoadState(inner, link, layout, name)
                 param.update_rule.serialize(inner)
+
+    def _load_loss_scaling(self, serializer):
+        """A file's loss scaling: its configuration and state are validated (an error names
+        the key and the value); the configuration made in code stays, as with Chainer (whose
+        files have none); the file's state (the scale, clean steps, skipped steps) is resumed
+        where it fits that configuration: the same mode, for static scaling the same scale,
+        for dynamic scaling a scale within [min_scale, max_scale]. Otherwise a UserWarning
+        says what is not resumed and why."""
+        sc = self._scaler
+        saved = _scaler.LossScaler()
+        saved.mode = int(serializer('loss_scaling_mode', sc.mode))
+        saved.interval = int(serializer('loss_scaling_interval', sc.interval))
+        saved.min_scale = float(serializer('loss_scaling_min', sc.min_scale))
+        saved.max_scale = float(serializer('loss_scaling_max', sc.max_scale))
+        state = serializer('loss_scaler', None)
+        if state is None:                  # (strict=False, and not in the file)
+            return
+        state = numpy.asarray(state)
+        if state.shape != saved.state.shape:
+            raise ValueError('loss_scaler has shape {}; a saved loss-scale state has shape {}'
+                             .format(state.shape, saved.state.shape))
+        saved.state[...] = state
+        saved.validate()
+        why = sc.why_not_resumed(saved)
+        if why is None:
+            sc.resume(saved.state)
+        else:
+            warnings.warn(
+                "the snapshot's loss scaling is not resumed: {}. A load keeps the loss-scaling "
+                'configuration made in code, as Chainer\'s optimizers do (their files hold '
+                "none); to resume the snapshot's scale, configure loss_scaling() as its run "
+                'did before loading'.format(why), UserWarning, stacklevel=5)
 
     @staticmethod
     def _filter_state_layout(serializer):
@@ -595,9 +659,10 @@ class _KernelStep:
     gradient addresses are fixed here; the kernels read hyperparameters and the loss scale from
     device memory, so the same step can be captured (each replay recomputing the gradients)."""
 
-    def __init__(self, opt, flat, step_grads, checked=None):
+    def __init__(self, opt, flat, step_grads, checked=None, untrained=()):
         xp = flat.xp
         self.flat = flat
+        self.untrained = untrained
         self.dynamic = opt._scaler.mode == _scaler.DYNAMIC
         self.checked = checked is not None
         self.update = kernels.get_function('optimizer', 'momentum_sgd_update', xp, _DEFINES)
@@ -634,7 +699,18 @@ class _KernelStep:
         with self.flat.device_scope():
             for sp, chunks, nc in self.launches:
                 self.check((nc,), (BLOCK,), (sp, chunks, self.flat.divisors, self.scaler_state))
+            self._check_untrained()
         return True
+
+    def _check_untrained(self):
+        """The gradients of parameters without an update rule (not in the buffers, so not
+        in the kernel's tables), as Chainer's check reads them: whether each is all finite,
+        reduced on the device and or-ed into the overflow flag (four CuPy launches per
+        gradient, no synchronisation; none in the usual step, which has no such gradient)."""
+        xp = self.flat.xp
+        flag = self.scaler_state[_scaler.FOUND_INF:_scaler.FOUND_INF + 1]
+        for g in self.untrained:
+            xp.bitwise_or(flag, xp.logical_not(xp.isfinite(g).all()), out=flag)
 
     def __call__(self):
         flat, state = self.flat, self.scaler_state
@@ -642,6 +718,7 @@ class _KernelStep:
             if self.dynamic and not self.checked:
                 for sp, chunks, nc in self.launches:
                     self.check((nc,), (BLOCK,), (sp, chunks, flat.divisors, state))
+                self._check_untrained()
             for sp, chunks, nc in self.launches:
                 self.update((nc,), (BLOCK,), (
                     sp, chunks, flat.divisors, flat.params[_flat.F32], flat.params[_flat.F16],
@@ -654,8 +731,9 @@ class _NumpyStep:
     """The CPU path: the kernel's arithmetic, in the same order, as vectorised NumPy over
     cache-sized blocks of each parameter, reading the gradients where they are."""
 
-    def __init__(self, opt, flat, step_grads, checked=None):
+    def __init__(self, opt, flat, step_grads, checked=None, untrained=()):
         self.opt, self.flat = opt, flat
+        self.untrained = untrained
         g = self.step_grads = step_grads
         flat_grads = [None if a is None else a.reshape(-1) for a in g.read]
         self.blocks = [(i, flat_grads[i], g.divide[i], g.write[i]) + rest
@@ -688,10 +766,13 @@ class _NumpyStep:
         return load_grad
 
     def _nonfinite(self, load_grad):
+        """Whether a divided gradient, or a gradient of a parameter without an update rule
+        (as it is, as Chainer's check reads it), holds an inf or nan."""
         with numpy.errstate(invalid='ignore', over='ignore', divide='ignore'):
             return not all(
                 numpy.isfinite(load_grad(i, g, d, a, b, temps[0][:b - a])).all()
-                for i, g, d, w, a, b, p, v, p16, temps in self.blocks if g is not None)
+                for i, g, d, w, a, b, p, v, p16, temps in self.blocks if g is not None) or \
+                not all(numpy.isfinite(g).all() for g in self.untrained)
 
     def check_now(self):
         """The overflow check alone, before the pre-update hooks: whether a divided gradient
