@@ -462,7 +462,7 @@ def test_optimizer_snapshot_from_gpu_resumes_bit_identically(tmp_path, monkeypat
     straight = opt_state(opt)
 
     model2, opt2 = make(resume_on)
-    opt2.loss_scaling(interval=2, initial_scale=64.0)          # overwritten by the snapshot
+    opt2.loss_scaling(interval=2, initial_scale=64.0)  # its scale and counts: the snapshot's
     tc_serializers.load_npz(str(tmp_path / 'opt.npz'), opt2)
     tc_serializers.load_npz(str(tmp_path / 'model.npz'), model2)
     assert (opt2.t, opt2.loss_scale, opt2.skipped_steps) == saved
