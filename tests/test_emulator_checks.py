@@ -221,6 +221,35 @@ def test_the_far_check_is_on_with_the_race_detector(monkeypatch, buggy):
             buggy.get_function('write_at')((1,), (1,), (a, b, numpy.int64(_next_region(4))))
 
 
+def test_module_variables_carry_one_run_per_launch_under_every_check(selftest):
+    """A ``__device__`` counter advances once per launch, as on a GPU, also where the launch
+    runs several times (schedules, the far check's second run): each run starts from the
+    module's state at the launch's start (before, a later run saw the earlier runs' writes and
+    the launch was reported as order- or address-dependent)."""
+    f = selftest.get_function('count_launches')
+    out = numpy.zeros(1, numpy.uint32)
+    counts = []
+    for checks in ({}, dict(far=True), RACE, dict(RACE, far=False), {}):
+        with emulator.checking(**checks):
+            f((2,), (32,), (out,))
+        counts.append(int(out[0]))
+    assert counts == [counts[0] + k for k in range(5)], counts
+
+
+@pytest.mark.parametrize('far', [False, True])
+def test_a_kernel_that_swaps_table_addresses_leaves_host_addresses(selftest, far):
+    """A double buffer's two addresses swapped by the kernel: the table holds the host
+    addresses, swapped (before, a moved word kept its arena address, and the far check took
+    the table for an address-dependent result)."""
+    x, y = numpy.full(2, 3, numpy.float32), numpy.full(2, 7, numpy.float32)
+    table = numpy.array([x.ctypes.data, y.ctypes.data], numpy.uint64)
+    out = numpy.zeros(1, numpy.float32)
+    with emulator.checking(far=far):
+        selftest.get_function('swap_buffers')((1,), (1,), (table, out))
+    assert out[0] == 7
+    assert table.tolist() == [y.ctypes.data, x.ctypes.data]
+
+
 def test_an_atomic_outside_the_launchs_memory_is_reported(buggy):
     """An atomic on an address no launch gives a kernel (host memory passed as an integer) is
     reported as a plain access there is, and the host memory is left alone."""

@@ -789,6 +789,7 @@ class _LaunchArgs(ctypes.Structure):
         ('restrict', ctypes.POINTER(ctypes.c_int)),
         ('nc_all', ctypes.c_int),
         ('far', ctypes.c_int),
+        ('far_skipped', ctypes.POINTER(ctypes.c_int)),
     ]
 
 
@@ -796,6 +797,7 @@ class _LaunchArgs(ctypes.Structure):
 #: an array (a 32-bit index of 16-byte elements) is reported against that array.
 FAR_BYTES = 1 << 35
 _far_warned = []
+_far_skipped = []
 
 
 def _check_slot_bytes(got):
@@ -1082,6 +1084,7 @@ class Function:
         names = ','.join(schedules).encode()
         err = ctypes.create_string_buffer(_ERR_LEN)
         slot_bytes = ctypes.c_uint64(0)
+        far_skipped = ctypes.c_int(0)
         targets, slots = tables
         counts = access_counts.buffer(n + len(targets) + 1) if access_counts.active() else None
 
@@ -1108,11 +1111,18 @@ class Function:
             ftz=int(current_ftz()),
             restrict=array(ctypes.c_int, [r if self.params[i].is_pointer else 0
                                           for i, r in enumerate(restrict)]),
-            nc_all=int(self._nc_all), far=int(current_far()))
+            nc_all=int(self._nc_all), far=int(current_far()),
+            far_skipped=ctypes.pointer(far_skipped))
         with _launch_lock:
             rc = self._launch(ctypes.byref(la))
         if slot_bytes.value:
             _check_slot_bytes(slot_bytes.value)
+        if far_skipped.value and not _far_skipped:
+            _far_skipped.append(self.name)
+            warnings.warn('emulator: the far check of kernel {} was skipped: the address space '
+                          'for its second layout of the arrays could not be reserved (an '
+                          'address-space limit, ulimit -v); the launch ran its other checks '
+                          '(said once)'.format(self.name), RuntimeWarning, stacklevel=2)
         if rc != 0:
             raise KernelLaunchError(self._explain(err.value.decode(errors='replace'), args, tables))
         if counts is not None:

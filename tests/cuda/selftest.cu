@@ -433,3 +433,21 @@ extern "C" __global__ void contraction(const float* a, const float* b, const flo
   dout[2 * i] = da[i] * db[i] + dc[i];
   dout[2 * i + 1] = __dadd_rn(__dmul_rn(da[i], db[i]), dc[i]);
 }
+
+// A module variable that counts the launches (state a GPU keeps from one launch to the next),
+// and the number of this launch written out.
+__device__ unsigned int launches_so_far;
+extern "C" __global__ void count_launches(unsigned int* out) {
+  if (threadIdx.x == 0 && blockIdx.x == 0) out[0] = atomicAdd(&launches_so_far, 1u) + 1u;
+}
+
+// A double buffer kept in a table of two addresses: the kernel swaps them and reads through the
+// new first one (the host then sees the swapped addresses, as after a GPU launch).
+extern "C" __global__ void swap_buffers(unsigned long long* table, float* out) {
+  if (threadIdx.x == 0) {
+    unsigned long long a = table[0];
+    table[0] = table[1];
+    table[1] = a;
+    out[0] = reinterpret_cast<const float*>(table[0])[0];
+  }
+}

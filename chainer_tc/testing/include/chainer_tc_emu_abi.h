@@ -69,6 +69,8 @@ struct LaunchArgs {
   int nc_all;                  // the module loads through __ldg: track every array's written bytes
   int far;                     // the far check: run the first schedule again over an arena laid
                                // out anew; every access must land where it did (emu_runtime.cpp)
+  int* far_skipped;            // out: 1 where the far check was skipped (no address space for
+                               // its second layout)
 };
 
 enum { kErrLen = 2048, kMaxParams = 1024, kCountsPerRegion = 21 };

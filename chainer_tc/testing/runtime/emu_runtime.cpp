@@ -321,6 +321,9 @@ struct Runtime {
   u64 far_tail[2];                 // accesses past the log's cap, hashed: first run, second run
   size_t far_count[2];             // accesses noted: first run, second run
   unsigned far_shift[2];           // slot shift of each layout
+  // the original bytes of the module's own variables (__device__) the kernel wrote in this
+  // launch: every run after the first (another schedule, the far check's) starts from them
+  std::unordered_map<uintptr_t, unsigned char> module_bytes;
   bool counting;                   // count accesses per region (the first schedule, on request)
   unsigned long fp_caller, fp_kernel;   // the floating-point control register outside and inside
   std::vector<Region> regions;
@@ -438,28 +441,10 @@ size_t region_span(size_t bytes, size_t lead) { return round_up(lead + (bytes ? 
 // after the last region), each at least twice `largest` bytes. Where 32 GiB slots do not fit, the
 // first size that does is halved once more, so that as much address space is left for what the
 // launch maps after the arena (the threads' stacks, the race detector's shadows).
-// `avoid` (the far check's second layout): a slot shift the arena must not have; it gets the
-// next smaller one where that holds twice `largest`, else the next larger one.
-void reserve_arena(size_t regions, size_t largest, unsigned avoid = 0) {
+void reserve_arena(size_t regions, size_t largest) {
   unsigned shift = kSlotShift;
   while (shift < 62 && ((size_t)1 << shift) < 2 * largest) ++shift;
   size_t slots = 2 * regions + 1;
-  if (avoid) {
-    unsigned tries[2] = {avoid - 1, avoid + 1};
-    for (unsigned t : tries) {
-      if (t < kMinSlotShift || t >= 62 || ((size_t)1 << t) < 2 * largest) continue;
-      size_t bytes = slots << t;
-      if ((bytes >> t) != slots) continue;
-      void* m = mmap(nullptr, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-      if (m == MAP_FAILED) continue;
-      rt.arena = (char*)m;
-      rt.arena_size = bytes;
-      rt.slot_shift = t;
-      return;
-    }
-    fail("emulator: the far check cannot reserve %zu slots of 2^%u or 2^%u bytes of address space "
-         "for its second layout of the launch", slots, avoid - 1, avoid + 1);
-  }
   bool refused = false;
   for (;;) {
     size_t bytes = slots << shift;
@@ -502,6 +487,29 @@ void release_arena() {
   if (rt.arena) munmap(rt.arena, rt.arena_size);
   rt.arena = nullptr;
   rt.arena_size = 0;
+}
+
+// The far check's second layout: an arena of slots half (or, where the arrays need it, twice)
+// the size of the current one's, reserved while the current one is still held; then the current
+// one is given back and the new one takes its place. False (nothing changed) where neither size
+// can be had (an address-space limit): the check is skipped.
+bool reserve_relaid(size_t regions, size_t largest) {
+  unsigned avoid = rt.slot_shift;
+  size_t slots = 2 * regions + 1;
+  unsigned tries[2] = {avoid - 1, avoid + 1};
+  for (unsigned t : tries) {
+    if (t < kMinSlotShift || t >= 62 || ((size_t)1 << t) < 2 * largest) continue;
+    size_t bytes = slots << t;
+    if ((bytes >> t) != slots) continue;
+    void* m = mmap(nullptr, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (m == MAP_FAILED) continue;
+    release_arena();
+    rt.arena = (char*)m;
+    rt.arena_size = bytes;
+    rt.slot_shift = t;
+    return true;
+  }
+  return false;
 }
 
 // The region an arena address is in (its slot's), or -1 in an empty slot.
@@ -1327,21 +1335,38 @@ int add_image_span(struct dl_phdr_info* info, size_t, void*) {
   return 1;
 }
 
-bool own_memory(uintptr_t a) {
-  for (unsigned s = 0; s < kMaxSlots; ++s) {
-    const Block& b = rt.slots[s];
-    if (b.stacks && a - (uintptr_t)b.stacks < b.stacks_len) return true;
-    if (b.fibers && a - (uintptr_t)b.fibers < b.cap * sizeof(Fiber)) return true;   // threadIdx
-  }
+bool in_image(uintptr_t a) {
   if (image_spans.empty()) dl_iterate_phdr(add_image_span, nullptr);
   for (const Span& sp : image_spans)
     if (a >= sp.lo && a < sp.hi) return true;
   return false;
 }
 
+bool own_memory(uintptr_t a) {
+  for (unsigned s = 0; s < kMaxSlots; ++s) {
+    const Block& b = rt.slots[s];
+    if (b.stacks && a - (uintptr_t)b.stacks < b.stacks_len) return true;
+    if (b.fibers && a - (uintptr_t)b.fibers < b.cap * sizeof(Fiber)) return true;   // threadIdx
+  }
+  return in_image(a);
+}
+
+// Before the kernel writes `n` bytes of the module's own memory at `a`: their values from
+// before the launch are kept, for the runs after the first (restore_module_bytes).
+void save_module_bytes(const char* a, size_t n) {
+  if (!in_image((uintptr_t)a)) return;         // (a local: its thread's stack)
+  for (size_t i = 0; i < n; ++i)
+    rt.module_bytes.emplace((uintptr_t)(a + i), (unsigned char)a[i]);
+}
+
+void restore_module_bytes() {
+  for (const auto& kv : rt.module_bytes) *(unsigned char*)kv.first = kv.second;
+}
+
 __attribute__((noinline)) void foreign_access(char* a, size_t n, int flags, uint64_t pc) {
   if (!rt.running) return;
   if (own_memory((uintptr_t)a)) {
+    if (flags & kWrite) save_module_bytes(a, n);
     if (rt.far_mode) far_note(-1, 0, n, flags, pc);
     return;
   }
@@ -1863,13 +1888,27 @@ struct Snapshot {
 
 // Table words inside array arguments get their host values back (those the kernel left as
 // translated): before results are compared between runs, and before the copy back.
+// A word the kernel moved (a double buffer's two addresses swapped) goes back to the host
+// address of the allocation it now points into.
 void untranslate_tables() {
   for (const Slot& s : rt.slots_) {
     int id = rt.arg_region[s.arg];
     if (id < 0) continue;
     u64 now;
     memcpy(&now, rt.regions[id].data + s.offset, 8);
-    if (now == s.translated) memcpy(rt.regions[id].data + s.offset, &s.original, 8);
+    if (now == s.translated) {
+      memcpy(rt.regions[id].data + s.offset, &s.original, 8);
+      continue;
+    }
+    for (size_t t = 0; t < rt.target_region.size(); ++t) {
+      const Region& r = rt.regions[rt.target_region[t]];
+      u64 lo = (u64)(uintptr_t)r.data;
+      if (now >= lo && now - lo <= r.nbytes) {           // (one past the end too)
+        u64 host = rt.la->target_host[t] + (now - lo);
+        memcpy(rt.regions[id].data + s.offset, &host, 8);
+        break;
+      }
+    }
   }
 }
 
@@ -1920,6 +1959,7 @@ void check_canaries() {
 
 void reset_for_schedule(const LaunchArgs* la) {
   copy_inputs(la);
+  restore_module_bytes();
   for (Region& r : rt.regions) {
     fill_slack(r);
     reset_shadow(r);
@@ -2173,9 +2213,26 @@ namespace {
 // Lays the launch's memory out in a fresh arena: a region for each array argument (and a mirror
 // for each __restrict__ alias), each pointer-table target and each live block's dynamic shared
 // memory (static __shared__ variables get theirs as they are reached), and points the kernel's
-// parameters (`vals`) and the table words at them. `avoid`: a slot shift the arena must not
-// have (the far check's second layout), or 0.
-void lay_out(const LaunchArgs* la, const usize* aligns, void** vals, unsigned k, unsigned avoid) {
+// parameters (`vals`) and the table words at them. `reserved`: the arena is (the far check's
+// second layout), else it is reserved here.
+void arena_needs(const LaunchArgs* la, unsigned k, size_t* nregions, size_t* largest) {
+  // a slot for every array and table target, the dynamic shared memory and the static
+  // __shared__ variables (registered as they are reached) of each live block
+  *nregions = (size_t)k * (1 + kSharedVarsPerBlock);
+  *largest = region_span(kMaxDynamicOptIn, 0);
+  for (int i = 0; i < la->nargs; ++i)
+    if (la->nbytes[i] != ~0ull) {        // an alias may get a region of its own (a mirror)
+      ++*nregions;
+      *largest = std::max(*largest, region_span(la->nbytes[i], 256));
+    }
+  for (int t = 0; t < la->ntargets; ++t)
+    if (la->target_arg[t] < 0) {
+      ++*nregions;
+      *largest = std::max(*largest, region_span(la->target_nbytes[t], 0));
+    }
+}
+
+void lay_out(const LaunchArgs* la, const usize* aligns, void** vals, unsigned k, bool reserved) {
   rt.regions.clear();
   rt.arg_region.assign(la->nargs > 0 ? la->nargs : 0, -1);
   for (unsigned s = 0; s < kMaxSlots; ++s) {
@@ -2183,20 +2240,11 @@ void lay_out(const LaunchArgs* la, const usize* aligns, void** vals, unsigned k,
     rt.slots[s].dyn = -1;
     rt.slots[s].active = false;
   }
-  // address space: a slot for every array and table target, the dynamic shared memory and the
-  // static __shared__ variables (registered as they are reached) of each live block
-  size_t nregions = (size_t)k * (1 + kSharedVarsPerBlock), largest = region_span(kMaxDynamicOptIn, 0);
-  for (int i = 0; i < la->nargs; ++i)
-    if (la->nbytes[i] != ~0ull) {        // an alias may get a region of its own (a mirror)
-      ++nregions;
-      largest = std::max(largest, region_span(la->nbytes[i], 256));
-    }
-  for (int t = 0; t < la->ntargets; ++t)
-    if (la->target_arg[t] < 0) {
-      ++nregions;
-      largest = std::max(largest, region_span(la->target_nbytes[t], 0));
-    }
-  reserve_arena(nregions, largest, avoid);
+  if (!reserved) {
+    size_t nregions, largest;
+    arena_needs(la, k, &nregions, &largest);
+    reserve_arena(nregions, largest);
+  }
   for (int i = 0; i < la->nargs; ++i) {
     if (la->nbytes[i] == ~0ull) {              // by value: read in place, so it must be aligned
       if ((uintptr_t)la->args[i] % aligns[i])
@@ -2243,19 +2291,23 @@ void lay_out(const LaunchArgs* la, const usize* aligns, void** vals, unsigned k,
 
 // The far check's second run (see "far accesses"): the schedule `s` again, without the race
 // detector, over an arena laid out anew; its accesses must land where the first run's did, and
-// its results (`snaps`: the first run's) must be the same.
-void run_relaid(const LaunchArgs* la, const usize* aligns, void** vals, const Schedule& s,
+// its results (`snaps`: the first run's) must be the same. False where the address space for
+// the second arena cannot be had: nothing ran, the first arena is as it was.
+bool run_relaid(const LaunchArgs* la, const usize* aligns, void** vals, const Schedule& s,
                 const std::vector<Snapshot>& snaps) {
+  size_t nregions, largest;
+  arena_needs(la, rt.kslots, &nregions, &largest);
+  rt.far_shift[0] = rt.slot_shift;
+  if (!reserve_relaid(nregions, largest)) return false;      // (the first arena given back)
   for (const Slot& t : rt.slots_)             // table words in by-value arguments: as given
     if (rt.arg_region[t.arg] < 0) memcpy((char*)vals[t.arg] + t.offset, &t.original, 8);
-  rt.far_shift[0] = rt.slot_shift;
-  release_arena();
   rt.race = false;
   rt.launch_id++;                             // static __shared__ variables: new regions
   rt.static_shared = 0;
-  lay_out(la, aligns, vals, rt.kslots, rt.far_shift[0]);
+  lay_out(la, aligns, vals, rt.kslots, true);
   rt.far_shift[1] = rt.slot_shift;
   copy_inputs(la);
+  restore_module_bytes();
   rt.far_mode = kFarCompare;
   run_grid(s);
   rt.far_mode = kFarOff;
@@ -2265,6 +2317,7 @@ void run_relaid(const LaunchArgs* la, const usize* aligns, void** vals, const Sc
   check_canaries();
   untranslate_tables();
   compare(snaps, s, s, true);
+  return true;
 }
 }  // namespace
 
@@ -2286,6 +2339,7 @@ int run_launch(const char* name, const LaunchArgs* la, int nparams, const usize*
   rt.far_log.clear();
   rt.far_tail[0] = rt.far_tail[1] = 0;
   rt.far_count[0] = rt.far_count[1] = 0;
+  rt.module_bytes.clear();
   int rc = 0;
   rt.launch_thread = pthread_self();
   module_base();
@@ -2311,7 +2365,7 @@ int run_launch(const char* name, const LaunchArgs* la, int nparams, const usize*
     for (int s = 0; s < nsched; ++s) random |= schedules[s].kind == Schedule::kRandom;
     unsigned k = random ? (unsigned)(rt.nblocks < kMaxSlots ? rt.nblocks : kMaxSlots) : 1;
     rt.kslots = k;
-    lay_out(la, aligns, vals, k, 0);
+    lay_out(la, aligns, vals, k, false);
     if (la->slot_bytes) *la->slot_bytes = (u64)1 << rt.slot_shift;
     rt.body = body;
     rt.body_ctx = ctx;
@@ -2345,7 +2399,8 @@ int run_launch(const char* name, const LaunchArgs* la, int nparams, const usize*
       }
       free_vcs();
     }
-    if (la->far) run_relaid(la, aligns, vals, schedules[0], snaps);
+    if (la->far && !run_relaid(la, aligns, vals, schedules[0], snaps) && la->far_skipped)
+      *la->far_skipped = 1;
     for (int i = 0; i < la->nargs; ++i) {
       int id = rt.arg_region[i];
       if (id < 0 || la->alias[i] >= 0 || !rt.regions[id].output || !la->nbytes[i]) continue;
@@ -2369,6 +2424,8 @@ int run_launch(const char* name, const LaunchArgs* la, int nparams, const usize*
   restore_fault_handler();
   free_vcs();
   release_arena();
+  std::vector<u64>().swap(rt.far_log);        // (up to 256 MiB: not kept between launches)
+  rt.module_bytes.clear();
   return rc;
 }
 
