@@ -582,35 +582,34 @@ class TrainStep:
                      for name in link._persistent
                      if isinstance(link.__dict__[name], _trace.array_types()))
 
-    def _named_persistents(self):
-        """('persistent <path>', array) of every persistent array of the model and the
-        optimizer's target, each once."""
-        out, seen = [], set()
-        for root in self._roots():
-            for path, link in root.namedlinks():
-                for name in link._persistent:
-                    a = link.__dict__[name]
-                    if isinstance(a, _trace.array_types()) and id(a) not in seen:
-                        seen.add(id(a))
-                        out.append(('persistent ' + '{}/{}'.format(path, name).lstrip('/')
-                                    .replace('//', '/'), a))
-        return out
-
-    def _persistent_numbers(self):
-        """('persistent <path>', link's dict, name, value) of every persistent of the model
-        and the optimizer's target that is a number (not an array), each link once."""
-        out, seen = [], set()
+    def _persistent_values(self):
+        """('persistent <path>', link's dict, name) of every persistent of the model and the
+        optimizer's target, each link once."""
+        seen = set()
         for root in self._roots():
             for path, link in root.namedlinks():
                 if id(link) in seen:
                     continue
                 seen.add(id(link))
                 for name in link._persistent:
-                    v = link.__dict__[name]
-                    if not isinstance(v, _trace.array_types()):
-                        out.append(('persistent ' + '{}/{}'.format(path, name).lstrip('/')
-                                    .replace('//', '/'), link.__dict__, name, v))
+                    yield ('persistent ' + '{}/{}'.format(path, name).lstrip('/')
+                           .replace('//', '/'), link.__dict__, name)
+
+    def _named_persistents(self):
+        """('persistent <path>', array) of every persistent array, each array once."""
+        out, seen = [], set()
+        for label, d, name in self._persistent_values():
+            a = d[name]
+            if isinstance(a, _trace.array_types()) and id(a) not in seen:
+                seen.add(id(a))
+                out.append((label, a))
         return out
+
+    def _persistent_numbers(self):
+        """('persistent <path>', link's dict, name, value) of every persistent that is a
+        number (not an array)."""
+        return [(label, d, name, d[name]) for label, d, name in self._persistent_values()
+                if not isinstance(d[name], _trace.array_types())]
 
     def _others(self):
         """(name, param, array) of each parameter of the model that the optimizer does not
@@ -770,8 +769,8 @@ def _unmarked(opt, trace):
 
 
 def _same_number(a, b):
-    """Whether a persistent's value ``a`` is still ``b`` (NaN is itself; numbers of other
-    types or objects compared by ==, anything else by identity)."""
+    """Whether a persistent's value ``a`` is still ``b``: the same object, or of the same type
+    and equal (a NaN equal to a NaN); a comparison that raises counts as a change."""
     if a is b:
         return True
     try:

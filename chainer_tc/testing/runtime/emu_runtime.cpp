@@ -1342,19 +1342,22 @@ bool in_image(uintptr_t a) {
   return false;
 }
 
-bool own_memory(uintptr_t a) {
+enum { kNotOwn = 0, kThreadMemory = 1, kModuleMemory = 2 };
+
+// Whose memory outside the arena `a` is: a thread's (its stack, threadIdx), the module's own
+// (its variables), or none the kernel was given.
+int own_memory(uintptr_t a) {
   for (unsigned s = 0; s < kMaxSlots; ++s) {
     const Block& b = rt.slots[s];
-    if (b.stacks && a - (uintptr_t)b.stacks < b.stacks_len) return true;
-    if (b.fibers && a - (uintptr_t)b.fibers < b.cap * sizeof(Fiber)) return true;   // threadIdx
+    if (b.stacks && a - (uintptr_t)b.stacks < b.stacks_len) return kThreadMemory;
+    if (b.fibers && a - (uintptr_t)b.fibers < b.cap * sizeof(Fiber)) return kThreadMemory;
   }
-  return in_image(a);
+  return in_image(a) ? kModuleMemory : kNotOwn;
 }
 
 // Before the kernel writes `n` bytes of the module's own memory at `a`: their values from
 // before the launch are kept, for the runs after the first (restore_module_bytes).
 void save_module_bytes(const char* a, size_t n) {
-  if (!in_image((uintptr_t)a)) return;         // (a local: its thread's stack)
   for (size_t i = 0; i < n; ++i)
     rt.module_bytes.emplace((uintptr_t)(a + i), (unsigned char)a[i]);
 }
@@ -1365,8 +1368,8 @@ void restore_module_bytes() {
 
 __attribute__((noinline)) void foreign_access(char* a, size_t n, int flags, uint64_t pc) {
   if (!rt.running) return;
-  if (own_memory((uintptr_t)a)) {
-    if (flags & kWrite) save_module_bytes(a, n);
+  if (int own = own_memory((uintptr_t)a)) {
+    if (own == kModuleMemory && (flags & kWrite)) save_module_bytes(a, n);
     if (rt.far_mode) far_note(-1, 0, n, flags, pc);
     return;
   }
