@@ -125,6 +125,47 @@ def edges(comm, outdir):
     numpy.savez(os.path.join(outdir, 'edges-{}.npz'.format(comm.rank)), **results)
 
 
+class WithAux(chainer.Chain):
+    """fc, and ``aux``, left without an update rule, whose output the loss reads times zero:
+    its gradient is 0 * z, a NaN where the rank's ``z`` holds an inf."""
+
+    def __init__(self):
+        super().__init__()
+        r = numpy.random.RandomState(0)
+        with self.init_scope():
+            self.fc = L.Linear(6, 5, initialW=r.randn(5, 6).astype(numpy.float32) * 0.3)
+            self.aux = L.Linear(6, 3, initialW=numpy.ones((3, 6), numpy.float32))
+
+    def loss(self, x, t, z):
+        return F.softmax_cross_entropy(self.fc(x), t) + F.sum(self.aux(z)) * 0.0
+
+
+def untrained_nan(comm, outdir):
+    """Dynamic loss scaling, no optimizer hooks, and a NaN in the untrained link's gradient on
+    rank 1 only, at one step: replayed (warmup=1) and eager (warmup=100)."""
+    results = {}
+    for warmup in (1, 100):
+        model = WithAux()
+        opt = optimizers.MomentumSGD(lr=0.1, weight_decay=1e-3).setup(model)
+        opt.loss_scaling(initial_scale=16.0)
+        model.aux.W.update_rule = model.aux.b.update_rule = None
+        step = multinode.TrainStep(model, opt, comm, model.loss, warmup=warmup)
+        r = numpy.random.RandomState(7)
+        for s in range(common.STEPS):
+            x = r.randn(8, 6).astype(numpy.float32)
+            t = r.randint(0, 5, 8).astype(numpy.int32)
+            z = numpy.ones((4, 6), numpy.float32)
+            if s == common.OVERFLOW_STEP and comm.rank == 1:
+                z[0, 0] = numpy.inf
+            half = slice(comm.rank * 4, (comm.rank + 1) * 4)
+            step(x[half], t[half], z)
+        results['replays{}'.format(warmup)] = step.replays
+        results['skipped{}'.format(warmup)] = opt.skipped_steps
+        for name, p in model.namedparams():
+            results['w{}{}'.format(warmup, name)] = p.array
+    numpy.savez(os.path.join(outdir, 'untrained_nan-{}.npz'.format(comm.rank)), **results)
+
+
 def main(case, outdir):
     nccl = case.startswith('nccl')
     comm = chainermn.create_communicator('pure_nccl' if nccl else 'naive')
@@ -132,6 +173,8 @@ def main(case, outdir):
         return shards(comm, outdir)
     if case == 'edges':
         return edges(comm, outdir)
+    if case == 'untrained_nan':
+        return untrained_nan(comm, outdir)
     dtype = numpy.float16 if 'fp16' in case else numpy.float32
     with chainer.using_config('dtype', dtype):
         model = common.Net(seed=comm.rank)            # different on each rank until broadcast

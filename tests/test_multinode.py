@@ -109,6 +109,24 @@ def test_heads_one_rank_uses_lazy_heads_and_untrained_links_keep_the_ranks_toget
         numpy.testing.assert_array_equal(r0[key], r0[eager], err_msg='replayed != eager: ' + key)
 
 
+def test_a_nan_in_one_ranks_untrained_gradient_skips_the_step_on_every_rank(tmp_path):
+    """(tests/multinode_worker.py ``untrained_nan``.) Under dynamic loss scaling Chainer's
+    check reads the gradient of a parameter without an update rule, and ChainerMN averages it
+    first: a NaN on one rank skips the step on all. Ours checks the averaged untrained
+    gradients too, replayed as eager (a rank checking its own would skip alone, and the ranks
+    would part; before, neither rank checked them)."""
+    r0, r1 = run_ranks('untrained_nan', tmp_path)
+    assert int(r0['replays1']) > 0 and int(r0['replays100']) == 0
+    for r in (r0, r1):
+        assert (int(r['skipped1']), int(r['skipped100'])) == (1, 1)
+    keys = [k for k in r0 if k.startswith('w1/')]
+    assert {'w1/fc/W', 'w1/aux/W'} <= set(keys)
+    for key in keys:
+        numpy.testing.assert_array_equal(r0[key], r1[key], err_msg='ranks differ: ' + key)
+        eager = 'w100' + key[2:]
+        numpy.testing.assert_array_equal(r0[key], r0[eager], err_msg='replayed != eager: ' + key)
+
+
 def test_dali_shards_cover_the_data_once_and_validation_counts_every_image_once(tmp_path):
     r0, r1 = run_ranks('dali', tmp_path)
     labels = numpy.concatenate([r0['labels'], r1['labels']])

@@ -529,6 +529,52 @@ def test_captured_step_equals_eager_on_the_gpu(dtype, scaling):
         cupy.testing.assert_array_equal(opts[0]._scaler.state, opts[1]._scaler.state)
 
 
+class CapturableWithAux(CapturableNet):
+    """CapturableNet and a link ``aux`` left without an update rule, whose output the loss
+    reads times zero: its gradient is 0 * z, a NaN where the batch's ``z`` holds an inf."""
+
+    def __init__(self, dtype=numpy.float32):
+        super().__init__(dtype)
+        with self.init_scope():
+            self.aux = L.Linear(6, 3, initialW=numpy.ones((3, 6), dtype))
+        self.aux.W.update_rule = self.aux.b.update_rule = None
+
+
+@pytest.mark.gpu
+def test_a_nan_in_an_untrained_gradient_skips_a_captured_step_like_eager():
+    """The captured update's overflow check reads the gradients of parameters without an
+    update rule too (in the graph), as Chainer's check and an eager update do
+    (tests/test_static_graph_user_state.py runs it on the CPU replay and the emulator)."""
+    import cupy
+    data = []
+    for i, (x, t) in enumerate(batches(9)):
+        z = numpy.ones((4, 6), numpy.float32)
+        if i == 6:
+            z[1, 2] = numpy.inf
+        data.append(tuple(cupy.asarray(a) for a in (x, t, z)))
+    models = [CapturableWithAux() for _ in range(2)]
+    opts = [optimizers.MomentumSGD(lr=0.05, weight_decay=1e-3) for _ in range(2)]
+    for m, o in zip(models, opts):
+        m.to_device('@cupy:0')
+        o.setup(m)
+        o.loss_scaling(initial_scale=2.0 ** 10)
+
+    def lossfun(m):
+        return lambda x, t, z: F.softmax_cross_entropy(m(x), t) + F.sum(m.aux(z)) * 0.0
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')         # the untrained link's notice
+        for x, t, z in data:
+            opts[0].update(lossfun(models[0]), x, t, z)
+        step = TrainStep(models[1], opts[1], lossfun(models[1]))
+        for x, t, z in data:
+            step(x, t, z)
+    assert step.traces == 1 and step.replays == 6
+    assert opts[0].skipped_steps == opts[1].skipped_steps == 1
+    tol = dict(rtol=1e-5, atol=1e-6)        # as test_captured_step_equals_eager_on_the_gpu
+    for (n, p), (_, q) in zip(sorted(models[0].namedparams()), sorted(models[1].namedparams())):
+        cupy.testing.assert_allclose(p.array, q.array, err_msg=n, **tol)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize('dtype,scaling', [(numpy.float32, None), (numpy.float16, 'dynamic')])
 def test_stock_convolutions_without_cudnn_are_captured_on_the_gpu(dtype, scaling):

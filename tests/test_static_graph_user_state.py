@@ -1122,3 +1122,47 @@ def test_a_gradient_shared_by_two_parameters_stays_shared_on_the_gpu(clip, reduc
     assert step.replays == 5 and step.traces == 1
     for k in runs[0]:
         cupy.testing.assert_allclose(runs[0][k], runs[1][k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+class WithAux(MLP):
+    """MLP and a link ``aux`` the loss reads times zero: its gradient is 0 * z, a NaN where
+    the batch's ``z`` holds an inf, while every other gradient stays finite."""
+
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.aux = L.Linear(6, 3, initialW=numpy.ones((3, 6), numpy.float32))
+
+
+@pytest.mark.parametrize('emulate', ['0', '1'])
+@pytest.mark.parametrize('reduce', [False, True])
+def test_a_nan_in_an_untrained_parameters_gradient_skips_a_replayed_step_like_eager(
+        monkeypatch, reduce, emulate):
+    """Under dynamic loss scaling Chainer's check reads every parameter's gradient, also one
+    without an update rule, and so does an eager update (tests/test_optimizer_dropin.py). A
+    replay's check read only the gradients of the parameters it updates: the step with the
+    NaN was applied where the eager one was skipped. With a (here identity) gradient
+    reduction, the untrained gradients are reduced for the check, as ChainerMN reduces them.
+    ``emulate``: the NumPy update, or the kernels' (the GPU path's) through the emulator."""
+    monkeypatch.setenv('CHAINER_TC_EMULATE', emulate)
+    (me, oe), (ms, os_) = pair(WithAux)
+    for m, o in ((me, oe), (ms, os_)):
+        o.loss_scaling(initial_scale=16.0)
+        m.aux.W.update_rule = m.aux.b.update_rule = None
+
+    def lossfun(m):
+        return lambda x, t, z: F.softmax_cross_entropy(m(x), t) + F.sum(m.aux(z)) * 0.0
+    step = TrainStep(ms, os_, lossfun(ms), check_every=None,
+                     reduce_gradients=(lambda buffers: None) if reduce else None)
+    z = numpy.ones((4, 6), numpy.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')       # the untrained link's notice
+        for i, (x, t) in enumerate(data(8)):
+            zi = z.copy()
+            if i == 5:
+                zi[1, 2] = numpy.inf
+            expected = eager_update(oe, lossfun(me), x, t, zi).array
+            assert step(x, t, zi).array.tobytes() == expected.tobytes(), 'step {} loss'.format(i)
+            assert_same(params(me), params(ms), 'step {} params'.format(i))
+    assert oe.skipped_steps == os_.skipped_steps == 1
+    assert (step.eager_steps, step.replays) == (3, 5)      # the NaN step (5) is a replay

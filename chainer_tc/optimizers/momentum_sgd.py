@@ -423,13 +423,15 @@ class MomentumSGD(chainer_optimizer.GradientMethod):
                           untrained=self._untrained_grads(flat, None))
         return step.check_now()
 
-    def _untrained_grads(self, flat, checked):
+    def _untrained_grads(self, flat, checked, pairs=None):
         """The gradients of the target's parameters without an update rule, for the overflow
         check of dynamic loss scaling (Chainer's ``check_nan_in_grads()`` reads every
-        parameter's): none when the step does not check (already checked, or not dynamic)."""
+        parameter's): none when the step does not check (already checked, or not dynamic).
+        ``pairs``: (param, gradient) to read them from (``flat.untrained_grads()``: what the
+        parameters hold now)."""
         if checked is not None or self._scaler.mode != _scaler.DYNAMIC or not flat.untrained:
             return ()
-        return [g for _, g in flat.untrained_grads()]
+        return [g for _, g in (flat.untrained_grads() if pairs is None else pairs)]
 
     def _has_hooks(self, timing):
         h = self._hookable
@@ -465,12 +467,11 @@ class MomentumSGD(chainer_optimizer.GradientMethod):
         checking again (as Chainer, which checks before its hooks only); None: it checks.
         ``untrained``: gradients of parameters without an update rule, which the overflow
         check reads too (as they are: Chainer's check reads every gradient), never updated."""
-        if flat_grads is not None and (marks is not None or checked is not None or copied
-                                       or untrained):
+        if flat_grads is not None and (marks is not None or checked is not None or copied):
             raise ValueError('a step over flat gradient buffers takes its gradients from '
                              'scaled_backward(): marks must be None')
         if flat_grads is not None and kernels.backend(flat.xp) == 'numpy':
-            return _NumpyFlatStep(self, flat, grads, flat_grads)
+            return _NumpyFlatStep(self, flat, grads, flat_grads, untrained)
         step_grads = _grads.StepGrads(self._scaler.mode, flat, grads, marks, copied)
         if kernels.backend(flat.xp) != 'numpy':
             return _KernelStep(self, flat, step_grads, checked, untrained)
@@ -829,8 +830,11 @@ class _NumpyFlatStep:
     their hyperparameters (padding between parameters stays zero), a few NumPy calls per run
     instead of per parameter. The runs are recomputed when the hyperparameter table changes."""
 
-    def __init__(self, opt, flat, grads, flat_grads):
+    def __init__(self, opt, flat, grads, flat_grads, untrained=()):
         self.opt, self.flat = opt, flat
+        # gradients of parameters without an update rule, checked as they are (``untrained``
+        # of :class:`_NumpyStep`); a replay sets them anew before each step
+        self.untrained = untrained
         if opt._temps is None:
             opt._temps = {dt: [numpy.empty(_CPU_BLOCK, dt) for _ in range(3)]
                           for dt in (numpy.dtype(numpy.float32), numpy.dtype(numpy.float64))}
@@ -888,6 +892,9 @@ class _NumpyFlatStep:
                         if not numpy.isfinite(load_grad(g[a:b], t[:b - a])).all():
                             sc.finish_step_host(True)
                             return
+            if not all(numpy.isfinite(g).all() for g in self.untrained):
+                sc.finish_step_host(True)
+                return
         nesterov = opt.nesterov
         write = mode != _scaler.NONE        # float32 and float64 quotients, as Chainer's
         for g, p, v, p16, (t1, t2, t3), lr, mom, wd in self._runs():

@@ -98,7 +98,6 @@ class CapturedStep:
         # share once (the first sharer's): as after an eager step
         self.grads = list(zip((e.param for e in flat.entries), recorded_grads if reduce is None
                               else _program.shared_once(views, recorded_grads)))
-        self.untrained = list(trace.untrained_grads)
         self.refill = _program.leaves_none(flat, recorded_grads)
         self.marks = [(e.param, e.param._loss_scale) for e in flat.entries]
         self.flat = flat
@@ -128,7 +127,7 @@ class CapturedStep:
                 opt.target.cleargrads()
                 rec.trace.leftover_grads = _trace.leftover_grads(loss)
                 opt.scaled_backward(loss)
-            rec.trace.untrained_grads = flat.untrained_grads()
+            rec.trace.untrained_grads = untrained = flat.untrained_grads()
             recorded_grads = flat.grads(contiguous=False)      # checked as the CPU replay's
             copied = []
             # a strided one copied, in the graph, for the kernel (its quotient copied back)
@@ -141,9 +140,15 @@ class CapturedStep:
                         view[...] = g
                 reduce(buffers)
                 grads, copied = views, []
+                if not self.hooks:      # the graph's update checks them: reduced in it too
+                    untrained = _program.reduce_untrained(step, untrained)
+            # the untrained gradients the parameters hold after a launch (with hooks, reduced
+            # after it), and the overflow check of dynamic loss scaling reads (in the graph)
+            self.untrained = list(untrained)
             # kept as long as the graph: copies it makes (of gradients that share memory) come
             # from the capture's pool, and the graph reads them
-            self.plan = plan = opt._plan(flat, grads, copied=copied)
+            self.plan = plan = opt._plan(flat, grads, copied=copied,
+                                         untrained=opt._untrained_grads(flat, None, untrained))
             if not self.hooks:
                 plan()
         except Exception as e:
@@ -195,7 +200,8 @@ class CapturedStep:
             self.stream.wait_event(caller.record())         # the batch was loaded there
             opt._table.refresh(opt.hyperparam, opt._versions, opt._set_globals)
             self.graph.launch(self.stream)
-            _program.give_grads(self.grads + _program.reduce_untrained(step, self.untrained))
+            _program.give_grads(self.grads + (_program.reduce_untrained(step, self.untrained)
+                                              if self.hooks else self.untrained))
             if self.hooks:
                 _program.give_marks(self.marks)
                 opt.update()

@@ -747,6 +747,9 @@ class _CpuReplay:
             _program.give_marks(self.marks)
             opt.update()
         else:
+            # the overflow check reads the untrained gradients too, as Chainer's (those just
+            # given: reduced ones with a reduction); () without dynamic scaling or such
+            self.plan.untrained = opt._untrained_grads(self.plan.flat, None)
             opt._step(self.plan)
             if self.quotients and step.reduce_gradients is None and \
                     opt._scaler.mode != _scaler.NONE:
@@ -803,7 +806,8 @@ def _apply_update(opt, flat, buffers, views, held):
             e.param.grad = v
         opt.update()
         return
-    opt._step(opt._plan(flat, views, flat_grads=buffers))
+    opt._step(opt._plan(flat, views, flat_grads=buffers,
+                        untrained=opt._untrained_grads(flat, None)))
 
 
 _SIGNATURE_PARTS = ('the input shapes and dtypes', 'the keyword inputs', 'chainer.config.train',
