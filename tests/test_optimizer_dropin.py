@@ -67,6 +67,21 @@ def snapshot(model):
 
 # ---- frozen links --------------------------------------------------------------------------------
 
+def test_it_is_a_chainer_momentum_sgd_for_isinstance_and_replaces_all_of_it():
+    """User code that tests ``isinstance(opt, chainer.optimizers.MomentumSGD)`` (a schedule
+    that handles SGD's lr alone) takes ours for one (it did not); every rule is ours, and
+    the hyperparameters are the ones given, not Chainer's defaults."""
+    o = optimizers.MomentumSGD(lr=0.3, momentum=0.5, weight_decay=1e-4)
+    assert isinstance(o, chainer.optimizers.MomentumSGD)
+    assert (o.lr, o.momentum, o.weight_decay) == (0.3, 0.5, 1e-4)
+    o.setup(Net())
+    assert {type(p.update_rule).__module__ for p in o.target.params()} == {
+        'chainer_tc.optimizers._rule'}
+    chainers = [n for n in vars(chainer.optimizers.MomentumSGD) if not n.startswith('__doc')]
+    assert {'__init__', 'create_update_rule', 'lr', 'momentum'} <= set(chainers)
+    assert set(chainers) <= set(vars(optimizers.MomentumSGD)), 'every name of it is ours'
+
+
 def test_frozen_link_is_not_touched_and_resumes_like_chainer(path):
     x, t = data()
     ref, o_ref, ours, o = chainer_pair()

@@ -50,8 +50,11 @@ def skip_bn_and_bias(name, param):
     return param.ndim > 1
 
 
-class MomentumSGD(chainer_optimizer.GradientMethod):
+class MomentumSGD(chainer.optimizers.MomentumSGD):
     """Momentum SGD with weight decay, fp32 master weights and device-side loss scaling.
+
+    A subclass of Chainer's ``MomentumSGD`` (``isinstance`` tests in user code hold), which
+    it replaces whole: its update rules, update, serialization and loss scaling are ours.
 
     Args:
         lr (float): learning rate (assignable at any time, also by Chainer's extensions).
@@ -86,9 +89,7 @@ class MomentumSGD(chainer_optimizer.GradientMethod):
         self._scaler = _scaler.LossScaler()
         self._clock = _rule.Clock(self._scaler)
         self._skip_watch = _scaler.SkipWatch()
-        super().__init__()
-        self.hyperparam.lr = lr
-        self.hyperparam.momentum = momentum
+        super().__init__(lr=lr, momentum=momentum)      # (Chainer's: sets these two)
         self.hyperparam.weight_decay = weight_decay
         self.nesterov = bool(nesterov)
         self.decay_filter = decay_filter or decay_all
