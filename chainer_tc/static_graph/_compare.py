@@ -24,6 +24,7 @@ import numpy
 import chainer
 from chainer import configuration
 
+from chainer_tc.static_graph import _site
 from chainer_tc.static_graph import _trace
 
 
@@ -150,14 +151,57 @@ def check_op(i, a, b, known_first, known):
     """Op ``i`` of the later recorded step (``b``, whose arrays ``known`` describes) against
     the earlier one's (``a``, ``known_first``), before either learns op ``i``'s results."""
     where = 'function #{} ({})'.format(i, b.label)
-    if type(a.node) is not type(b.node) or type(a.state) is not type(b.state):
-        raise NotReplayable('{}: the earlier recorded step applied {} there'
-                            .format(where, a.label))
-    if b.outputs is None:
-        raise NotReplayable('{}: its forward did not return'.format(where))
-    _check_config(a, b, known_first, known, where)
-    _check_inputs(a, b, known_first, known, where)
-    _check_attributes(a, b, known_first, known, where)
+    try:
+        if type(a.node) is not type(b.node) or type(a.state) is not type(b.state):
+            raise NotReplayable('{}: the earlier recorded step applied {} there'
+                                .format(where, a.label))
+        if b.outputs is None:
+            raise NotReplayable('{}: its forward did not return'.format(where))
+        _check_config(a, b, known_first, known, where)
+        _check_inputs(a, b, known_first, known, where)
+        _check_attributes(a, b, known_first, known, where)
+    except NotReplayable as e:
+        made = '' if b.site is None else str(b.site)
+        if made:        # which call of the loss function made it (its label is no name a
+            #             user called): e.args is the message, re-raised with it
+            e.args = ('{} (function #{} was {}){}'.format(e.args[0], i, made,
+                                                          _library_note(b, e)),)
+        raise
+
+
+# what a library function computes from the data in Python, for each one known to (by the
+# function and the node that reads it): why a step calling it cannot be replayed, and what can
+_KNOWN = {
+    ('softmax_cross_entropy', 'SelectItem'):
+        "F.softmax_cross_entropy(..., enable_double_backprop=True) selects the labels' scores "
+        'with indices it computes with NumPy; the default, enable_double_backprop=False, '
+        'replays',
+    ('crf1d', 'EmbedIDFunction'):
+        "F.crf1d (and L.CRF1d) computes the transitions' indices from the labels with NumPy",
+    ('CRF1d.forward', 'EmbedIDFunction'):
+        "L.CRF1d computes the transitions' indices from the labels with NumPy",
+}
+
+
+def _library_note(op, error):
+    """Where the input of ``op`` that no recorded function computed (``error``: an
+    :class:`_Unrecorded`) was computed inside library code, not handed to it by the loss
+    function: that code computes it (from the step's data, in Python), so no change to the loss
+    function helps but another call; '' otherwise."""
+    if not isinstance(error, _Unrecorded) or not op.site.computed_inside(error.index):
+        return ''
+    known = _KNOWN.get((op.site.api_name, op.label))
+    return ('. That input is computed inside {}, not by the loss function{}'.format(
+        op.site.api_name, ': ' + known if known else ' (with NumPy, from the data): a step '
+        'calling it cannot be replayed'))
+
+
+class _Unrecorded(NotReplayable):
+    """An input of an op that no recorded function computed differs between steps."""
+
+    def __init__(self, message, index):
+        super().__init__(message)
+        self.index = index
 
 
 def _check_config(a, b, known_first, known, where):
@@ -218,14 +262,14 @@ def _check_inputs(a, b, known_first, known, where):
                     'it. Keep the backward out of that model (pass fake.array, not fake) or '
                     'clear its gradients in the loss function (other_model.cleargrads())'
                     .format(where, k, known.leftover_grads[id(y)]))
-            raise NotReplayable(
+            raise _Unrecorded(
                 '{}: input {} ({}) is not computed by a recorded function and differs '
                 'between steps, so a replay would use a stale value. Only FunctionNodes are '
                 'recorded: an array computed with NumPy/CuPy, from a Variable\'s .array, or '
                 'by F.sign, F.floor, F.ceil or F.fix (which compute directly, with no '
                 'FunctionNode) is not; compute it with differentiable Chainer functions '
                 'inside the step, or pass it as an input of the step'
-                .format(where, k, _values(x, y)))
+                .format(where, k, _values(x, y)), k)
 
 
 def _check_attributes(a, b, known_first, known, where):

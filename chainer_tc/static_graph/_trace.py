@@ -38,6 +38,7 @@ from chainer import reporter as reporter_module
 from chainer.functions.math import basic_math
 
 from chainer_tc.cuda import runtime
+from chainer_tc.static_graph import _site
 
 _ARRAY_TYPES = None
 
@@ -52,9 +53,10 @@ def array_types():
 class Op:
     """One recorded outermost ``FunctionNode.forward``."""
 
-    __slots__ = ('node', 'state', 'pre', 'inputs', 'outputs', 'post', 'config', 'overwritten')
+    __slots__ = ('node', 'state', 'pre', 'inputs', 'outputs', 'post', 'config', 'overwritten',
+                 'site')
 
-    def __init__(self, node, inputs, config):
+    def __init__(self, node, inputs, config, site=None):
         self.node = node
         # the object whose attributes forward() uses: an old-style Function keeps them itself
         self.state = node._function if isinstance(
@@ -65,6 +67,7 @@ class Op:
         self.post = None
         self.config = config
         self.overwritten = ()     # (input index, its value before the op wrote into it)
+        self.site = site          # where the loss function made it (_site.here())
 
     @property
     def label(self):
@@ -188,6 +191,7 @@ class Recorder(chainer.FunctionHook):
         self._last_config = None
         self.outer = None
         self._installed = []        # old-style Functions given a recording backward
+        self._sites = {}            # id of an old-style Function -> where its forward was made
         # With ``externals`` (the arrays refreshed in place elsewhere: inputs, parameters,
         # state), the arrays ops read that no earlier op made and that are no external are
         # kept (Trace.constants); ``watch``, those of an earlier recorded step, are copied
@@ -252,7 +256,9 @@ class Recorder(chainer.FunctionHook):
     def forward_preprocess(self, function, in_data):
         if self._depth:
             return
-        op = Op(function, in_data, self._config())
+        op = Op(function, in_data, self._config(), _site.here(in_data))
+        if isinstance(function, chainer_function.FunctionAdapter):
+            self._sites[id(function._function)] = op.site     # for its backward's op
         self.trace.ops.append(op)
         index = len(self.trace.ops) - 1
         if self._known is not None:
@@ -376,7 +382,7 @@ class Recorder(chainer.FunctionHook):
         def recording_backward(inputs, grad_outputs):
             old_style.__dict__.pop('backward', None)      # before the attributes are copied
             op = Op(OldStyleBackward(old_style, len(inputs)), tuple(inputs) + tuple(grad_outputs),
-                    recorder._config())
+                    recorder._config(), _site.of_backward(recorder._sites.get(id(old_style))))
             recorder.trace.ops.append(op)
             if recorder._known is not None:
                 recorder._constants(op)
