@@ -120,6 +120,51 @@ except KernelLaunchError as e:
             'of shape (4,)) at byte offset {}'.format(-got)) in proc.stdout, proc.stdout
 
 
+def test_the_far_check_is_skipped_with_a_warning_where_its_second_layout_cannot_be_had(
+        tmp_path):
+    """Under an address-space limit (RLIMIT_AS) that holds the launch's arena of 32 GiB slots
+    but not a second one beside it (half or twice the size), the far check is skipped, said
+    once, and the launch still runs (the same result) with its other checks (an out-of-bounds
+    read is still named)."""
+    script = tmp_path / 'skip.py'
+    script.write_text('''
+import resource, warnings
+import numpy
+from chainer_tc.errors import KernelLaunchError
+from chainer_tc.testing import emulator
+code = ('extern "C" __global__ void k(const float* a, float* out, long long i) '
+        '{ out[0] = a[i]; }')
+f = emulator.RawModule(code=code).get_function('k')
+a, out = numpy.ones(4, numpy.float32), numpy.zeros(1, numpy.float32)
+with emulator.checking(far=True):
+    f((1,), (1,), (a, out, numpy.int64(1)))           # (compiled, with no limit yet)
+with open('/proc/self/status') as s:
+    vm = [int(l.split()[1]) * 1024 for l in s if l.startswith('VmSize')][0]
+# the arena's slots (docs/emulator.md): two per region, and one; a region for each array and
+# for the 64 static __shared__ variables and the dynamic shared memory of the one block
+slots = 2 * (2 + 64 + 1) + 1
+resource.setrlimit(resource.RLIMIT_AS,
+                   (vm + slots * (32 << 30) + (1000 << 30), resource.RLIM_INFINITY))
+with warnings.catch_warnings(record=True) as w, emulator.checking(far=True):
+    warnings.simplefilter('always')
+    f((1,), (1,), (a, out, numpy.int64(3)))
+    f((1,), (1,), (a, out, numpy.int64(2)))
+    print('warnings:', len(w), ' | '.join(str(x.message) for x in w))
+    print('out:', out[0])
+    try:
+        f((1,), (1,), (a, out, numpy.int64(4)))
+    except KernelLaunchError as e:
+        print('raised:', e)
+''')
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert ('warnings: 1 emulator: the far check of kernel k was skipped: the address space for '
+            'its second layout of the arrays could not be reserved') in proc.stdout, proc.stdout
+    assert 'out: 1.0' in proc.stdout
+    assert ("raised: kernel 'k': out-of-bounds read of argument 0 (const float*, float32 array "
+            'of shape (4,)) at byte offset 16') in proc.stdout, proc.stdout
+
+
 def _next_region(elements_of):
     """The index that takes an access from the data of the arena's region k to that of region
     k + 1 (2 slots and a page on: docs/emulator.md), in elements of ``elements_of`` bytes."""
