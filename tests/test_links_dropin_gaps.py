@@ -281,3 +281,24 @@ def test_double_backpropagation_raises(f):
     gx, = chainer.grad([F.sum(f(x) ** 2)], [x], enable_double_backprop=True)
     with pytest.raises(NotImplementedError, match='double backpropagation'):
         F.sum(gx ** 2).backward()
+
+
+@pytest.mark.parametrize('height', [8, 3])
+def test_spectral_normalization_added_before_a_lazy_links_first_call_equals_chainers(height):
+    """Chainer's SpectralNormalization initialises a lazy link itself at the first call, from
+    the input's axis 1 (NCHW's channels): on an NHWC link that is the image height, and the
+    call failed with a misleading layout error (or, with as many rows as channels, only
+    happened to work). The link now makes its filter from the input's last axis before its
+    hooks run: the same outputs, filter and W_u as Chainer's link on NCHW data."""
+    x = numpy.random.RandomState(0).randn(2, 3, height, 5).astype(numpy.float32)
+    out = {}
+    for name, make, data in (('chainer', L.Convolution2D, x), ('ours', TL.Convolution2D, nhwc(x))):
+        link = make(None, 4, 3, pad=1,
+                    initialW=chainer.initializers.Normal(0.3, rng=numpy.random.RandomState(1)))
+        link.add_hook(LH.SpectralNormalization())
+        numpy.random.seed(2)                            # (W_u is drawn at the first call)
+        y = link(data).array
+        out[name] = (y if name == 'chainer' else y.transpose(0, 3, 1, 2), link.W_u.copy(),
+                     link.W.array if name == 'chainer' else link.W.array.transpose(0, 3, 1, 2))
+    for a, b, what in zip(out['chainer'], out['ours'], ('y', 'W_u', 'W')):
+        numpy.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6, err_msg=what)

@@ -142,10 +142,21 @@ class Convolution2D(L.Convolution2D):
         self.W.initialize((self.out_channels, kh, kw,
                            self.pad_channels or in_channels // self.groups))
 
+    def __call__(self, *args, **kwargs):
+        # a lazy filter is made from the input's last axis before the link hooks run: Chainer's
+        # SpectralNormalization, added before the first call, initialises a lazy link itself,
+        # from axis 1 (NCHW's channels: the image height here)
+        if self.W.raw_array is None and args and len(getattr(args[0], 'shape', ())) == 4:
+            self._initialize_lazy(args[0].shape)
+        return super().__call__(*args, **kwargs)
+
+    def _initialize_lazy(self, shape):
+        _messages.warn_if_lazy_nchw(self, shape)
+        self._initialize_params(shape[-1])
+
     def forward(self, x):
         if self.W.raw_array is None:
-            _messages.warn_if_lazy_nchw(self, x.shape)
-            self._initialize_params(x.shape[-1])
+            self._initialize_lazy(x.shape)
         in_channels = self.W.shape[3] * self.groups
         if self.pad_channels is not None and x.ndim == 4 and x.shape[3] == self.in_channels:
             x = F.pad(x, ((0, 0), (0, 0), (0, 0), (0, in_channels - self.in_channels)),
