@@ -463,6 +463,61 @@ def test_trainer_extensions_that_read_the_step_see_what_they_see_with_standard_u
     assert graph_a.count('->') == graph_b.count('->') > 10
 
 
+@pytest.mark.parametrize('change', ['loss_func', 'setup'])
+def test_a_new_loss_func_or_optimizer_target_mid_run_is_followed_like_standard_updater(change):
+    """StandardUpdater reads ``updater.loss_func`` and the optimizer's target at every
+    iteration; TrainStepUpdater froze both into its TrainStep (found by an audit: a new
+    loss_func was ignored, and after optimizer.setup(other) the loss ran through the old model
+    while the new one was updated). Now a change gets a new TrainStep, said once."""
+    data = batches(8)
+    runs = []
+    for cls in (training.updaters.StandardUpdater, TrainStepUpdater):
+        xs = numpy.concatenate([x for x, _ in data])
+        ts = numpy.concatenate([t for _, t in data])
+        it = chainer.iterators.SerialIterator(chainer.datasets.TupleDataset(xs, ts), 4,
+                                              shuffle=False)
+        first, second = L.Classifier(StockNet()), L.Classifier(StockNet())
+        opt = optimizers.MomentumSGD(lr=0.1, weight_decay=1e-3).setup(first)
+        updater = cls(it, opt, loss_func=first if change == 'loss_func' else None)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter('always')
+            for i in range(12):
+                if i == 5 and change == 'loss_func':
+                    updater.loss_func = lambda x, t: first(x, t) * 3.0
+                elif i == 5:
+                    opt.setup(second)
+                updater.update()
+        runs.append((state(first, opt), state(second, opt) if change == 'setup' else {},
+                     [str(w.message) for w in said if 'TrainStepUpdater' in str(w.message)]))
+    (a1, a2, said_std), (b1, b2, said) = runs
+    assert_same(a1, b1)
+    assert_same(a2, b2)
+    what = 'updater.loss_func' if change == 'loss_func' else \
+        "the optimizer's target (optimizer.setup())"
+    assert said_std == [] and said == ['TrainStepUpdater: {} changed since the step was made: '
+                                       'a new TrainStep traces it again'.format(what)]
+    assert updater.step.replays == 4        # (12 - 5 updates: warm-up, 2 recorded, 4 replays)
+
+
+def test_a_train_step_whose_optimizer_is_set_up_on_an_unrelated_model_refuses():
+    """Used directly, a TrainStep made for one model refuses to run once the optimizer was
+    set up on another (it would update that one from this one's loss); a model holding the
+    step's model is fine."""
+    model, opt = make()
+    step = TrainStep(model, opt, sce(model))
+    x, t = batches(1)[0]
+    step(x, t)
+    holder = chainer.Chain()
+    with holder.init_scope():
+        holder.inner = model
+    opt.setup(holder)
+    step(x, t)
+    opt.setup(StockNet())
+    with pytest.raises(ValueError, match=r'the step was made for a StockNet that is none of '
+                                         r'these .*optimizer.setup\(\) called with another'):
+        step(x, t)
+
+
 def test_trainer_resumed_from_a_snapshot_continues_like_an_uninterrupted_run(tmp_path):
     data = batches(6)
     model = StockNet()

@@ -110,14 +110,7 @@ class TrainStep:
             raise RuntimeError('optimizer is not set up: call optimizer.setup(model) first')
         if not isinstance(model, chainer.Link):
             raise TypeError('model must be a chainer.Link; got {}'.format(type(model).__name__))
-        target = optimizer.target
-        if model is not target and not any(link is model for link in target.links()) and \
-                not any(link is target for link in model.links()):
-            raise ValueError(
-                'model must be optimizer.target, a link under it or a link holding it; got a '
-                '{} that is none of these (an optimizer set up on a copy of the model?): the '
-                'step would update the target while the loss runs through this model'
-                .format(type(model).__name__))
+        _check_model(model, optimizer.target, 'got')
         if lossfun is not None and not callable(lossfun):
             raise TypeError('lossfun must be callable(*inputs) -> loss; got {!r}'
                             .format(lossfun))
@@ -132,6 +125,7 @@ class TrainStep:
                              .format(check_every))
         self.model = model
         self.optimizer = optimizer
+        self._target = optimizer.target      # (the one model was checked against)
         self.lossfun = lossfun if lossfun is not None else model
         self.warmup = int(warmup)
         self.max_signatures = int(max_signatures)
@@ -176,6 +170,9 @@ class TrainStep:
         inputs = tuple(self._as_array(a, i) for i, a in enumerate(args + tuple(kwargs[k]
                                                                                for k in names)))
         self._names = len(args), names
+        if self.optimizer.target is not self._target:      # optimizer.setup(another model)
+            _check_model(self.model, self.optimizer.target, 'the step was made for')
+            self._target = self.optimizer.target
         flat = self.optimizer._flat
         # replays see the model only through their traces: a parameter given a new array or
         # update rule, or a link added, deleted, replaced or moved, is found here (identity
@@ -791,6 +788,19 @@ def _caller_level():
             package + os.sep):
         frame, level = frame.f_back, level + 1
     return level
+
+
+def _check_model(model, target, got):
+    """``model`` must be the optimizer's ``target``, a link under it or a link holding it:
+    else the step would update the target while the loss ran through another model."""
+    if model is target or any(link is model for link in target.links()) or \
+            any(link is target for link in model.links()):
+        return
+    raise ValueError(
+        'model must be optimizer.target, a link under it or a link holding it; {} a {} that is '
+        'none of these (an optimizer set up on a copy of the model, or optimizer.setup() called '
+        'with another model since: make a TrainStep for that one): the step would update the '
+        'target while the loss runs through this model'.format(got, type(model).__name__))
 
 
 def _apply_update(opt, flat, buffers, views, held):

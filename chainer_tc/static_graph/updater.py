@@ -6,8 +6,13 @@
 
 Everything a ``StandardUpdater`` does stays: the converter and device, ``loss_func``,
 ``auto_new_epoch``, serialization (so ``extensions.snapshot`` and resume), and the reports made
-inside the loss function (``L.Classifier``'s loss and accuracy reach ``LogReport``).
+inside the loss function (``L.Classifier``'s loss and accuracy reach ``LogReport``). As with
+``StandardUpdater``, ``updater.loss_func`` and the optimizer's target are read at every
+iteration: a new one (``updater.loss_func = ...``, ``optimizer.setup(other_model)``) gets a new
+TrainStep, which traces again (said once per change).
 """
+import warnings
+
 from chainer.training import updaters
 
 from chainer_tc.static_graph import step as step_module
@@ -33,6 +38,14 @@ class TrainStepUpdater(updaters.StandardUpdater):
         from chainer.dataset import convert
         in_arrays = convert._call_converter(self.converter, batch, self.input_device)
         optimizer = self._optimizers['main']
+        if self.step is not None and (self.step.optimizer is not optimizer
+                                      or self.step.model is not optimizer.target
+                                      or self.step.lossfun is not (self.loss_func
+                                                                   or optimizer.target)):
+            warnings.warn('TrainStepUpdater: {} changed since the step was made: a new TrainStep '
+                          'traces it again'.format(self._what_changed(optimizer)),
+                          RuntimeWarning, stacklevel=3)
+            self.step = None
         if self.step is None:
             self.step = self._make_step(optimizer)
         if isinstance(in_arrays, tuple):
@@ -43,6 +56,13 @@ class TrainStepUpdater(updaters.StandardUpdater):
             self.step(in_arrays)
         if self.auto_new_epoch and iterator.is_new_epoch:
             optimizer.new_epoch(auto=True)
+
+    def _what_changed(self, optimizer):
+        if self.step.optimizer is not optimizer:
+            return "the updater's optimizer"
+        if self.step.model is not optimizer.target:
+            return "the optimizer's target (optimizer.setup())"
+        return 'updater.loss_func'
 
     def _make_step(self, optimizer):
         return step_module.TrainStep(optimizer.target, optimizer,
