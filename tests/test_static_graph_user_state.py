@@ -214,7 +214,7 @@ def test_the_captured_steps_reports_are_given_arrays_of_their_own():
     after the first launch, ``detach_reports`` gives every observation the capture reported to
     (the caller's and one a model's own reporter holds) copies, Variables staying Variables,
     numbers as they were. Here on the CPU, a launch played by overwriting the arrays."""
-    from chainer_tc.static_graph import _capture, _trace
+    from chainer_tc.static_graph import _trace
     model = L.Classifier(MLP())
     outer, own = reporter_module.Reporter(), reporter_module.Reporter()
     outer.add_observer('main', model)
@@ -226,13 +226,51 @@ def test_the_captured_steps_reports_are_given_arrays_of_their_own():
             chainer.report({'n': 3, 'raw': numpy.ones(2, numpy.float32)})
     graphs = [observation['main/loss'].array, observation['main/accuracy'].array, stats['raw']]
     values = [a.copy() for a in graphs]
-    _capture.detach_reports(rec)
+    _trace.detach_reports(rec.trace.reports, rec.outer)
     for a in graphs:
         a[...] = numpy.nan                           # the next launch
     assert isinstance(observation['main/loss'], chainer.Variable) and stats['n'] == 3
     kept = [observation['main/loss'].array, observation['main/accuracy'].array, stats['raw']]
     for a, b in zip(kept, values):
         numpy.testing.assert_array_equal(a, b)
+
+
+def test_kept_observations_of_every_step_keep_their_values_on_the_cpu():
+    """The CPU replay's arrays are those of the recorded step that built it: its reports (a
+    hidden layer reported as a Variable, as its array, as a view of it) were overwritten by the
+    replays after it, where an eager step's stay as they were (found by an audit: an extension
+    keeping observations). That step's observation now gets copies, as the capture's does."""
+    class Reporting(MLP):
+        def forward(self, x):
+            h = F.relu(self.l1(x))
+            chainer.report({'h': h, 'h_array': h.array, 'h_row': h.array[0], 'h0': h[0],
+                            'mean': F.mean(h)})
+            return self.l2(h)
+    kept = []
+    for use_step in (False, True):
+        model = L.Classifier(Reporting())
+        opt = optimizers.MomentumSGD(lr=0.1, weight_decay=1e-3).setup(model)
+        step = TrainStep(model, opt) if use_step else None
+        observations = []
+        for x, t in data(8):
+            reporter = reporter_module.Reporter()
+            reporter.add_observer('main', model)
+            observation = {}
+            with reporter.scope(observation):
+                if step is None:
+                    opt.update(model, x, t)
+                else:
+                    step(x, t)
+            observations.append(observation)
+        kept.append(observations)
+    assert step.replays == 5 and step.traces == 1
+    for i, (eager, replayed) in enumerate(zip(*kept)):
+        assert eager.keys() == replayed.keys()
+        for key, v in eager.items():
+            u = replayed[key]
+            assert type(u) is type(v), (i, key)
+            numpy.testing.assert_array_equal(getattr(u, 'array', u), getattr(v, 'array', v),
+                                             err_msg='step {} {}'.format(i, key))
 
 
 @pytest.mark.gpu

@@ -111,7 +111,7 @@ class CapturedStep:
         launch: they are given copies after this one."""
         loss = self._launch(step, report=False)
         with self.flat.device_scope(), self.stream:
-            detach_reports(self._rec)
+            _trace.detach_reports(self._rec.trace.reports, self._rec.outer)
         self._rec = None
         return loss
 
@@ -218,32 +218,6 @@ class CapturedStep:
 
     def run(self, step):
         return self._launch(step)
-
-
-def detach_reports(rec):
-    """Each value the recorded step reported (through ``rec``) is, where the reporter stored it,
-    replaced by a copy (a Variable by a new Variable): the capture's reports hold the graph's
-    arrays, which every launch overwrites, so an observation kept from the captured step (a
-    user's list of observations, an extension reading it later) would change under it. An
-    eager step leaves arrays of its own; so does this one. Reporters store the values or
-    shallow copies of the Variables (sharing the array), so they are found by array."""
-    array_types = _trace.array_types()
-    outer = rec.outer
-    for values, _, where in rec.trace.reports:
-        observation = (where or outer)[1]
-        if observation is None:
-            continue
-        reported = set()
-        for v in values.values():
-            a = v.raw_array if isinstance(v, chainer.Variable) else v
-            if isinstance(a, array_types):
-                reported.add(id(a))
-        for key, v in list(observation.items()):
-            if isinstance(v, chainer.Variable):
-                if id(v.raw_array) in reported:
-                    observation[key] = chainer.Variable(v.raw_array.copy(), requires_grad=False)
-            elif id(v) in reported:
-                observation[key] = v.copy()
 
 
 def _cudnn_note(error):

@@ -124,6 +124,7 @@ class Trace:
         self.untrained_grads = []  # (param, grad) of the target's parameters without a rule
         self.constants = {}        # id -> array an op read that no op made, no external
         self.exchanges = None      # (multinode.TrainStep) the host exchanges its functions made
+        self.outer = None          # Recorder.outer while TrainStep needs it (detach_reports)
 
 
 class _Patches:
@@ -418,6 +419,33 @@ class Recorder(chainer.FunctionHook):
 
 
 _PYTHON_GRADIENTS = None
+
+
+def detach_reports(reports, outer):
+    """Each value a recorded step reported (``reports``: its trace's; ``outer``: the reporter
+    and observation current when it began, ``Recorder.outer``) is, where the reporter stored
+    it, replaced by a copy (a Variable by a new Variable). The step whose trace becomes the
+    replay (a CUDA graph's capture, the CPU's second recorded step) reported the arrays every
+    later replay overwrites, so an observation kept from that step (a user's list of
+    observations, an extension reading it later) would change under it. An eager step leaves
+    arrays of its own; so does this one. Reporters store the values or shallow copies of the
+    Variables (sharing the array), so they are found by array."""
+    types = array_types()
+    for values, _, where in reports:
+        observation = (where or outer)[1]
+        if observation is None:
+            continue
+        reported = set()
+        for v in values.values():
+            a = v.raw_array if isinstance(v, chainer.Variable) else v
+            if isinstance(a, types):
+                reported.add(id(a))
+        for key, v in list(observation.items()):
+            if isinstance(v, chainer.Variable):
+                if id(v.raw_array) in reported:
+                    observation[key] = chainer.Variable(v.raw_array.copy(), requires_grad=False)
+            elif id(v) in reported:
+                observation[key] = v.copy()
 
 
 def python_gradient(function):

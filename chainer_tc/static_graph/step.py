@@ -399,8 +399,11 @@ class TrainStep:
             entry.replay = replay
             self.traces += 1
             self._traced()
+            # this step's reports hold the arrays the replays overwrite: copies for them
+            _trace.detach_reports(trace.reports, trace.outer)
         else:
             self._fail(entry, failure, 'replayed')
+        trace.outer = None
         entry.first = None
         self._update(grads)
         return result
@@ -431,6 +434,7 @@ class TrainStep:
             opt.scaled_backward(loss)
             rec.finish()
         trace = rec.trace
+        trace.outer = rec.outer
         # a persistent number (a counter registered with add_persistent) changed in the step:
         # in Python, which a replay does not run
         trace.written += ['{} (a number: {!r} when the step began, {!r} after it)'.format(
