@@ -188,3 +188,40 @@ def test_nccl_step_on_two_gpus_equals_one_process(tmp_path, case):
     check(case, ranks, **(FP16 if 'fp16' in case else dict(rtol=1e-4, atol=1e-4)))
     for r in ranks:
         assert int(r['collectives']) == common.STEPS
+
+
+def test_the_forward_that_initialises_lazy_links_reports_nothing():
+    """Before the first step, multinode.TrainStep runs the loss function once in test mode to
+    give lazy links their arrays (then broadcast). Its reports went into the first iteration's
+    observation (a key the model reports in test mode only stayed there: found by an audit);
+    now they are discarded. One process (COMM_SELF)."""
+    import chainer.links as L
+    import chainermn
+    from mpi4py import MPI
+    from chainer_tc import multinode
+    from chainer_tc import optimizers
+
+    class Lazy(chainer.Chain):
+        def __init__(self):
+            super().__init__()
+            with self.init_scope():
+                self.l1 = L.Linear(None, 5)
+
+        def forward(self, x):
+            if not chainer.config.train:
+                chainer.report({'test_only': 1.0}, self)
+            return self.l1(x)
+
+    comm = chainermn.create_communicator('naive', MPI.COMM_SELF)
+    model = L.Classifier(Lazy())
+    opt = optimizers.MomentumSGD(lr=0.1).setup(model)
+    step = multinode.TrainStep(model, opt, comm)
+    reporter = chainer.Reporter()
+    reporter.add_observer('main', model)
+    reporter.add_observers('main', model.namedlinks(skipself=True))
+    observation = {}
+    x = numpy.random.RandomState(0).randn(4, 6).astype(numpy.float32)
+    with reporter.scope(observation):
+        step(x, numpy.arange(4, dtype=numpy.int32))
+    assert model.predictor.l1.W.array is not None
+    assert sorted(observation) == ['main/accuracy', 'main/loss'], sorted(observation)

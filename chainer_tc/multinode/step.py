@@ -144,9 +144,13 @@ class TrainStep(step_module.TrainStep):
         return collectives.replaying_exchanges(self.communicator, trace.exchanges)
 
     def _broadcast_model(self, args, kwargs):
-        """Rank 0's parameters everywhere (lazy links are initialised by a forward first)."""
+        """Rank 0's parameters everywhere (lazy links are initialised by a forward first: in
+        test mode, without backprop, its reports discarded)."""
         if any(p.array is None for p in self.optimizer.target.params()):
-            with chainer.using_config('train', False), chainer.no_backprop_mode():
+            # (the current reporter, its observers registered, with an observation of its own)
+            discard = chainer.reporter.get_current_reporter().scope({}) \
+                if chainer.reporter._get_reporters() else contextlib.nullcontext()
+            with chainer.using_config('train', False), chainer.no_backprop_mode(), discard:
                 self.lossfun(*args, **kwargs)
         bcast_data(self.communicator, self.optimizer.target)
         self._broadcast_names = _initialized(self.optimizer.target)
