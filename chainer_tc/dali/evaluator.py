@@ -12,6 +12,8 @@ A value the model reports as a ``(value, weight)`` pair (``chainer.DictSummary``
 weighted by the model: it is passed on unchanged, with the model's weight, and its mean is the one
 Chainer's Evaluator gives.
 """
+import warnings
+
 import numpy
 
 import chainer
@@ -29,14 +31,28 @@ class Evaluator(extensions.Evaluator):
 
     weights = None
 
+    def __init__(self, iterator, target, *args, **kwargs):
+        super().__init__(iterator, target, *args, **kwargs)
+        from chainer_tc.dali import iterator as iterator_module
+        for name, it in self._iterators.items():
+            # (Chainer's Evaluator says so for its own iterators; a DaliIterator repeats by
+            # default, and an evaluation over one never ends)
+            if isinstance(it, iterator_module.DaliIterator) and it.repeat:
+                warnings.warn('the DaliIterator {!r} of this Evaluator repeats (repeat=True, '
+                              'the default): an evaluation sweeps an iterator until it stops, '
+                              'and this one never does. Make it with repeat=False'
+                              .format(name), stacklevel=2)
+
     def evaluate(self):
         original = self.eval_func
         weights = {}
-        self.eval_func = _weighted_by_batch(original or self._targets['main'], weights)
+        self.eval_func = weighted = _weighted_by_batch(original or self._targets['main'],
+                                                       weights)
         try:
             result = super().evaluate()
         finally:
-            self.eval_func = original
+            if self.eval_func is weighted:      # (an eval_hook may have set its own: kept,
+                self.eval_func = original       # used from the next evaluation, as Chainer's)
         self.weights = weights
         return result
 
@@ -52,13 +68,23 @@ def _weighted_by_batch(target, weights=None):
         weighted = {}
         for k, v in observed.items():
             # (value, weight): the target weighted it itself (DictSummary's protocol): kept
-            weighted[k] = v if isinstance(v, tuple) else (v, len(first))
+            weighted[k] = v if isinstance(v, tuple) else (_widened(v), len(first))
             value, weight = weighted[k][:2]
             if weights is not None and _summarised(value) and _summarised(weight):
                 # (a weight that is not a scalar: DictSummary raises, naming the key)
                 weights[k] = weights.get(k, 0.0) + float(_array(weight))
         chainer.reporter.report(weighted)
     return eval_func
+
+
+def _widened(value):
+    """A float16 value as float32 (on its device, no synchronisation): DictSummary adds up
+    value * weight in the value's dtype, and a float16 sum of values times batch sizes passes
+    65504 after a few hundred batches (an inf where Chainer's per-batch sum stays finite)."""
+    a = _array(value)
+    if getattr(a, 'dtype', None) == numpy.float16:
+        return a.astype(numpy.float32)
+    return value
 
 
 def _array(v):

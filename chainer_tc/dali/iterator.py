@@ -58,10 +58,10 @@ class DaliIterator(chainer.dataset.Iterator):
                             .format(type(pipeline)))
         self.pipeline = pipeline
         self.dataset = pipeline.dataset
-        self.batch_size = batch_size
-        self.repeat = bool(repeat)
-        self.shuffle = self.repeat if shuffle is None else bool(shuffle)
-        self.last_batch = last_batch
+        self._batch_size = batch_size
+        self._repeat = bool(repeat)
+        self._shuffle = self.repeat if shuffle is None else bool(shuffle)
+        self._last_batch = last_batch
         if self.shuffle and pipeline.num_shards > 1 and getattr(pipeline, 'seed_drawn', False):
             raise ValueError('the pipeline\'s seed was drawn (seed=None), in each process its '
                              'own, and shuffled shards of different seeds overlap and leave images '
@@ -79,7 +79,26 @@ class DaliIterator(chainer.dataset.Iterator):
     def _make_order(self, seed):
         p = self.pipeline
         return _order.EpochOrder(len(self.dataset), self.batch_size, self.repeat, self.shuffle,
-                                 self.last_batch, seed, p.shard_id, p.num_shards)
+                                 self._last_batch, seed, p.shard_id, p.num_shards)
+
+    # what the pipeline and the order were made for: fixed (an assignment, which Chainer's
+    # SerialIterator follows for batch_size, would be silently ignored here)
+    batch_size = property(lambda self: self._batch_size, lambda self, v: _fixed('batch_size'))
+    repeat = property(lambda self: self._repeat, lambda self, v: _fixed('repeat'))
+    shuffle = property(lambda self: self._shuffle, lambda self, v: _fixed('shuffle'))
+    last_batch = property(lambda self: self._last_batch, lambda self, v: _fixed('last_batch'))
+
+    def __copy__(self):
+        """An iterator of its own at this one's position (as Chainer's MultiprocessIterator
+        copies): a new DALI pipeline, the same order and seed. A shallow copy shared the
+        pipeline, so iterating one used up the other (an Evaluator over a copy saw no batch)."""
+        other = DaliIterator.__new__(DaliIterator)
+        other.__dict__.update(self.__dict__)
+        other._pipe = other._feeder = None
+        other._order = other._make_order(self._order.seed)
+        other.last_indices = None if self.last_indices is None else self.last_indices.copy()
+        other._restart()
+        return other
 
     # ---- iteration ------------------------------------------------------------------------------
 
@@ -94,7 +113,7 @@ class DaliIterator(chainer.dataset.Iterator):
         t = time.perf_counter()
         try:
             out = self._pipe.outputs(cuda_stream=_consumer_stream(self.pipeline))
-        except Exception as e:
+        except RuntimeError as e:           # (DALI's errors; another, a signal's, as it is)
             self._fail(e)
         waited = time.perf_counter() - t
         indices, self._position = self._feeder.in_flight.popleft()
@@ -120,7 +139,7 @@ class DaliIterator(chainer.dataset.Iterator):
     def _schedule(self):
         try:
             self._pipe.schedule_run()
-        except Exception as e:
+        except RuntimeError as e:
             self._fail(e)
 
     def _fail(self, error):
@@ -273,6 +292,11 @@ class DaliIterator(chainer.dataset.Iterator):
         pipe, self._pipe = self._pipe, None
         if pipe is not None:
             pipe._shutdown()            # what Pipeline.__del__ does: stops DALI's threads now
+
+
+def _fixed(name):
+    raise AttributeError('DaliIterator.{} is fixed when the iterator is made (its pipeline and '
+                         'order are built for it): make a new DaliIterator'.format(name))
 
 
 class _Feeder(object):

@@ -75,8 +75,9 @@ def imagenet_pipeline(root, list_file=None, train=True, crop=224, resize=None, d
         layout (str): 'NHWC' or 'NCHW'.
         num_classes (int): labels must lie in [0, num_classes) (default: any label >= 0 for a
             list, the number of class directories for a tree).
-        seed (int): seed of the augmentation and of the shuffling (default: drawn at random, kept
-            in ``self.seed`` and in the iterator's snapshots).
+        seed (int): seed of the augmentation and of the shuffling (default: drawn from NumPy's
+            global random generator, so that ``numpy.random.seed(n)`` repeats a run as with
+            Chainer's iterators; kept in ``self.seed`` and in the iterator's snapshots).
         num_threads (int): DALI's CPU threads (default: the CPUs this process may use).
         prefetch_queue_depth (int): batches DALI prepares ahead of the one being consumed; 2 or
             more overlaps the input pipeline with training.
@@ -153,8 +154,8 @@ class ImagenetPipeline(object):
         _positive_int('num_threads', num_threads)
         _positive_int('prefetch_queue_depth', prefetch_queue_depth)
         self.seed_drawn = seed is None          # (a shuffling DaliIterator of shards refuses it)
-        if seed is None:
-            seed = int(numpy.random.SeedSequence().generate_state(1)[0] >> 1)
+        if seed is None:                # (NumPy's global generator: numpy.random.seed(n)
+            seed = int(numpy.random.randint(2 ** 31))   # repeats a run, as Chainer's iterators)
         if isinstance(seed, bool) or not isinstance(seed, (int, numpy.integer)) \
                 or not 0 <= seed < 2 ** 31:
             raise ValueError('seed must be an integer in [0, 2**31) or None; got {!r}'
