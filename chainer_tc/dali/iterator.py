@@ -230,9 +230,15 @@ class DaliIterator(chainer.dataset.Iterator):
         here = self._order.settings()
         here['dataset_fingerprint'] = self.dataset.fingerprint()
         saved = collections.OrderedDict()
+        loading = isinstance(serializer, chainer.serializer.Deserializer)
         for key, value in here.items():
             try:
-                saved[key] = serializer(key, value)
+                if not isinstance(value, str):
+                    saved[key] = serializer(key, value)
+                elif not loading:       # UTF-8 bytes: HDF5 (save_hdf5) stores no str arrays
+                    serializer(key, value.encode('utf-8'))
+                else:                   # as stored: bytes, or str in an earlier snapshot
+                    saved[key] = _text(serializer(key, None), value)
             except KeyError:
                 if key in ('dataset_size', 'num_shards'):
                     raise
@@ -241,7 +247,7 @@ class DaliIterator(chainer.dataset.Iterator):
                                'so resuming from it cannot be checked (load with strict=False to '
                                'take this iterator\'s own settings unchecked)'.format(key)) \
                     from None
-        if not isinstance(serializer, chainer.serializer.Deserializer):
+        if not loading:
             return
         saved = collections.OrderedDict(
             (k, type(here[k])(v)) for k, v in saved.items())
@@ -292,6 +298,15 @@ class DaliIterator(chainer.dataset.Iterator):
         pipe, self._pipe = self._pipe, None
         if pipe is not None:
             pipe._shutdown()            # what Pipeline.__del__ does: stops DALI's threads now
+
+
+def _text(stored, default):
+    """A text setting as a snapshot holds it: UTF-8 bytes (an 'S' array), a str (a '<U' array,
+    saved to npz by an earlier chainer_tc), or None (absent, loaded with strict=False)."""
+    if stored is None:
+        return default
+    item = numpy.asarray(stored).item()
+    return item.decode('utf-8') if isinstance(item, bytes) else str(item)
 
 
 def _fixed(name):
