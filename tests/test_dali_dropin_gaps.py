@@ -53,6 +53,17 @@ def test_a_copy_is_an_iterator_of_its_own_at_the_same_position(data):
     assert first + labels(base) == list(range(N))
 
 
+def test_a_deep_copy_is_one_too_and_pickling_says_what_to_do(data):
+    import pickle
+    base = make(data)
+    next(base)
+    assert labels(copy.deepcopy(base)) == list(range(2, N))
+    assert labels(base) == list(range(2, N))
+    with pytest.raises(TypeError, match=r'a DaliIterator holds a running DALI pipeline and '
+                                        r'cannot be pickled: save its position'):
+        pickle.dumps(base)
+
+
 def test_settings_the_pipeline_was_built_for_refuse_a_new_value(data):
     it = make(data)
     for name, value in (('batch_size', 3), ('repeat', True), ('shuffle', True),

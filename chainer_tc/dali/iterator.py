@@ -100,6 +100,15 @@ class DaliIterator(chainer.dataset.Iterator):
         other._restart()
         return other
 
+    def __deepcopy__(self, memo):
+        """As :meth:`__copy__` (the pipeline's settings are shared: they are not changed)."""
+        return self.__copy__()
+
+    def __reduce__(self):
+        raise TypeError('a DaliIterator holds a running DALI pipeline and cannot be pickled: '
+                        'save its position with chainer.serializers (a trainer snapshot), and '
+                        'make the iterator anew from the pipeline\'s arguments to load it')
+
     # ---- iteration ------------------------------------------------------------------------------
 
     def __next__(self):
@@ -295,7 +304,7 @@ class DaliIterator(chainer.dataset.Iterator):
         self._shutdown()
 
     def _shutdown(self):
-        pipe, self._pipe = self._pipe, None
+        pipe, self._pipe = getattr(self, '_pipe', None), None
         if pipe is not None:
             pipe._shutdown()            # what Pipeline.__del__ does: stops DALI's threads now
 
