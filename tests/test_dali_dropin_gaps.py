@@ -195,3 +195,11 @@ def test_a_snapshot_round_trips_through_hdf5_and_npz(data, tmp_path, how):
     (serializers.load_hdf5 if how == 'hdf5' else serializers.load_npz)(path, resumed)
     assert (resumed.epoch, resumed.current_position) == (it.epoch, it.current_position)
     assert next(resumed)[1].tolist() == next(it)[1].tolist()
+
+
+def test_an_evaluator_progress_bar_shows_the_total_as_with_serial_iterator(data):
+    from chainer.training.extensions import evaluator
+    it = make(data)
+    next(it), next(it)
+    lines = evaluator._IteratorProgressBar(iterator=it).get_lines()
+    assert '         4 / 7 iterations\n' in lines, lines

@@ -196,6 +196,11 @@ class DaliIterator(chainer.dataset.Iterator):
     def epoch_size(self):
         return self._order.epoch_size
 
+    @property
+    def _epoch_size(self):
+        """(SerialIterator's name, which Chainer's Evaluator progress bar reads for its total.)"""
+        return self._order.epoch_size
+
     def reset(self):
         """Back to the start of epoch 0 (the same order as the first pass). Cheap after a
         ``repeat=False`` pass; otherwise the DALI pipeline is rebuilt."""
