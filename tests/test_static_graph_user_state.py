@@ -209,6 +209,39 @@ def test_reported_variables_stay_variables_with_this_steps_values():
     assert step.traces == 1 and step.checks == 3 and step.replays == 6
 
 
+@pytest.mark.parametrize('kind', ['numpy scalar', '0-d array', 'constant'])
+def test_a_numpy_metric_equal_in_the_two_recorded_steps_is_not_frozen(kind):
+    """A per-batch metric computed with NumPy in the loss function ((y.array.argmax(1) ==
+    t).mean()) that happened to be equal in the two recorded steps (an accuracy of 0 early in
+    training) was taken for a constant and reported by every replay until the next check
+    (found by an audit). A NumPy value made anew in each step now makes the step run
+    eagerly, said once; one object reported in every step (a constant) still replays."""
+    constant = numpy.float32(0.5)
+
+    class Metric(MLP):
+        def forward(self, x):
+            y = super().forward(x)
+            value = {'numpy scalar': lambda: numpy.float64(0.0) + (y.array.size < 0),
+                     '0-d array': lambda: numpy.zeros((), numpy.float32),
+                     'constant': lambda: constant}[kind]()
+            chainer.report({'metric': value})
+            return y
+    (me, oe), (ms, os_) = pair(Metric)
+    step = TrainStep(ms, os_, lambda x, t: F.softmax_cross_entropy(ms(x), t))
+    with warnings.catch_warnings(record=True) as said, reporter_module.Reporter().scope({}):
+        warnings.simplefilter('always')
+        steps_equal_eager(step, lambda m: lambda x, t: F.softmax_cross_entropy(m(x), t),
+                          ms, me, oe)
+    refused = [str(w.message) for w in said if 'cannot be replayed' in str(w.message)]
+    if kind == 'constant':
+        assert refused == [] and step.replays == 3
+    else:
+        assert len(refused) == 1 and step.replays == 0
+        assert re.search(r"the reported value 'metric' \((0\.0|<array \(\) float32>)\) is a "
+                         r'NumPy value the loss function computes in Python at every step',
+                         refused[0]), refused[0]
+
+
 def test_the_captured_steps_reports_are_given_arrays_of_their_own():
     """The GPU capture's reports hold the graph's arrays, which every later launch overwrites:
     after the first launch, ``detach_reports`` gives every observation the capture reported to

@@ -183,6 +183,13 @@ _KNOWN = {
 }
 
 
+def _made_in_python(v):
+    """A NumPy scalar (not a bool: True_ and False_ are shared objects) or array: what a loss
+    function computes from the data outside Chainer's functions."""
+    return isinstance(v, _trace.array_types()) or (
+        isinstance(v, numpy.generic) and not isinstance(v, numpy.bool_))
+
+
 def _library_note(op, error):
     """Where the input of ``op`` that no recorded function computed (``error``: an
     :class:`_Unrecorded`) was computed inside library code, not handed to it by the loss
@@ -336,6 +343,16 @@ def reports(first, last, known_first, known):
                 raise NotReplayable('the reported value {!r} is not computed by a recorded '
                                     'function and differs between steps ({} then {})'
                                     .format(key, short(u), short(arr)))
+            if u is not arr and _made_in_python(arr):
+                # the same value in both recorded steps, but made anew in each (a constant
+                # is one object): computed from the data, equal by chance (an accuracy of 0
+                # early on), which a replay would report from then on
+                raise NotReplayable(
+                    'the reported value {!r} ({}) is a NumPy value the loss function computes '
+                    'in Python at every step (e.g. (y.array.argmax(1) == t).mean()), which a '
+                    'replay cannot compute again: it would report the recorded value until the '
+                    'next check (check_every). Compute it with Chainer functions (F.accuracy, '
+                    'F.mean, ...) or report it outside the step'.format(key, short(arr)))
             values[key] = arr
         variables = frozenset(k for k, v in vb.items() if isinstance(v, chainer.Variable))
         out.append((values, ob, (variables, where)))
