@@ -166,6 +166,23 @@ def untrained_nan(comm, outdir):
     numpy.savez(os.path.join(outdir, 'untrained_nan-{}.npz'.format(comm.rank)), **results)
 
 
+def scaling_one_rank(comm, outdir):
+    """Dynamic loss scaling on rank 0 only, a link without an update rule, no hooks: the ranks
+    differ in the step's signature (said), step eagerly, and must make the same collectives."""
+    model = WithAux()
+    opt = optimizers.MomentumSGD(lr=0.1).setup(model)
+    model.aux.W.update_rule = model.aux.b.update_rule = None
+    if comm.rank == 0:
+        opt.loss_scaling(initial_scale=16.0)
+    step = multinode.TrainStep(model, opt, comm, model.loss)
+    r = numpy.random.RandomState(comm.rank)
+    for _ in range(4):
+        step(r.randn(4, 6).astype(numpy.float32), r.randint(0, 5, 4).astype(numpy.int32),
+             numpy.ones((4, 6), numpy.float32))
+    numpy.savez(os.path.join(outdir, 'scaling_one_rank-{}.npz'.format(comm.rank)),
+                eager=step.eager_steps, aux_grad=model.aux.W.grad)
+
+
 def main(case, outdir):
     nccl = case.startswith('nccl')
     comm = chainermn.create_communicator('pure_nccl' if nccl else 'naive')
@@ -175,6 +192,8 @@ def main(case, outdir):
         return edges(comm, outdir)
     if case == 'untrained_nan':
         return untrained_nan(comm, outdir)
+    if case == 'scaling_one_rank':
+        return scaling_one_rank(comm, outdir)
     dtype = numpy.float16 if 'fp16' in case else numpy.float32
     with chainer.using_config('dtype', dtype):
         model = common.Net(seed=comm.rank)            # different on each rank until broadcast

@@ -127,6 +127,17 @@ def test_a_nan_in_one_ranks_untrained_gradient_skips_the_step_on_every_rank(tmp_
         numpy.testing.assert_array_equal(r0[key], r0[eager], err_msg='replayed != eager: ' + key)
 
 
+def test_ranks_that_differ_in_loss_scaling_make_the_same_collectives(tmp_path):
+    """(tests/multinode_worker.py ``scaling_one_rank``.) The untrained parameters' reduction
+    was made only with hooks or dynamic loss scaling, decided by each rank: where the ranks
+    differ in those (they then step eagerly, said), one rank made a collective the other did
+    not, and MPI failed (MPI_ERR_TRUNCATE). Found by review. It is made whenever such
+    parameters exist: both ranks finish, holding the same averaged untrained gradient."""
+    r0, r1 = run_ranks('scaling_one_rank', tmp_path)
+    assert int(r0['eager']) == int(r1['eager']) == 4
+    numpy.testing.assert_array_equal(r0['aux_grad'], r1['aux_grad'])
+
+
 def test_dali_shards_cover_the_data_once_and_validation_counts_every_image_once(tmp_path):
     r0, r1 = run_ranks('dali', tmp_path)
     labels = numpy.concatenate([r0['labels'], r1['labels']])

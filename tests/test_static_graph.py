@@ -494,8 +494,9 @@ def test_a_new_loss_func_or_optimizer_target_mid_run_is_followed_like_standard_u
     assert_same(a2, b2)
     what = 'updater.loss_func' if change == 'loss_func' else \
         "the optimizer's target (optimizer.setup())"
-    assert said_std == [] and said == ['TrainStepUpdater: {} changed since the step was made: '
-                                       'a new TrainStep traces it again'.format(what)]
+    assert said_std == [] and said == ['TrainStepUpdater: {} changed since the step was made '
+                                       '(found at iteration 5): a new TrainStep traces it '
+                                       'again'.format(what)]
     assert updater.step.replays == 4        # (12 - 5 updates: warm-up, 2 recorded, 4 replays)
 
 

@@ -92,7 +92,7 @@ class DaliIterator(chainer.dataset.Iterator):
         """An iterator of its own at this one's position (as Chainer's MultiprocessIterator
         copies): a new DALI pipeline, the same order and seed. A shallow copy shared the
         pipeline, so iterating one used up the other (an Evaluator over a copy saw no batch)."""
-        other = DaliIterator.__new__(DaliIterator)
+        other = type(self).__new__(type(self))
         other.__dict__.update(self.__dict__)
         other._pipe = other._feeder = None
         other._order = other._make_order(self._order.seed)
@@ -120,14 +120,18 @@ class DaliIterator(chainer.dataset.Iterator):
             self._position = p._replace(previous_epoch_detail=self._order.epoch_detail_of(p))
             raise StopIteration
         t = time.perf_counter()
+        before = self._position
         try:
             out = self._pipe.outputs(cuda_stream=_consumer_stream(self.pipeline))
         except RuntimeError as e:           # (DALI's errors; another, a signal's, as it is)
             self._fail(e)
+        except BaseException:
+            self._resync(before)
+            raise
         waited = time.perf_counter() - t
         indices, self._position = self._feeder.in_flight.popleft()
         batch = self._convert(out)
-        self._schedule()                                # keep prefetch_queue_depth in flight
+        self._schedule(before)                          # keep prefetch_queue_depth in flight
         self.last_indices = indices
         self.wait_seconds += waited
         self.batches += 1
@@ -145,11 +149,26 @@ class DaliIterator(chainer.dataset.Iterator):
                 return cupy.from_dlpack(x), cupy.from_dlpack(t)
         return numpy.asarray(x), numpy.asarray(t)
 
-    def _schedule(self):
+    def _schedule(self, before=None):
         try:
             self._pipe.schedule_run()
         except RuntimeError as e:
             self._fail(e)
+        except BaseException:
+            self._resync(self._position if before is None else before)
+            raise
+
+    def _resync(self, position):
+        """After an exception that is not DALI's, raised while the iterator waited on it (a
+        signal handler's, at DALI's next line of Python): DALI may have handed over a batch
+        the iterator did not deliver (it would be skipped, and the later ones counted wrong:
+        found by review). The pipeline is rebuilt at ``position``, the last batch delivered,
+        so the call is as if not made; if that fails, the iterator is finalized."""
+        self._position = position
+        try:
+            self._restart()
+        except BaseException:
+            self._shutdown()
 
     def _fail(self, error):
         """Turns a failure inside DALI into an error naming the bad files: every image of the
@@ -249,9 +268,9 @@ class DaliIterator(chainer.dataset.Iterator):
             try:
                 if not isinstance(value, str):
                     saved[key] = serializer(key, value)
-                elif not loading:       # UTF-8 bytes: HDF5 (save_hdf5) stores no str arrays
-                    serializer(key, value.encode('utf-8'))
-                else:                   # as stored: bytes, or str in an earlier snapshot
+                elif not loading:       # HDF5 (save_hdf5) stores no str arrays: UTF-8 bytes
+                    serializer(key, value.encode('utf-8') if _is_hdf5(serializer) else value)
+                else:                   # as stored: str (npz), or bytes (HDF5)
                     saved[key] = _text(serializer(key, None), value)
             except KeyError:
                 if key in ('dataset_size', 'num_shards'):
@@ -314,9 +333,18 @@ class DaliIterator(chainer.dataset.Iterator):
             pipe._shutdown()            # what Pipeline.__del__ does: stops DALI's threads now
 
 
+def _is_hdf5(serializer):
+    try:
+        from chainer.serializers import hdf5
+    except ImportError:             # (no h5py: no HDF5 serializer either)
+        return False
+    return isinstance(serializer, hdf5.HDF5Serializer)
+
+
 def _text(stored, default):
-    """A text setting as a snapshot holds it: UTF-8 bytes (an 'S' array), a str (a '<U' array,
-    saved to npz by an earlier chainer_tc), or None (absent, loaded with strict=False)."""
+    """A text setting as a snapshot holds it: a str (a '<U' array: npz, readable by earlier
+    chainer_tc versions too), UTF-8 bytes (an 'S' array: HDF5), or None (absent, loaded with
+    strict=False)."""
     if stored is None:
         return default
     item = numpy.asarray(stored).item()

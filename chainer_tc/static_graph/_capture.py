@@ -140,10 +140,9 @@ class CapturedStep:
                         view[...] = g
                 reduce(buffers)
                 grads, copied = views, []
-                if not self.hooks:      # the graph's update checks them: reduced in it too
-                    untrained = _program.reduce_untrained(step, untrained)
-            # the untrained gradients the parameters hold after a launch (with hooks, reduced
-            # after it), and the overflow check of dynamic loss scaling reads (in the graph)
+                # reduced in the graph too: the parameters hold these after a launch, the
+                # overflow check of dynamic loss scaling (in the graph) and hooks read them
+                untrained = _program.reduce_untrained(step, untrained)
             self.untrained = list(untrained)
             # kept as long as the graph: copies it makes (of gradients that share memory) come
             # from the capture's pool, and the graph reads them
@@ -200,8 +199,7 @@ class CapturedStep:
             self.stream.wait_event(caller.record())         # the batch was loaded there
             opt._table.refresh(opt.hyperparam, opt._versions, opt._set_globals)
             self.graph.launch(self.stream)
-            _program.give_grads(self.grads + (_program.reduce_untrained(step, self.untrained)
-                                              if self.hooks else self.untrained))
+            _program.give_grads(self.grads + self.untrained)
             if self.hooks:
                 _program.give_marks(self.marks)
                 opt.update()

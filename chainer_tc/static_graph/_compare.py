@@ -169,20 +169,6 @@ def check_op(i, a, b, known_first, known):
         raise
 
 
-# what a library function computes from the data in Python, for each one known to (by the
-# function and the node that reads it): why a step calling it cannot be replayed, and what can
-_KNOWN = {
-    ('softmax_cross_entropy', 'SelectItem'):
-        "F.softmax_cross_entropy(..., enable_double_backprop=True) selects the labels' scores "
-        'with indices it computes with NumPy; the default, enable_double_backprop=False, '
-        'replays',
-    ('crf1d', 'EmbedIDFunction'):
-        "F.crf1d (and L.CRF1d) computes the transitions' indices from the labels with NumPy",
-    ('CRF1d.forward', 'EmbedIDFunction'):
-        "L.CRF1d computes the transitions' indices from the labels with NumPy",
-}
-
-
 def _made_in_python(v):
     """A NumPy scalar (not a bool: True_ and False_ are shared objects) or array: what a loss
     function computes from the data outside Chainer's functions."""
@@ -192,15 +178,20 @@ def _made_in_python(v):
 
 def _library_note(op, error):
     """Where the input of ``op`` that no recorded function computed (``error``: an
-    :class:`_Unrecorded`) was computed inside library code, not handed to it by the loss
-    function: that code computes it (from the step's data, in Python), so no change to the loss
-    function helps but another call; '' otherwise."""
-    if not isinstance(error, _Unrecorded) or not op.site.computed_inside(error.index):
+    :class:`_Unrecorded`) was computed inside library code, not handed to it by its caller:
+    that code computes it (from the step's data, in Python), so no change to the loss function
+    helps but another call; '' otherwise."""
+    if not isinstance(error, _Unrecorded):
         return ''
-    known = _KNOWN.get((op.site.api_name, op.label))
-    return ('. That input is computed inside {}, not by the loss function{}'.format(
-        op.site.api_name, ': ' + known if known else ' (with NumPy, from the data): a step '
-        'calling it cannot be replayed'))
+    site, k = op.site, error.index
+    known = site.known_note(k, op.label)
+    if known is not None:
+        return '. That input is computed inside {}, not by the loss function: {}'.format(
+            site.known_name, known)
+    if site.computed_inside(k):
+        return ('. That input is computed inside {}, not by the loss function (with NumPy, '
+                'from the data): a step calling it cannot be replayed'.format(site.api_name))
+    return ''
 
 
 class _Unrecorded(NotReplayable):

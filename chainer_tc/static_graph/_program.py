@@ -21,7 +21,6 @@ import numpy
 import chainer
 from chainer import configuration
 
-from chainer_tc.optimizers import _scaler
 from chainer_tc.static_graph import _compare
 from chainer_tc.static_graph import _trace
 from chainer_tc.static_graph._compare import NotReplayable  # NOQA  (raised from here too)
@@ -355,19 +354,21 @@ def shared_once(arrays, grads):
 
 def reduce_untrained(step, pairs):
     """(param, gradient) of the parameters the optimizer does not train, with a gradient
-    reduction and optimizer hooks or dynamic loss scaling: their gradients averaged over the
-    ranks too (new arrays), as ChainerMN averages every gradient, so that a hook reading all of
-    them (GradientClipping's norm) computes the same on every rank, and so does the overflow
-    check (Chainer's reads them: a rank checking only its own would skip a step alone). One
-    more collective, made only then (usually there are no such parameters).
+    reduction: their gradients averaged over the ranks too (new arrays), as ChainerMN averages
+    every gradient, so that a hook reading all of them (GradientClipping's norm) computes the
+    same on every rank, and so does the overflow check of dynamic loss scaling (Chainer's reads
+    them: a rank checking only its own would skip a step alone). One more collective, made
+    whenever such parameters exist (usually there are none; a link frozen by
+    ``disable_update()`` keeps its rule, and its gradients are in the main collective): made
+    only with hooks or loss scaling, it was made by some ranks only where they differ in
+    those, and their collectives went out of step (MPI_ERR_TRUNCATE; found by review).
 
     Every rank makes it over the same arrays: each initialised parameter without an update
     rule (the model is the same on every rank), zeros for one this rank has no gradient for
     (ChainerMN's ``zero_fill``), so a link that only some ranks' losses use gets the mean too.
     Deciding from this rank's own gradients (``pairs``) made ranks differ in collectives."""
     opt = step.optimizer
-    if step.reduce_gradients is None or not (opt._has_hooks('pre') or opt._has_hooks('post')
-                                             or opt._scaler.mode == _scaler.DYNAMIC):
+    if step.reduce_gradients is None:
         return pairs
     params = [p for _, p in opt._flat.untrained if p.raw_array is not None]
     if not params:

@@ -193,6 +193,7 @@ class Recorder(chainer.FunctionHook):
         self.outer = None
         self._installed = []        # old-style Functions given a recording backward
         self._sites = {}            # id of an old-style Function -> where its forward was made
+        self._scanned = {}          # (_site.here's, while recording: the frames it scanned)
         # With ``externals`` (the arrays refreshed in place elsewhere: inputs, parameters,
         # state), the arrays ops read that no earlier op made and that are no external are
         # kept (Trace.constants); ``watch``, those of an earlier recorded step, are copied
@@ -228,6 +229,7 @@ class Recorder(chainer.FunctionHook):
         return self
 
     def __exit__(self, *exc):
+        self._scanned.clear()
         _patches.exit(self)
         for f in self._installed:           # a backward that never ran (an error before it)
             f.__dict__.pop('backward', None)
@@ -257,13 +259,17 @@ class Recorder(chainer.FunctionHook):
     def forward_preprocess(self, function, in_data):
         if self._depth:
             return
-        op = Op(function, in_data, self._config(), _site.here(in_data))
-        if isinstance(function, chainer_function.FunctionAdapter):
-            self._sites[id(function._function)] = op.site     # for its backward's op
+        op = Op(function, in_data, self._config())
         self.trace.ops.append(op)
         index = len(self.trace.ops) - 1
+        candidates = None
         if self._known is not None:
             self._constants(op)
+            constants = self.trace.constants
+            candidates = [k for k, a in enumerate(in_data) if id(a) in constants]
+        op.site = _site.here(in_data, op.label, candidates, self._scanned)
+        if isinstance(function, chainer_function.FunctionAdapter):
+            self._sites[id(function._function)] = op.site     # for its backward's op
         if self._unhanded:
             self._handed(op)
         # watched constants read earlier and unchanged since: one the forward changes is state

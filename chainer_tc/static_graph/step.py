@@ -414,6 +414,7 @@ class TrainStep:
         next step (which refuses the replay) then keeps this step's inputs. The constants the
         ``previous`` recorded step read are watched for writes made in this step."""
         opt = self.optimizer
+        given = buffers
         if buffers is None:
             buffers = tuple(_empty_like(a) for a in inputs)
             for buf, a in zip(buffers, inputs):
@@ -434,7 +435,8 @@ class TrainStep:
             opt.scaled_backward(loss)
             rec.finish()
         trace = rec.trace
-        trace.outer = rec.outer
+        if buffers is given:        # (the step that may build the replay: detach_reports)
+            trace.outer = rec.outer
         # a persistent number (a counter registered with add_persistent) changed in the step:
         # in Python, which a replay does not run
         trace.written += ['{} (a number: {!r} when the step began, {!r} after it)'.format(

@@ -42,8 +42,9 @@ class TrainStepUpdater(updaters.StandardUpdater):
                                       or self.step.model is not optimizer.target
                                       or self.step.lossfun is not (self.loss_func
                                                                    or optimizer.target)):
-            warnings.warn('TrainStepUpdater: {} changed since the step was made: a new TrainStep '
-                          'traces it again'.format(self._what_changed(optimizer)),
+            warnings.warn('TrainStepUpdater: {} changed since the step was made (found at '
+                          'iteration {}): a new TrainStep traces it again'
+                          .format(self._what_changed(optimizer), self.iteration),
                           RuntimeWarning, stacklevel=3)
             self.step = None
         if self.step is None:
