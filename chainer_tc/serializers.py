@@ -84,6 +84,9 @@ def _open(file):
         npz = numpy.load(file, allow_pickle=False)
     except zipfile.BadZipFile as e:
         raise ValueError('{} is not a valid .npz file: {}'.format(name, e)) from None
+    except EOFError:                # (numpy's word for a file of 0 bytes)
+        raise ValueError('{} is empty (0 bytes), not an .npz file: a save that did not '
+                         'finish?'.format(name)) from None
     except ValueError as e:
         if 'pickled' not in str(e):
             raise

@@ -110,6 +110,11 @@ def test_not_an_npz(tmp_path):
     (tmp_path / 'text').write_text('not an archive')
     with pytest.raises(ValueError, match="'.*text' is not a valid .npz file"):
         serializers.read_npz(str(tmp_path / 'text'))
+    (tmp_path / 'empty').write_bytes(b'')        # (numpy: EOFError 'No data left in file')
+    for load in (lambda f: serializers.load_npz(f, L.Linear(3, 2)), serializers.read_npz):
+        with pytest.raises(ValueError, match=r"'.*empty' is empty \(0 bytes\), not an .npz "
+                                             r'file: a save that did not finish\?'):
+            load(str(tmp_path / 'empty'))
 
 
 def _trainer(out, stop):
