@@ -79,12 +79,10 @@ def test_far_accesses_are_reported_against_their_own_array(buggy, kernel):
             (index, msg)
 
 
-def test_smaller_slots_where_the_address_space_is_short(tmp_path):
-    """Under an address-space limit (RLIMIT_AS) too small for 32 GiB slots, the launch halves them
-    until they fit (and once more, leaving room for what it maps after), warns once with the
-    distance it then covers, and still names an access that far off against its array."""
-    script = tmp_path / 'short.py'
-    script.write_text('''
+# the start of a script run under an address-space limit: a kernel k(a, out, i) reading a[i]
+# into out[0], compiled and run once with far checking (before any limit), and the process's
+# address space in use (vm), to which the script adds what it allows
+_LIMITED = '''
 import resource, warnings
 import numpy
 from chainer_tc.errors import KernelLaunchError
@@ -93,8 +91,19 @@ code = ('extern "C" __global__ void k(const float* a, float* out, long long i) '
         '{ out[0] = a[i]; }')
 f = emulator.RawModule(code=code).get_function('k')
 a, out = numpy.ones(4, numpy.float32), numpy.zeros(1, numpy.float32)
+with emulator.checking(far=True):
+    f((1,), (1,), (a, out, numpy.int64(1)))
 with open('/proc/self/status') as s:
     vm = [int(l.split()[1]) * 1024 for l in s if l.startswith('VmSize')][0]
+'''
+
+
+def test_smaller_slots_where_the_address_space_is_short(tmp_path):
+    """Under an address-space limit (RLIMIT_AS) too small for 32 GiB slots, the launch halves them
+    until they fit (and once more, leaving room for what it maps after), warns once with the
+    distance it then covers, and still names an access that far off against its array."""
+    script = tmp_path / 'short.py'
+    script.write_text(_LIMITED + '''
 resource.setrlimit(resource.RLIMIT_AS, (vm + (256 << 30), resource.RLIM_INFINITY))
 with warnings.catch_warnings(record=True) as w:
     warnings.simplefilter('always')
@@ -127,19 +136,7 @@ def test_the_far_check_is_skipped_with_a_warning_where_its_second_layout_cannot_
     once, and the launch still runs (the same result) with its other checks (an out-of-bounds
     read is still named)."""
     script = tmp_path / 'skip.py'
-    script.write_text('''
-import resource, warnings
-import numpy
-from chainer_tc.errors import KernelLaunchError
-from chainer_tc.testing import emulator
-code = ('extern "C" __global__ void k(const float* a, float* out, long long i) '
-        '{ out[0] = a[i]; }')
-f = emulator.RawModule(code=code).get_function('k')
-a, out = numpy.ones(4, numpy.float32), numpy.zeros(1, numpy.float32)
-with emulator.checking(far=True):
-    f((1,), (1,), (a, out, numpy.int64(1)))           # (compiled, with no limit yet)
-with open('/proc/self/status') as s:
-    vm = [int(l.split()[1]) * 1024 for l in s if l.startswith('VmSize')][0]
+    script.write_text(_LIMITED + '''
 # the arena's slots (docs/emulator.md): two per region, and one; a region for each array and
 # for the 64 static __shared__ variables and the dynamic shared memory of the one block
 slots = 2 * (2 + 64 + 1) + 1

@@ -268,6 +268,23 @@ def test_the_captured_steps_reports_are_given_arrays_of_their_own():
         numpy.testing.assert_array_equal(a, b)
 
 
+def observed(model, opt, step, batches):
+    """Each step's observation, reported to a reporter with ``model`` as 'main' (a Trainer's
+    iteration): ``step(*batch)``, or an eager ``opt.update`` where ``step`` is None."""
+    out = []
+    for batch in batches:
+        reporter = reporter_module.Reporter()
+        reporter.add_observer('main', model)
+        observation = {}
+        with reporter.scope(observation):
+            if step is None:
+                opt.update(model, *batch)
+            else:
+                step(*batch)
+        out.append(observation)
+    return out
+
+
 def test_kept_observations_of_every_step_keep_their_values_on_the_cpu():
     """The CPU replay's arrays are those of the recorded step that built it: its reports (a
     hidden layer reported as a Variable, as its array, as a view of it) were overwritten by the
@@ -284,18 +301,7 @@ def test_kept_observations_of_every_step_keep_their_values_on_the_cpu():
         model = L.Classifier(Reporting())
         opt = optimizers.MomentumSGD(lr=0.1, weight_decay=1e-3).setup(model)
         step = TrainStep(model, opt) if use_step else None
-        observations = []
-        for x, t in data(8):
-            reporter = reporter_module.Reporter()
-            reporter.add_observer('main', model)
-            observation = {}
-            with reporter.scope(observation):
-                if step is None:
-                    opt.update(model, x, t)
-                else:
-                    step(x, t)
-            observations.append(observation)
-        kept.append(observations)
+        kept.append(observed(model, opt, step, data(8)))
     assert step.replays == 5 and step.traces == 1
     for i, (eager, replayed) in enumerate(zip(*kept)):
         assert eager.keys() == replayed.keys()
@@ -315,17 +321,8 @@ def test_a_kept_observation_of_the_captured_step_keeps_its_values_on_the_gpu():
         model.to_device('@cupy:0')
         opt = optimizers.MomentumSGD(lr=0.1, weight_decay=1e-3).setup(model)
         step = TrainStep(model, opt) if use_step else None
-        kept = []
-        for x, t in data(8):
-            reporter = reporter_module.Reporter()
-            reporter.add_observer('main', model)
-            observation = {}
-            with reporter.scope(observation):
-                if step is None:
-                    opt.update(model, cupy.asarray(x), cupy.asarray(t))
-                else:
-                    step(cupy.asarray(x), cupy.asarray(t))
-            kept.append(observation)
+        kept = observed(model, opt, step, [(cupy.asarray(x), cupy.asarray(t))
+                                           for x, t in data(8)])
         runs.append([float(o['main/loss'].array) for o in kept])
     assert step.replays == 5 and step.traces == 1
     numpy.testing.assert_allclose(runs[1], runs[0], rtol=1e-5)     # cuBLAS algorithms may differ
