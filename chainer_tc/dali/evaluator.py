@@ -67,7 +67,12 @@ def _weighted_by_batch(target, weights=None):
             target(*args, **kwargs)
         weighted = {}
         for k, v in observed.items():
-            # (value, weight): the target weighted it itself (DictSummary's protocol): kept
+            # (value, weight): the target weighted it itself (DictSummary's protocol): kept,
+            # but for a weight of 0 (a batch with nothing to count), which adds nothing: a key
+            # only such batches report is absent, not 0 / 0 (which DictSummary makes a
+            # ZeroDivisionError or a nan; on one rank only, the others waited forever)
+            if isinstance(v, tuple) and _is_zero(v[1]):
+                continue
             weighted[k] = v if isinstance(v, tuple) else (_widened(v), len(first))
             value, weight = weighted[k][:2]
             if weights is not None and _summarised(value) and _summarised(weight):
@@ -75,6 +80,14 @@ def _weighted_by_batch(target, weights=None):
                 weights[k] = weights.get(k, 0.0) + float(_array(weight))
         chainer.reporter.report(weighted)
     return eval_func
+
+
+def _is_zero(weight):
+    """Whether a weight is 0 as seen on the host (a number, or a NumPy array; a device array
+    is not read: that would wait for the device)."""
+    w = _array(weight)
+    return (numpy.isscalar(w) or isinstance(w, numpy.ndarray)) and numpy.ndim(w) == 0 \
+        and w == 0
 
 
 def _widened(value):

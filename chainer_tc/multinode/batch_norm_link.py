@@ -75,7 +75,7 @@ class MultiNodeBatchNormalization(chainer.Link):
 
     def __init__(self, size=None, comm=None, decay=0.9, eps=2e-5, dtype=None, use_gamma=True,
                  use_beta=True, initial_gamma=None, initial_beta=None,
-                 communication_backend='auto'):
+                 communication_backend='auto', initial_avg_mean=None, initial_avg_var=None):
         super().__init__()
         name = type(self).__name__
         if isinstance(size, (tuple, list)) and len(size) == 1:
@@ -107,6 +107,9 @@ class MultiNodeBatchNormalization(chainer.Link):
                 init.dtype = self._highprec_dtype
                 self.beta = variable.Parameter(init)
         self.avg_mean = self.avg_var = None
+        # (as L.BatchNormalization: initializers or values of the running statistics, used
+        # when they are made, then dropped)
+        self._initial_avg_mean, self._initial_avg_var = initial_avg_mean, initial_avg_var
         if size is not None:
             self._initialize_params(int(size))
         self.register_persistent('avg_mean')
@@ -114,11 +117,17 @@ class MultiNodeBatchNormalization(chainer.Link):
 
     def _initialize_params(self, channels):
         with chainer.using_device(self.device):
-            self.avg_mean = self.xp.zeros(channels, self._highprec_dtype)
-            self.avg_var = self.xp.ones(channels, self._highprec_dtype)
+            self.avg_mean = self._running(self._initial_avg_mean, 0, channels)
+            self.avg_var = self._running(self._initial_avg_var, 1, channels)
+        self._initial_avg_mean = self._initial_avg_var = None
         for p in (self.gamma, self.beta):
             if p is not None:
                 p.initialize((channels,))
+
+    def _running(self, initial, default, channels):
+        init = initializers._get_initializer(default if initial is None else initial)
+        return initializers.generate_array(init, (channels,), self.xp,
+                                           dtype=self._highprec_dtype, device=self.device)
 
     @property
     def printable_specs(self):

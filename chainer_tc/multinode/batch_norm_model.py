@@ -137,7 +137,9 @@ def _multi_node(link, comm, backend):
     new = cls(None if lazy else int(link.avg_mean.shape[0]), comm, decay=link.decay,
               eps=link.eps, dtype=link._highprec_dtype, use_gamma=link.gamma is not None,
               use_beta=link.beta is not None, initial_gamma=initializer(link.gamma),
-              initial_beta=initializer(link.beta), communication_backend=backend)
+              initial_beta=initializer(link.beta), communication_backend=backend,
+              initial_avg_mean=copy.deepcopy(getattr(link, '_initial_avg_mean', None)),
+              initial_avg_var=copy.deepcopy(getattr(link, '_initial_avg_var', None)))
     new.to_device(link.device)
     if lazy:                # copyparams would initialise the source's parameters
         new.N = copy.deepcopy(link.N)

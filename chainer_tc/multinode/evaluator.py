@@ -15,6 +15,8 @@ sizes (DALI's shards differ by one image at most; ChainerMN's multi-node evaluat
 ranks' means, each rank weighing the same). A key no batch of a rank reported counts there with
 weight 0. Every rank gets the same result.
 """
+import warnings
+
 import numpy
 
 from chainer_tc.dali import evaluator as dali_evaluator
@@ -54,7 +56,9 @@ class Evaluator(dali_evaluator.Evaluator):
         from mpi4py import MPI
         total = numpy.empty_like(local)
         mpi_comm.Allreduce(local, total, op=MPI.SUM)
-        if total[-1] == 0:
-            raise RuntimeError('no rank evaluated any image: the validation shards are empty')
+        if total[-1] == 0:      # (as Chainer's Evaluator over an empty iterator: {}, said)
+            warnings.warn('multinode.Evaluator: no rank evaluated any image (the validation '
+                          'shards are empty)', RuntimeWarning, stacklevel=2)
+            return {}
         with numpy.errstate(divide='ignore', invalid='ignore'):   # weight 0: nan, as Chainer
             return {k: total[2 * i] / total[2 * i + 1] for i, k in enumerate(keys)}
