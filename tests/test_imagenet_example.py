@@ -241,6 +241,21 @@ def test_plots_in_out(tiny, tmp_path):
     assert [e['iteration'] for e in log_of(tmp_path)] == [2, 4]
 
 
+def test_explicit_intervals_still_evaluate_snapshot_and_log_at_the_end(tiny, tmp_path):
+    """--val-interval 2 --log-interval 2 in a run of 5 iterations: every 2 iterations, and at
+    iteration 5, the end (as the default intervals do); the end used to be dropped."""
+    status, out, err, _ = run(tiny_args(tiny, tmp_path, '--iterations', 5, '--val-interval', 2,
+                                        '--log-interval', 2), plots=False)
+    assert status == 0, err
+    log = log_of(tmp_path)
+    assert [e['iteration'] for e in log] == [2, 4, 5]
+    assert all('validation/main/loss' in e for e in log)
+    written = set(os.listdir(str(tmp_path)))
+    assert {'snapshot_iter_{}'.format(i) for i in (2, 4, 5)} <= written
+    assert {f for f in written if f.startswith('model_iter_')} == {
+        'model_iter_2', 'model_iter_4', 'model_iter_5'}
+
+
 def test_without_matplotlib_the_plots_are_skipped_with_a_notice(tiny, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, 'matplotlib', None)        # import matplotlib fails
     status, out, err, _ = run(tiny_args(tiny, tmp_path, '--iterations', 2))
@@ -284,6 +299,20 @@ def test_resumed_run_ends_with_the_bits_of_an_uninterrupted_one(tiny, tmp_path, 
     assert log_of(whole)[-1]['lr'] == log_of(resumed)[-1]['lr']
 
 
+def test_resumed_run_writes_the_files_of_the_uninterrupted_one(tiny, tmp_path):
+    """A run resumed from snapshot_iter_3 writes snapshot_iter_6 and model_iter_6, as the
+    uninterrupted run did after iteration 3: no model_iter_4 (the snapshot was written before
+    the model file's trigger had seen iteration 3, so it fired again at the first iteration)."""
+    whole, resumed = tmp_path / 'whole', tmp_path / 'resumed'
+    assert run(tiny_args(tiny, whole, '--iterations', 6), plots=False)[0] == 0
+    status, out, err, _ = run(tiny_args(tiny, resumed, '--iterations', 6, '-r',
+                                        str(whole / 'snapshot_iter_3')), plots=False)
+    assert status == 0, err
+    written = sorted(f for f in os.listdir(str(whole)) if f.endswith('_6')) + ['log']
+    assert sorted(os.listdir(str(resumed))) == sorted(written)
+    assert [e['iteration'] for e in log_of(resumed)] == [3, 6]
+
+
 def test_dali_run_resumes_where_it_stopped(tiny, tmp_path):
     """DALI's random crops are not in the snapshot (docs/dali.md): the order is, so the run goes
     on from the same position, with other crops."""
@@ -300,6 +329,26 @@ def test_dali_run_resumes_where_it_stopped(tiny, tmp_path):
                 'updater/iteration'):
         assert a[key] == b[key], key
     assert [e['iteration'] for e in log_of(resumed)] == [3, 6]
+
+
+def test_worker_processes_resume_with_the_orders_of_the_uninterrupted_run(tiny, tmp_path):
+    """-j 1: the shuffled order of every epoch after a resume is the uninterrupted run's (the
+    crops are the workers' own). Resumed in the middle of epoch 1, the order drawn for epoch 2
+    was another: ShuffleOrderSampler's random state is not in MultiprocessIterator's snapshot."""
+    flags = ['-j', '1', '--iterations', '6', '--val-interval', '2']
+    whole, resumed = tmp_path / 'whole', tmp_path / 'resumed'
+    status, out, err, _ = run(tiny_args(tiny, whole, *flags), plots=False)
+    assert status == 0, err
+    status, out, err, _ = run(tiny_args(tiny, resumed, *flags)
+                              + ['-r', str(whole / 'snapshot_iter_4')], plots=False)
+    assert status == 0, err
+    key = 'updater/iterator:main/order'
+    orders = [serializers.read_npz(str(d / 'snapshot_iter_6'))[key] for d in (whole, resumed)]
+    assert serializers.read_npz(str(whole / 'snapshot_iter_6'))['updater/iterator:main/epoch'] \
+        == 2
+    numpy.testing.assert_array_equal(*orders)
+    first = serializers.read_npz(str(whole / 'snapshot_iter_2'))[key]
+    assert not numpy.array_equal(first, orders[0])          # a new order every epoch
 
 
 def test_crafted_snapshot_cannot_run_code(tiny, tmp_path):
@@ -342,7 +391,8 @@ def _npy_bytes(array):
 
 
 @pytest.mark.parametrize('made,resumed,message', [
-    (['--dali'], [], r'does not match this run: .*order.* is missing \(resume with the flags'),
+    (['--dali'], [], r"does not match this run: the snapshot's input is DALI \(--dali\), this "
+                     r"run's PIL in this process \(-j 0\) \(resume with the flags"),
     (['--width', '32'], [], r'does not match this run: updater/model:main/predictor/\S+ has '
                             r'shape \(2,\) in the snapshot, \(1,\) here \(resume with'),
 ])
@@ -352,6 +402,113 @@ def test_resume_from_another_configuration_is_refused(tiny, tmp_path, made, resu
                               + ['-r', str(tmp_path / 'a' / 'snapshot_iter_2')], plots=False)
     assert status == 2
     assert re.search(message, err), err
+
+
+@pytest.mark.parametrize('made,resumed', [
+    (['--nhwc', '--pad-channels', '4'], []), ([], ['--nhwc', '--pad-channels', '8'])],
+    ids=['nhwc-padded-to-nchw', 'nchw-to-nhwc-padded'])
+def test_chainer_optimizer_resumes_across_layout_and_padding(tiny, tmp_path, made, resumed):
+    """Chainer's MomentumSGD (no --batched-update) saves its momentum v in the parameter's shape:
+    channels-last and padded with --nhwc --pad-channels. A run of another layout or padding
+    turns it into its own, as the filters are (its first update used to fail on the shapes).
+    With an lr of 1e-30 the resumed update is v <- 0.9 v: the file's v, moved."""
+    a, b = tmp_path / 'a', tmp_path / 'b'
+    assert run(tiny_args(tiny, a, '--iterations', 2, *made), plots=False)[0] == 0
+    status, out, err, _ = run(tiny_args(tiny, b, '--iterations', 3, '--lr', '1e-30', *resumed)
+                              + ['-r', str(a / 'snapshot_iter_2')], plots=False)
+    assert status == 0, err
+    key = 'updater/optimizer:main/predictor/conv1/W/v'
+    before = serializers.read_npz(str(a / 'snapshot_iter_2'))[key]
+    after = serializers.read_npz(str(b / 'snapshot_iter_3'))[key]
+    if made:                                # (out, kh, kw, 4) -> (out, 3, kh, kw)
+        assert before.shape == (1, 7, 7, 4) and after.shape == (1, 3, 7, 7)
+        expected = before[..., :3].transpose(0, 3, 1, 2)
+    else:                                   # (out, 3, kh, kw) -> (out, kh, kw, 8)
+        assert before.shape == (1, 3, 7, 7) and after.shape == (1, 7, 7, 8)
+        assert not after[..., 3:].any()
+        expected, after = before.transpose(0, 2, 3, 1), after[..., :3]
+    assert numpy.abs(expected).max() > 0
+    numpy.testing.assert_allclose(after, 0.9 * expected, rtol=1e-6, atol=1e-30)
+
+
+def test_files_record_the_architecture_and_normalisation(tiny, tmp_path):
+    """Snapshots and model files of -a resnet50_v1.5 and -a resnet50 have the same arrays: the
+    file records the architecture and the input normalisation, and a run of another one, or
+    with another --mean, refuses it (it loaded without a word). A file without the record (an
+    earlier version's) loads as before."""
+    a = tmp_path / 'a'
+    assert run(tiny_args(tiny, a, '--iterations', 2), plots=False)[0] == 0
+    mean = tmp_path / 'mean.npy'
+    numpy.save(str(mean), numpy.full(3, 120.0))
+    refused = [
+        (['-a', 'resnet50', '-r', a / 'snapshot_iter_2'],
+         r"--resume/-r '.*snapshot_iter_2' holds a ResNet-50 v1\.5 \(-a resnet50_v1\.5\); this "
+         r'run is -a resnet50, a ResNet-50 v1: .* Use -a resnet50_v1\.5'),
+        (['-a', 'resnet50', '--initmodel', a / 'model_iter_2'],
+         r"--initmodel '.*model_iter_2' holds a ResNet-50 v1\.5"),
+        (['-a', 'resnet50_nhwc', '--initmodel', a / 'snapshot_iter_2'],
+         r"--initmodel '.*snapshot_iter_2' holds a ResNet-50 v1\.5"),
+        (['-m', mean, '-r', a / 'snapshot_iter_2'],
+         r"was trained on images normalised with mean \(123\.675, 116\.28, 103\.53\) and std "
+         r'\(58\.395, 57\.12, 57\.375\) per channel .* this run normalises with mean '
+         r'\(120, 120, 120\) and std \(255, 255, 255\)'),
+    ]
+    for flags, message in refused:
+        status, out, err, _ = run(tiny_args(tiny, tmp_path / 'b', '--iterations', 3, *flags),
+                                  plots=False)
+        assert status == 2, flags
+        assert re.search(message, err), err
+        assert 'Traceback' not in err
+    model = serializers.read_npz(str(a / 'model_iter_2'))
+    assert str(model['run/resnet50_version']) == '1.5' and model['run/mean'].shape == (3,)
+    earlier = tmp_path / 'earlier.npz'
+    numpy.savez(str(earlier), **{k: v for k, v in model.items() if not k.startswith('run/')})
+    status, out, err, _ = run(tiny_args(tiny, tmp_path / 'c', '--iterations', 1, '-a',
+                                        'resnet50', '--initmodel', earlier), plots=False)
+    assert status == 0, err
+
+
+def _chainer_example_snapshot(path):
+    """A Trainer snapshot as Chainer's example writes it: its ResNet50's names."""
+    from chainer import training
+    from chainer.training import extensions
+    from test_chainer_example import ExampleLikeResNet50
+    model = chainer.links.Classifier(ExampleLikeResNet50(64, 2))
+    r = numpy.random.RandomState(0)
+    data = [(r.randn(3, 32, 32).astype(numpy.float32), numpy.int32(i % 2)) for i in range(4)]
+    opt = chainer.optimizers.MomentumSGD()
+    opt.setup(model)
+    updater = training.updaters.StandardUpdater(chainer.iterators.SerialIterator(data, 2), opt)
+    trainer = training.Trainer(updater, (1, 'iteration'), out=os.path.dirname(path))
+    trainer.extend(extensions.snapshot(filename=os.path.basename(path)),
+                   trigger=(1, 'iteration'))
+    trainer.run()
+
+
+def test_resume_from_what_is_not_this_scripts_snapshot_says_what_it_is(tiny, tmp_path):
+    """-r given a model file (use --initmodel), a snapshot of another input, or a snapshot of
+    Chainer's example: one message saying what the file is and what to do (it said
+    "'<key>' is not in '<file>' is missing (resume with the flags ...)")."""
+    a = tmp_path / 'a'
+    assert run(tiny_args(tiny, a, '--iterations', 2), plots=False)[0] == 0
+    chainers = str(tmp_path / 'chainer_snapshot')
+    _chainer_example_snapshot(chainers)
+    cases = [
+        ([a / 'model_iter_2'], r"--resume/-r '.*model_iter_2' is a model file \(this script's "
+                               r'ResNet-50\), not a Trainer snapshot: .* use --initmodel '),
+        ([a / 'snapshot_iter_2', '--dali'],
+         r"--resume/-r '.*snapshot_iter_2' does not match this run: the snapshot's input is "
+         r"PIL in this process \(-j 0\), this run's DALI \(--dali\) \(resume with the flags "
+         r'the snapshot was made with\)'),
+        ([chainers], r"--resume/-r '.*chainer_snapshot' is a Trainer snapshot of Chainer's "
+                     r'example .* use --initmodel .*chainer_snapshot -a resnet50'),
+    ]
+    for flags, message in cases:
+        status, out, err, _ = run(tiny_args(tiny, tmp_path / 'b', '--iterations', 3, '-r',
+                                            *flags), plots=False)
+        assert status == 2, flags
+        assert re.search(message, err), err
+        assert 'is not in' not in err and 'is missing' not in err and 'Traceback' not in err
 
 
 # ---- --initmodel --------------------------------------------------------------------------------
@@ -447,6 +604,26 @@ def test_flags_that_cannot_work_exit_2_naming_the_flag(tiny, tmp_path, flags, me
     assert not os.path.exists(str(tmp_path / 'log'))
 
 
+def test_an_output_directory_that_cannot_be_written_is_refused_before_training(tiny, tmp_path):
+    """-o naming a file, or a directory under a file, or one that cannot be written in: exit
+    status 2 naming it, before training (it failed at the first log write, with a
+    traceback)."""
+    afile = tmp_path / 'afile'
+    afile.write_text('')
+    cases = [(afile, r"--out/-o '.*afile' is a file, not a directory"),
+             (afile / 'sub', r"--out/-o '.*afile/sub' cannot be created: '.*afile' is a file")]
+    if os.geteuid() != 0:               # root writes anywhere
+        locked = tmp_path / 'locked'
+        locked.mkdir(mode=0o500)
+        cases.append((locked, r"--out/-o '.*locked': cannot write in it"))
+    for out, message in cases:
+        status, stdout, err, _ = run(tiny_args(tiny, tmp_path / 'unused', '--iterations', 1)
+                                     + ['-o', out], plots=False)
+        assert status == 2, (out, err)
+        assert re.search(message, err), err
+        assert 'Traceback' not in err and 'Techniques:' not in stdout
+
+
 def test_no_gpu_device_here(tiny, tmp_path):
     if _gpus():
         pytest.skip('this machine has a gpu: the no-gpu error cannot be shown')
@@ -526,6 +703,37 @@ def test_an_image_that_does_not_decode_is_named(tiny, tmp_path, source):
     assert str(fake) in err and 'Traceback' not in err
 
 
+@pytest.mark.parametrize('which', ['train', 'val'])
+def test_worker_processes_name_an_image_that_does_not_decode(tiny, tmp_path, which):
+    """-j 1 (MultiprocessIterator): a corrupt JPEG stops the run with exit status 2 naming it,
+    as -j 0 does, whether a worker process reads it or the iterator itself (its first batch, to
+    measure the examples). Reading raised there: a worker's error killed the iterator's
+    prefetch thread and the run waited forever ('Stalled dataset'); in the first batch, the
+    iterator failed on None with a traceback. A real command line, so that a hang is a
+    timeout."""
+    data, val = tiny
+    bad = str(tmp_path / 'corrupt.jpg')
+    dali_data.corrupt(os.path.join(data.root, data.files[0]), bad)
+    files = [os.path.join(data.root, f) for f in data.files]
+    labels = list(data.classes)
+    if which == 'train':        # in the second batch of the first epoch: read by a worker
+        at = int(dataset_util.ChainedOrderSampler(0)(numpy.arange(len(files) + 1), 0)[4])
+        train = dali_data.write_list(tmp_path / 'train.txt', files[:at] + [bad] + files[at:],
+                                     labels[:at] + [1] + labels[at:])
+        lists = [train, val]
+    else:                       # the first batch: read by the iterator itself (it measures)
+        lists = [data.classes_list, dali_data.write_list(tmp_path / 'val.txt', files[:3] + [bad],
+                                                         labels[:3] + [1])]
+    argv = lists + ['-R', data.root, '-o', str(tmp_path / 'out')] + TINY[:-2] + [
+        '-j', '1', '--iterations', '4']
+    p = subprocess.run([sys.executable, SCRIPT] + argv, capture_output=True, text=True,
+                       timeout=90)
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert 'Traceback' not in p.stderr
+    assert re.search(r'error: {}: cannot decode the image listed at \S+:{}:'.format(
+        re.escape(bad), at + 1 if which == 'train' else 4), p.stderr), p.stderr
+
+
 def test_the_command_line_reports_errors_without_a_traceback(tiny, tmp_path):
     data, val = tiny
     bad = tmp_path / 'bad.txt'
@@ -546,6 +754,61 @@ def test_chainer_dtype_environment_variable_sets_the_precision(tiny, tmp_path):
                        capture_output=True, text=True, timeout=120, env=env)
     assert p.returncode == 0, p.stderr
     assert 'Device: @numpy' in p.stdout and 'Dtype: float16' in p.stdout
+
+
+def test_the_configuration_printed_is_the_one_in_use(tiny, tmp_path):
+    """The set-up printed says what the run uses: on resume without --seed, the snapshot's seed
+    (a fresh one was printed); with -m, the mean file (nothing said so); under
+    CHAINER_DTYPE=mixed16, mixed16 and what it means (it printed float16)."""
+    data, val = tiny
+    no_seed = [str(a) for a in [data.classes_list, val, '-R', data.root] + TINY[:-4] + ['-j', 0]]
+    a = tmp_path / 'a'
+    assert run(no_seed + ['-o', a, '--iterations', 2, '--seed', 7], plots=False)[0] == 0
+    status, out, err, _ = run(no_seed + ['-o', tmp_path / 'b', '--iterations', 3,
+                                         '-r', a / 'snapshot_iter_2'], plots=False)
+    assert status == 0, err
+    assert "seed 7 (the snapshot's)" in out
+    mean = tmp_path / 'mean.npy'
+    numpy.save(str(mean), numpy.full(3, 120.0))
+    with chainer.using_config('dtype', chainer.mixed16):
+        status, out, err, _ = run(tiny_args(tiny, tmp_path / 'c', '--iterations', 1, '-m', mean),
+                                  plots=False)
+    assert status == 0, err
+    assert "Input: PIL in this process; mean file {} (channel means 120, 120, 120), pixels / " \
+        "255".format(mean) in out
+    assert "Dtype: mixed16 (float16, with BatchNormalization's parameters and statistics in " \
+        'float32)' in out
+    model = serializers.read_npz(str(tmp_path / 'c' / 'model_iter_1'))
+    assert model['conv1/W'].dtype == numpy.float16
+    assert model['bn1/gamma'].dtype == model['bn1/avg_mean'].dtype == numpy.float32
+    status, out, err, _ = run(tiny_args(tiny, tmp_path / 'd', '--iterations', 1), plots=False)
+    assert "Input: PIL in this process; ImageNet's mean and standard deviation" in out
+
+
+MPIEXEC = os.path.join(os.path.dirname(sys.executable), 'mpiexec')
+
+
+@pytest.mark.skipif(not os.path.exists(MPIEXEC), reason='no mpiexec (pip install -e .[mpi])')
+def test_under_mpi_rank_0_says_the_communicator_and_alone_what_it_loaded(tiny, tmp_path):
+    """mpiexec -n 2 --communicator naive: the set-up names the communicator, the processes and
+    the global batch; 'Loaded the model from' and 'Resumed from' are printed once, by rank 0
+    (every rank printed them); a snapshot of the first iteration resumes."""
+    def mpirun(out, *flags):
+        p = subprocess.run([MPIEXEC, '--allow-run-as-root', '--oversubscribe', '-n', '2',
+                            sys.executable, SCRIPT] + tiny_args(tiny, out, '--communicator',
+                                                                'naive', *flags),
+                           capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+        return p.stdout
+
+    out = mpirun(tmp_path / 'a', '--iterations', 1)
+    assert out.count('Communicator: naive, 2 processes (ranks)\n') == 1
+    assert out.count('# Minibatch-size: 4 per process, 8 in all\n') == 1
+    # after one iteration ChainerMN's multi-node optimizer has only broadcast the model: the
+    # snapshot holds no momentum, which Chainer's optimizer refused as missing
+    out = mpirun(tmp_path / 'b', '--iterations', 2, '--initmodel',
+                 tmp_path / 'a' / 'model_iter_1', '-r', tmp_path / 'a' / 'snapshot_iter_1')
+    assert out.count('Loaded the model from') == 1 and out.count('Resumed from') == 1
 
 
 # ---- pieces -------------------------------------------------------------------------------------
@@ -605,6 +868,21 @@ def test_the_chainermn_wrapper_path_broadcasts_the_float16_model_exactly(flags, 
                                          start[name]), name + ' holds float16 numbers'
     assert comm.packed == [numpy.float32]
     assert isinstance(opt.communicator, multi_node_optimizer.ExactBroadcast)
+
+
+def test_the_help_says_what_the_flags_do(tiny, tmp_path):
+    """--loss-scale: Chainer's dynamic scale doubles every step until the first overflow (the
+    help said every 1000 steps), as the log shows; --warmup-epochs starts from lr / (warm-up
+    iterations), not 0; the intervals end with the run whatever N."""
+    text = ' '.join(train_imagenet.make_parser().format_help().split())
+    assert "otherwise Chainer's (dynamic: from 1, doubled every step until the first " \
+        'overflow, then x2^(1/1000) per step; not in snapshots)' in text
+    assert 'iteration by iteration from --lr / (warm-up iterations) to --lr' in text
+    assert text.count('and at the end of the run, whatever N') == 2
+    status, out, err, _ = run(tiny_args(tiny, tmp_path, '--iterations', 3, '--log-interval', 1,
+                                        '--loss-scale', 'dynamic'), plots=False)
+    assert status == 0, err
+    assert [e['loss_scale'] for e in log_of(tmp_path)] == [2, 4, 8]
 
 
 def test_learning_rate_schedules():

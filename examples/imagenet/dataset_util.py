@@ -3,6 +3,9 @@ as chainer_tc.dali's pipelines do (see docs/dali.md), for Chainer's iterators.
 
     train = ImageListDataset(root, 'train.txt', insize=224, train=True, rng=rng)
     it = ReproducibleSerialIterator(train, 32, rng)        # -j 0: in this process, resumable
+    it = chainer.iterators.MultiprocessIterator(           # -j N: worker processes
+        InWorkers(train), 32, order_sampler=ChainedOrderSampler(seed))
+    x, t = concat_examples(it.next())                      # raises what a worker could not read
 
 Training: a random resized crop (area 8-100% of the image, aspect ratio 3/4-4/3), resized to
 ``insize`` x ``insize`` (PIL's bilinear filter, antialiased when shrinking), a horizontal flip with
@@ -10,15 +13,23 @@ probability 1/2. Validation: the shorter side resized to ``round(insize * 256 / 
 ``insize`` x ``insize``. Both: ``(pixel - mean) / std`` per RGB channel on the 0-255 scale,
 channels last (NHWC) or first (NCHW), in the model's dtype.
 
-Randomness: every draw (the crops, the flips, the shuffled order) comes from one
+Randomness: with ``-j 0`` every draw (the crops, the flips, the shuffled order) comes from one
 ``numpy.random.RandomState`` shared by the dataset and the iterator.
 ``ReproducibleSerialIterator`` saves its state in snapshots, so a run resumed from a snapshot
 draws what the uninterrupted run drew. Under ``MultiprocessIterator`` each worker process
-reseeds its own copy from the OS: the order is still the iterator's (and resumes exactly), the
-crops are not reproducible.
+reseeds its own copy from the OS: the crops are not reproducible. The orders are
+``ChainedOrderSampler``'s, each epoch's a function of the one before and the seed, so a
+resumed run goes on with the uninterrupted run's orders.
+
+Errors in worker processes: ``MultiprocessIterator`` hangs when a worker's ``get_example``
+raises (its prefetch thread dies), so ``InWorkers`` hands back an ``Unreadable`` in place of the
+example, and ``concat_examples`` raises its error in the training process: the ``ImageError``
+that ``-j 0`` raises.
 """
+import hashlib
 import math
 import os
+import traceback
 
 import numpy
 
@@ -133,6 +144,72 @@ class ImageListDataset(chainer.dataset.DatasetMixin):
         left, top = box
         side = self.insize * scale
         return (left, top, left + side, top + side)
+
+
+class Unreadable:
+    """What ``InWorkers`` returns for an example whose reading raised: the error's message
+    (``ImageError``: an image that does not decode) or, for any other exception, its traceback.
+    Small and picklable: it crosses from the worker to the training process."""
+
+    def __init__(self, message, image_error):
+        self.message, self.image_error = message, image_error
+
+    def error(self):
+        """The exception to raise in the training process."""
+        if self.image_error:
+            return ImageError(self.message)
+        return RuntimeError('a data loading worker process failed:\n' + self.message)
+
+
+class InWorkers(chainer.dataset.DatasetMixin):
+    """``dataset`` for ``MultiprocessIterator``'s worker processes, which must not raise (the
+    iterator then waits forever, or fails on ``None``): an example whose reading raises is
+    returned as an ``Unreadable``, raised by ``concat_examples`` in the training process."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def get_example(self, i):
+        try:
+            return self.dataset[i]
+        except ImageError as e:
+            return Unreadable(str(e), True)
+        except Exception:
+            return Unreadable(traceback.format_exc(), False)
+
+
+@chainer.dataset.converter()
+def concat_examples(batch, device=None, padding=None):
+    """``chainer.dataset.concat_examples``, after raising the error of an example that could
+    not be read (an ``Unreadable`` from ``InWorkers``)."""
+    for example in batch:
+        if isinstance(example, Unreadable):
+            raise example.error()
+    return chainer.dataset.concat_examples(batch, device, padding)
+
+
+class ChainedOrderSampler:
+    """Shuffled orders for ``MultiprocessIterator``, each drawn from a generator seeded by
+    ``seed`` and the order before it (the first: by ``arange(n)``). Nothing but the current
+    order decides the next, and the iterator's snapshot holds the current order: a run resumed
+    from a snapshot goes on with the orders of the uninterrupted run, although the iterator's
+    prefetch thread draws ahead of the batches delivered.
+
+    Args:
+        seed (int or sequence of ints): e.g. ``[seed, rank]``.
+    """
+
+    def __init__(self, seed):
+        self.seed = [int(s) for s in numpy.ravel(seed)]
+
+    def __call__(self, current_order, current_position):
+        order = numpy.ascontiguousarray(current_order, dtype=numpy.int64)
+        digest = numpy.frombuffer(hashlib.sha256(order.tobytes()).digest(), numpy.uint32)
+        rng = numpy.random.RandomState(self.seed + [int(d) for d in digest])
+        return rng.permutation(len(order))
 
 
 class ReproducibleSerialIterator(iterators.SerialIterator):

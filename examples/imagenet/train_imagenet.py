@@ -13,7 +13,9 @@ in examples/imagenet/README.md.
 import argparse
 import math
 import os
+import re
 import sys
+import tempfile
 
 import numpy
 
@@ -138,7 +140,8 @@ def make_parser():
     p.add_argument('--mean', '-m', help='mean file (.npy, e.g. compute_mean.py\'s mean.npy): its '
                    'channel means are subtracted and the pixels divided by 255, as in Chainer\'s '
                    "example. Default: ImageNet's mean and standard deviation")
-    p.add_argument('--resume', '-r', default='', help='resume the training from this snapshot')
+    p.add_argument('--resume', '-r', default='', help='resume the training from this snapshot '
+                   '(snapshot_iter_N; a model file is for --initmodel)')
     p.add_argument('--out', '-o', default='result', help='output directory (default result)')
     p.add_argument('--root', '-R', default='.', help='directory the list files\' paths are '
                    'relative to (default .)')
@@ -177,8 +180,9 @@ def make_parser():
                    'model does. Needs --nhwc. Default 3: no padding')
     t.add_argument('--loss-scale', type=_loss_scale, metavar='{dynamic,N}',
                    help='loss scaling: dynamic, or a static scale N. With --batched-update '
-                   "chainer_tc's (dynamic: from 2^15, halved on overflow), otherwise Chainer's "
-                   '(dynamic: from 1, doubled every 1000 steps)')
+                   "chainer_tc's (dynamic: from 2^15, halved on an overflow, doubled after 1000 "
+                   "clean steps), otherwise Chainer's (dynamic: from 1, doubled every step "
+                   'until the first overflow, then x2^(1/1000) per step; not in snapshots)')
 
     o = p.add_argument_group('optimisation')
     o.add_argument('--lr', type=_number(0, low_open=True), default=0.01,
@@ -188,7 +192,8 @@ def make_parser():
                    help='L2 weight decay of the convolution and classifier weights (not of BN '
                    'parameters or biases); default 0, as in Chainer\'s example')
     o.add_argument('--warmup-epochs', type=_number(0), default=0.0,
-                   help='linear learning-rate warm-up from 0 over this many epochs (default 0)')
+                   help='linear learning-rate warm-up over this many epochs, iteration by '
+                   'iteration from --lr / (warm-up iterations) to --lr (default 0)')
     o.add_argument('--schedule', choices=SCHEDULES, default='constant',
                    help='after the warm-up: constant (default), step (x0.1 at 1/3, 2/3 and 8/9 '
                    'of the run: epochs 30, 60, 80 of 90) or cosine (to 0 at the end)')
@@ -196,7 +201,7 @@ def make_parser():
                    help='label smoothing epsilon (default 0; 0.1 is usual)')
     o.add_argument('--seed', type=_non_negative_int,
                    help='seed of the initial weights, the order and the augmentation (default: '
-                   'drawn, and printed)')
+                   "drawn, and printed; with --resume, the snapshot's)")
 
     m = p.add_argument_group('model and data size')
     m.add_argument('--width', type=_positive_int, default=1,
@@ -209,11 +214,12 @@ def make_parser():
 
     r = p.add_argument_group('reporting')
     r.add_argument('--val-interval', type=_positive_int,
-                   help='evaluate and snapshot every N iterations (default: every epoch, and at '
-                   'the end)')
+                   help='evaluate, snapshot and save the model every N iterations (default: '
+                   'every epoch); and at the end of the run, whatever N')
     r.add_argument('--log-interval', type=_positive_int,
                    help='log, print and plot every N iterations (default: every epoch or every '
-                   '{} iterations, whichever is shorter)'.format(LOG_EVERY))
+                   '{} iterations, whichever is shorter); and at the end of the run, whatever '
+                   'N'.format(LOG_EVERY))
     return p
 
 
@@ -248,6 +254,31 @@ def check_args(args):
                        ('--mean/-m', args.mean)):
         if path and not os.path.isfile(path):
             raise UsageError('{} {!r} does not exist or is not a file'.format(flag, path))
+    check_out(args.out)
+
+
+def check_out(out):
+    """``--out`` must be a directory this process can write in, or one it can create (the
+    Trainer creates it): otherwise the run would fail at its first log or snapshot."""
+    path = os.path.abspath(out)
+    if os.path.exists(path):
+        if not os.path.isdir(path):
+            raise UsageError('--out/-o {!r} is a file, not a directory'.format(out))
+        try:
+            tempfile.TemporaryFile(dir=path).close()
+        except OSError as e:
+            raise UsageError('--out/-o {!r}: cannot write in it ({})'.format(
+                out, e.strerror or e)) from None
+        return
+    parent = os.path.dirname(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise UsageError('--out/-o {!r} cannot be created: {!r} is a file, not a directory'
+                         .format(out, parent))
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError('--out/-o {!r} cannot be created: {!r} is not writable'
+                         .format(out, parent))
 
 
 def make_communicator(name):
@@ -329,14 +360,15 @@ def make_model(args, layout):
     return L.Classifier(predictor, lossfun=lossfun)
 
 
-def load_initmodel(path, model, args):
+def load_initmodel(path, model, args, facts):
     """Loads ``path`` into ``model.predictor``: a file of Chainer's example's ResNet50 (its
     names, ``res2/0/conv1/W``...) through ``load_chainer_example``, ours through
-    ``chainer_tc.serializers.load_npz``; either a model file or a Trainer snapshot."""
-    try:
-        keys = set(serializers.read_npz(path))
-    except ValueError as e:
-        raise UsageError('--initmodel {!r}: {}'.format(path, e)) from None
+    ``chainer_tc.serializers.load_npz``; either a model file or a Trainer snapshot. A file of
+    this script that records another architecture or input normalisation than ``facts`` is
+    refused (an earlier version's file, which records none, loads as before)."""
+    flag = '--initmodel {!r}'.format(path)
+    keys, small = peek_npz(path, flag, (RECORD + '/', 'extensions/{}/'.format(RECORD)))
+    check_facts(flag, recorded(small), facts)
     prefixes = ('', 'predictor/', 'updater/model:main/', 'updater/model:main/predictor/')
     try:
         for prefix in prefixes:
@@ -358,6 +390,128 @@ def load_initmodel(path, model, args):
     raise UsageError("--initmodel {!r} holds no ResNet-50 (neither this script's nor Chainer's "
                      "example's parameter names, e.g. blocks/0/conv1/W or res2/0/conv1/W)"
                      .format(path))
+
+
+# ---- what the files record ----------------------------------------------------------------------
+
+RECORD = 'run'      # model files: run/<fact>; trainer snapshots: extensions/run/<fact>
+
+
+def run_facts(args, mean, std):
+    """What gives the weights their meaning and does not show in their shapes: the ResNet-50
+    version (v1 and v1.5 have the same arrays) and the input's normalisation (per channel, on
+    the 0-255 scale). Recorded in every model file and snapshot, checked when one is loaded."""
+    return {'arch': args.arch, 'resnet50_version': ARCHS[args.arch][0],
+            'mean': numpy.asarray(mean, numpy.float64), 'std': numpy.asarray(std, numpy.float64)}
+
+
+def _write_facts(serializer, facts):
+    for key in sorted(facts):
+        serializer(key, numpy.asarray(facts[key]))
+
+
+class ModelFile:
+    """What a ``model_iter_N`` file holds: the ResNet-50's arrays, as ``save_npz(predictor)``
+    writes them (``chainer_tc.serializers.load_npz(file, ResNet50(...))`` loads it), and the
+    facts of the run under ``run/``."""
+
+    def __init__(self, predictor, facts):
+        self.predictor, self.facts = predictor, facts
+
+    def serialize(self, serializer):
+        self.predictor.serialize(serializer)
+        if isinstance(serializer, chainer.serializer.Serializer):
+            _write_facts(serializer[RECORD], self.facts)
+
+
+class RunRecord(training.Extension):
+    """Writes the facts of the run and its seed into the Trainer's snapshots
+    (``extensions/run/...``). Loading reads nothing: ``-r`` checks the file's record before
+    anything is built (and a snapshot of an earlier version has none)."""
+
+    priority = training.PRIORITY_READER
+
+    def __init__(self, facts):
+        self.facts = facts
+
+    def __call__(self, trainer):
+        pass
+
+    def serialize(self, serializer):
+        if isinstance(serializer, chainer.serializer.Serializer):
+            _write_facts(serializer, self.facts)
+
+
+def _never(trainer):
+    return False
+
+
+def peek_npz(path, flag, prefixes=()):
+    """(the keys of the .npz file ``path``, ``{key: array}`` for its keys that start with one of
+    ``prefixes``), read without unpickling anything (numpy refuses object arrays) and without
+    reading the other arrays. A file that is not an .npz: UsageError naming ``flag``."""
+    try:
+        npz = numpy.load(path, allow_pickle=False)
+    except Exception:               # not a zip, empty, a pickle, ...: read_npz says which
+        npz = None
+    if isinstance(npz, numpy.lib.npyio.NpzFile):
+        with npz:
+            keys = list(npz.files)
+            try:
+                return keys, {k: npz[k] for k in keys
+                              if prefixes and k.startswith(tuple(prefixes))}
+            except ValueError:      # an object array among them: read_npz names it
+                pass
+    try:
+        serializers.read_npz(path)
+    except ValueError as e:
+        raise UsageError('{}: {}'.format(flag, e)) from None
+    raise UsageError('{}: cannot read it as an .npz file'.format(flag))
+
+
+def recorded(arrays):
+    """The facts recorded in ``arrays`` (``peek_npz``'s), under ``run/`` (a model file) or
+    ``extensions/run/`` (a snapshot), as Python values: {} for a file without them."""
+    facts = {}
+    for prefix in ('extensions/{}/'.format(RECORD), RECORD + '/'):
+        for key, value in arrays.items():
+            if key.startswith(prefix) and key.count('/') == prefix.count('/'):
+                value = numpy.asarray(value)
+                facts.setdefault(key[len(prefix):], value.item() if value.ndim == 0 else value)
+    return facts
+
+
+def _archs(version):
+    return ' or '.join('-a ' + a for a in sorted(ARCHS) if ARCHS[a][0] == version)
+
+
+def _normalisation(mean, std):
+    return 'mean ({}) and std ({})'.format(', '.join('{:.6g}'.format(m) for m in mean),
+                                           ', '.join('{:.6g}'.format(s) for s in std))
+
+
+def check_facts(flag, theirs, ours):
+    """UsageError naming ``flag`` when a file's record (``theirs``) says its weights mean
+    something else than this run's (``ours``): another ResNet-50 version, another input
+    normalisation. A file without a record passes."""
+    version = theirs.get('resnet50_version')
+    if version is not None and str(version) != ours['resnet50_version']:
+        version = str(version)
+        theirs_arch = '-a {}'.format(theirs['arch']) if 'arch' in theirs else _archs(version)
+        raise UsageError(
+            '{} holds a ResNet-50 v{} ({}); this run is -a {}, a ResNet-50 v{}: the same arrays '
+            'compute another function. Use {}'.format(flag, version, theirs_arch, ours['arch'],
+                                                      ours['resnet50_version'], _archs(version)))
+    if 'mean' in theirs and 'std' in theirs:
+        mean, std = numpy.asarray(theirs['mean']), numpy.asarray(theirs['std'])
+        if mean.shape != (3,) or std.shape != (3,) or not (
+                numpy.allclose(mean, ours['mean'], rtol=1e-6, atol=0)
+                and numpy.allclose(std, ours['std'], rtol=1e-6, atol=0)):
+            raise UsageError(
+                '{} was trained on images normalised with {} per channel (0-255 scale); this '
+                'run normalises with {}. Give the --mean/-m of the run that made it (none: '
+                "ImageNet's mean and std)".format(flag, _normalisation(mean.ravel(), std.ravel()),
+                                                  _normalisation(ours['mean'], ours['std'])))
 
 
 def make_optimizer(args, model, dtype):
@@ -435,13 +589,18 @@ def make_iterators(args, device, layout, dtype, mean, std, seed):
                                                     shuffle=False)
         what = 'PIL in this process'
     else:
+        # the workers hand back what they could not read (the converter raises it here: a
+        # worker that raises hangs the iterator); the orders are a chain from the seed, which
+        # the iterator's snapshot resumes (its prefetch thread draws ahead of the batches)
         train_iter = chainer.iterators.MultiprocessIterator(
-            train, args.batchsize, n_processes=args.loaderjob,
-            order_sampler=chainer.iterators.ShuffleOrderSampler(rng))
+            dataset_util.InWorkers(train), args.batchsize, n_processes=args.loaderjob,
+            order_sampler=dataset_util.ChainedOrderSampler(
+                seed if args.comm is None else [seed, args.comm.rank]))
         val_iter = chainer.iterators.MultiprocessIterator(
-            val, args.val_batchsize, repeat=False, shuffle=False, n_processes=args.loaderjob)
+            dataset_util.InWorkers(val), args.val_batchsize, repeat=False, shuffle=False,
+            n_processes=args.loaderjob)
         what = 'PIL in {} worker processes'.format(args.loaderjob or os.cpu_count())
-    return train_iter, val_iter, chainer.dataset.concat_examples, what
+    return train_iter, val_iter, dataset_util.concat_examples, what
 
 
 class Shard(chainer.dataset.DatasetMixin):
@@ -543,8 +702,28 @@ class AnyOf:
                 t.serialize(serializer[str(i)])
 
 
+class AlsoAtTheEnd:
+    """``trigger``, and the last iteration of the run, ``stop`` ((n, 'iteration') or (n,
+    'epoch'), the Trainer's stop trigger) too. The end is read from the updater's position,
+    so only ``trigger`` has state to save: the snapshot keys are ``trigger``'s alone, as in
+    snapshots written before this wrapper."""
+
+    def __init__(self, trigger, stop):
+        self.trigger = training.trigger.get_trigger(trigger)
+        self.length, self.unit = stop
+
+    def __call__(self, trainer):
+        fire = self.trigger(trainer)        # always asked: its state follows every iteration
+        updater = trainer.updater
+        position = updater.iteration if self.unit == 'iteration' else updater.epoch_detail
+        return fire or position >= self.length
+
+    def serialize(self, serializer):
+        self.trigger.serialize(serializer)
+
+
 def make_trainer(args, model, optimizer, train_iter, val_iter, converter, device, epoch_size,
-                 plots):
+                 plots, facts):
     if args.static_graph and args.comm is not None:
         updater = multinode.TrainStepUpdater(train_iter, optimizer, args.comm,
                                              converter=converter, device=device)
@@ -566,20 +745,20 @@ def make_trainer(args, model, optimizer, train_iter, val_iter, converter, device
 
     def val_interval():
         """A new trigger per extension (Chainer's interval triggers keep state): every
-        --val-interval iterations, or every epoch and at the end."""
+        --val-interval iterations, or every epoch; and at the end."""
         if args.test:
             return (1, 'iteration')
         if args.val_interval:
-            return (args.val_interval, 'iteration')
+            return AlsoAtTheEnd((args.val_interval, 'iteration'), stop)
         return AnyOf((1, 'epoch'), stop)
 
     def log_interval():
-        """Every --log-interval iterations, or every epoch (at most LOG_EVERY iterations) and
+        """Every --log-interval iterations, or every epoch (at most LOG_EVERY iterations); and
         at the end."""
         if args.test:
             return (1, 'iteration')
         if args.log_interval:
-            return (args.log_interval, 'iteration')
+            return AlsoAtTheEnd((args.log_interval, 'iteration'), stop)
         return AnyOf((1, 'epoch') if iters_per_epoch <= LOG_EVERY else (LOG_EVERY, 'iteration'),
                      stop)
 
@@ -601,9 +780,17 @@ def make_trainer(args, model, optimizer, train_iter, val_iter, converter, device
             'snapshot_iter_{{.updater.iteration}}.rank{}'.format(args.comm.rank)),
             trigger=val_interval())
         return trainer
-    trainer.extend(extensions.snapshot(), trigger=val_interval())
-    trainer.extend(extensions.snapshot_object(model.predictor, 'model_iter_{.updater.iteration}'),
-                   trigger=val_interval())
+    snapshot = extensions.snapshot()
+    trainer.extend(snapshot, trigger=val_interval())
+    # the model file is written before the trainer's snapshot (a higher priority; the order
+    # of extend keeps the names, _Snapshot and _Snapshot_1, that earlier snapshots hold): the
+    # snapshot then holds the model file trigger's state after this iteration, and a resumed
+    # run writes its model files where the uninterrupted run does
+    model_facts = {k: v for k, v in facts.items() if k != 'seed'}
+    trainer.extend(extensions.snapshot_object(ModelFile(model.predictor, model_facts),
+                                              'model_iter_{.updater.iteration}'),
+                   trigger=val_interval(), priority=snapshot.priority + 1)
+    trainer.extend(RunRecord(facts), name=RECORD, trigger=_never)     # in the snapshots
     trainer.extend(extensions.LogReport(trigger=log_interval()))
     trainer.extend(extensions.observe_lr(), trigger=log_interval())
     columns = ['epoch', 'iteration', 'main/loss', 'validation/main/loss', 'main/accuracy',
@@ -648,17 +835,51 @@ def _matplotlib():
     return True
 
 
+def inspect_snapshot(path, facts):
+    """Checks the ``-r`` file before anything is built on it: a Trainer snapshot of this
+    script (not a model file, not a snapshot of Chainer's example) whose record, if it has one,
+    matches ``facts``. Returns the record ({} for a snapshot of an earlier version)."""
+    flag = '--resume/-r {!r}'.format(path)
+    iterator = 'updater/iterator:main/'
+    keys, small = peek_npz(path, flag, ('extensions/{}/'.format(RECORD), iterator + 'seed'))
+    models = [k for k in keys if k.endswith(('blocks/0/conv1/W', 'res2/0/conv1/W'))]
+    if 'updater/iteration' not in keys:
+        if models and not models[0].startswith('updater/'):
+            whose = ("Chainer's example's ResNet50, for -a resnet50" if 'res2' in models[0]
+                     else "this script's ResNet-50")
+            raise UsageError(
+                '{} is a model file ({}), not a Trainer snapshot: -r resumes a snapshot_iter_N '
+                'with its optimizer, position and log. To start a run from this model, use '
+                '--initmodel {}'.format(flag, whose, path))
+        raise UsageError('{} is not a Trainer snapshot (snapshot_iter_N): it has no '
+                         'updater/iteration'.format(flag))
+    if any('res2/0/conv1/W' in k for k in models):
+        raise UsageError(
+            "{} is a Trainer snapshot of Chainer's example (its ResNet50's names, "
+            'res2/0/conv1/W, ...), which this script cannot resume. To start a run from its '
+            'model, use --initmodel {} -a resnet50 (the optimizer, the position and the log '
+            'start afresh)'.format(flag, path))
+    record = recorded(small)
+    check_facts(flag, record, facts)
+    if 'seed' not in record and iterator + 'seed' in small:     # DALI's, which it adopts
+        record['seed'] = int(small[iterator + 'seed'])
+    return record
+
+
 def resume(trainer, path, comm=None):
     """``chainer_tc.serializers.load_npz``: Chainer's loader without unpickling anything. With a
     communicator, every rank loads rank 0's snapshot (the model, the optimizer, the trainer)
     and its own iterator's position (``<snapshot>.rank<k>``, written next to it)."""
     hint = 'resume with the flags the snapshot was made with'
+    flag = '--resume/-r {!r}'.format(path)
+    ignore = [_unmade_momentum(peek_npz(path, flag)[0])]
     try:
         if comm is None or comm.rank == 0:
-            serializers.load_npz(path, trainer)
+            serializers.load_npz(path, trainer, ignore_names=ignore)
         else:
             iterator = 'updater/iterator:main/'
-            serializers.load_npz(path, trainer, ignore_names=lambda k: k.startswith(iterator))
+            ignore.append(lambda k: k.startswith(iterator))
+            serializers.load_npz(path, trainer, ignore_names=ignore)
             own = '{}.rank{}'.format(path, comm.rank)
             if not os.path.isfile(own):
                 raise UsageError('--resume/-r: rank {} needs its own snapshot {!r} (written by '
@@ -666,14 +887,122 @@ def resume(trainer, path, comm=None):
             model = trainer.updater.get_optimizer('main').target
             serializers.load_npz(own, RankState(trainer.updater.get_iterator('main'), model))
     except KeyError as e:
-        raise UsageError('--resume/-r {!r} does not match this run: {} is missing ({})'
-                         .format(path, _message(e), hint)) from None
+        raise UsageError('{} does not match this run: {}'.format(
+            flag, _missing(path, trainer, e, hint))) from None
     except (ValueError, TypeError) as e:
         mismatch = _shape_mismatch(path, trainer)
         if mismatch:
-            raise UsageError('--resume/-r {!r} does not match this run: {} has shape {} in the '
-                             'snapshot, {} here ({})'.format(path, *mismatch, hint)) from None
-        raise UsageError('--resume/-r {!r}: {}'.format(path, _message(e))) from None
+            raise UsageError('{} does not match this run: {} has shape {} in the snapshot, {} '
+                             'here ({})'.format(flag, *mismatch, hint)) from None
+        raise UsageError('{}: {}'.format(flag, _message(e))) from None
+    fit_optimizer_state(trainer.updater.get_optimizer('main'), flag)
+
+
+def _unmade_momentum(keys):
+    """``ignore_names`` for the momentum of a snapshot whose optimizer has made none: ChainerMN's
+    multi-node optimizer spends its first update on broadcasting rank 0's model, and a
+    snapshot after it holds no ``v``, which Chainer's update rules refuse as missing. Ignored,
+    they stay unmade, and are made at their first update, as in the run that wrote it."""
+    prefix = 'updater/optimizer:main/'
+    made = any(k.startswith(prefix) and k.endswith('/v') for k in keys)
+    return lambda k: not made and k.startswith(prefix) and k.endswith('/v')
+
+
+def _updater_keys(trainer):
+    """``{key: array}`` of what this run's updater saves (the model, the optimizer, the
+    iterator), under the snapshot's names."""
+    here = chainer.serializers.DictionarySerializer(path='updater/')
+    here.save(trainer.updater)
+    return here.target
+
+
+# what the keys of a snapshot's iterator say about the flags that made it
+_INPUTS = (('dataset_fingerprint', 'DALI (--dali)'), ('rng_keys', 'PIL in this process (-j 0)'),
+           ('order', 'PIL in worker processes (-j N)'))
+
+
+def _input_of(keys):
+    for key, kind in _INPUTS:
+        if 'updater/iterator:main/' + key in keys:
+            return kind
+    return 'another'
+
+
+def _missing(path, trainer, error, hint):
+    """What the snapshot lacks that this run loads, in flags where its keys tell them."""
+    theirs = set(peek_npz(path, '--resume/-r {!r}'.format(path))[0])
+    ours = _updater_keys(trainer)
+    if _input_of(theirs) != _input_of(ours):
+        return "the snapshot's input is {}, this run's {} ({})".format(
+            _input_of(theirs), _input_of(ours), hint)
+    key = next((k for k in sorted(ours) if k not in theirs), None)
+    if key is None:             # not the updater's: a trainer extension's
+        found = re.match(r"'([^']*)' is not in ", _message(error))
+        key = found.group(1) if found else _message(error)
+    return 'the snapshot has no {} ({})'.format(key, hint)
+
+
+def fit_optimizer_state(optimizer, flag):
+    """Chainer's MomentumSGD saves its momentum ``v`` in the shape of the parameter, and a
+    channels-last filter (``--nhwc``: (out, kh, kw, in), ``--pad-channels``: ``in`` padded) is
+    another shape than Chainer's (out, in, kh, kw), in which the filters themselves are saved.
+    A snapshot of another layout or padding loads its ``v`` as it was saved; here it is turned
+    into this model's shape, as the filters are: a filter's state in the other layout or
+    padding is read as such (the two layouts have one shape only where in == kh == kw, which
+    no ResNet-50 filter has: 1x1 filters of one input channel are the same either way).
+    chainer_tc's optimizer (``--batched-update``) saves its state as the filters and needs
+    none of this. What fits neither is refused, naming the parameter."""
+    optimizer = getattr(optimizer, 'actual_optimizer', optimizer)     # ChainerMN's wrapper
+    if isinstance(optimizer, optimizers.MomentumSGD) or not isinstance(
+            getattr(optimizer, 'target', None), chainer.Link):
+        return
+    links = {id(getattr(link, 'W', None)): link for link in optimizer.target.links()}
+    for name, param in optimizer.target.namedparams():
+        rule = getattr(param, 'update_rule', None)
+        state = getattr(rule, 'state', None)
+        if not state or param.array is None:
+            continue
+        for key, value in list(state.items()):
+            if value is None or value.shape == param.shape:
+                continue
+            link = links.get(id(param))
+            fitted = _fit_filter_state(value, param, link) if link is not None else None
+            if fitted is None:
+                raise UsageError(
+                    "{} does not match this run: Chainer's optimizer saved the state {!r} of {} "
+                    'with shape {}, the parameter here has {} (resume with the --nhwc and '
+                    '--pad-channels the snapshot was made with, or use --batched-update, which '
+                    'saves its state as the filters)'.format(flag, key, name, value.shape,
+                                                             param.shape))
+            rule.state[key] = fitted
+
+
+def _fit_filter_state(value, param, link):
+    """``value``, a filter's optimizer state in the other layout or padding, in the shape of
+    ``param`` (the filter of ``link``); None when it is neither."""
+    host = chainer.backend.CpuDevice().send(value)
+    nhwc_here = callable(getattr(link, 'filter_from_file', None))
+    if nhwc_here:                       # Chainer's shape, unpadded: (out, in, kh, kw)
+        out, kh, kw, _ = param.shape
+        chainer_shape = (out, link.in_channels, kh, kw)
+    else:
+        chainer_shape = param.shape
+    out, cin, kh, kw = chainer_shape
+    if host.ndim != 4:
+        return None
+    if host.shape == chainer_shape:                 # saved by an NCHW run
+        chainer_layout = host
+    elif host.shape[:3] == (out, kh, kw) and host.shape[3] >= cin:     # an NHWC run, padded?
+        if host[..., cin:].any():
+            return None
+        chainer_layout = host[..., :cin].transpose(0, 3, 1, 2)
+    else:
+        return None
+    fitted = link.filter_from_file(chainer_layout, 'the optimizer state') if nhwc_here \
+        else numpy.ascontiguousarray(chainer_layout)
+    if fitted.shape != param.shape:
+        return None
+    return chainer.backend.get_device_from_array(value).send(fitted.astype(value.dtype))
 
 
 def _shape_mismatch(path, trainer):
@@ -682,10 +1011,9 @@ def _shape_mismatch(path, trainer):
         arrays = serializers.read_npz(path)
     except ValueError:
         return None
-    here = chainer.serializers.DictionarySerializer(path='updater/')
-    here.save(trainer.updater)         # the model, the optimizer, the iterator
-    for key in sorted(here.target):
-        theirs, ours = arrays.get(key), here.target[key]
+    here = _updater_keys(trainer)       # the model, the optimizer, the iterator
+    for key in sorted(here):
+        theirs, ours = arrays.get(key), here[key]
         if theirs is not None and ours is not None and numpy.shape(theirs) != numpy.shape(ours):
             return key, numpy.shape(theirs), numpy.shape(ours)
     return None
@@ -697,7 +1025,7 @@ def _message(e):
 
 # ---- main ---------------------------------------------------------------------------------------
 
-def describe(args, device, dtype, layout, seed, loader):
+def describe(args, device, dtype, layout, seed, loader, mean):
     version = ARCHS[args.arch][0]
     techniques = [name for name, on in (
         ('--nhwc', layout == 'NHWC'), ('--fused-bn', args.fused_bn),
@@ -707,8 +1035,17 @@ def describe(args, device, dtype, layout, seed, loader):
         ('--loss-scale {}'.format(args.loss_scale), args.loss_scale is not None),
         ('--dali', args.dali)) if on]
     print('Device: {}'.format(device))
-    print('Dtype: {}'.format(dtype.name))
-    print('# Minibatch-size: {}'.format(args.batchsize))
+    if chainer.config.dtype is chainer.mixed16:
+        print('Dtype: mixed16 (float16, with BatchNormalization\'s parameters and statistics in '
+              'float32)')
+    else:
+        print('Dtype: {}'.format(dtype.name))
+    if args.comm is None:
+        print('# Minibatch-size: {}'.format(args.batchsize))
+    else:
+        print('Communicator: {}, {} processes (ranks)'.format(args.communicator, args.comm.size))
+        print('# Minibatch-size: {} per process, {} in all'.format(
+            args.batchsize, args.batchsize * args.comm.size))
     print('# {}: {}'.format(*(('iterations', args.iterations) if args.iterations
                               else ('epoch', args.epoch))))
     print('Model: ResNet-50 v{} ({}), {}, width/{}, {}x{} input, {} classes'.format(
@@ -716,13 +1053,32 @@ def describe(args, device, dtype, layout, seed, loader):
         layout + (' (-a {})'.format(args.arch) if ARCHS[args.arch][1] else ''),
         args.width, args.insize, args.insize, args.n_classes))
     print('Techniques: {}'.format(' '.join(techniques) or 'none (vanilla Chainer)'))
-    print('Input: {}'.format(loader))
+    if args.mean:
+        normalised = 'mean file {} (channel means {}), pixels / 255'.format(
+            args.mean, ', '.join('{:.6g}'.format(m) for m in mean))
+    else:
+        normalised = "ImageNet's mean and standard deviation"
+    print('Input: {}; {}'.format(loader, normalised))
     print('Optimiser: lr {:g} ({}{}), momentum {:g}, weight decay {:g}, label smoothing {:g}, '
           'seed {}'.format(args.lr, args.schedule, ', {:g} warm-up epochs'.format(
               args.warmup_epochs) if args.warmup_epochs else '', args.momentum,
               args.weight_decay, args.label_smoothing, seed))
     print('')
     sys.stdout.flush()
+
+
+def choose_seed(args, record):
+    """(the seed, and how it was chosen): on resume the snapshot's (its shards, its orders;
+    DALI adopts it anyway), else --seed, else drawn."""
+    if 'seed' in record:
+        seed = int(record['seed'])
+        if args.seed is not None and args.seed != seed:
+            return seed, "the snapshot's; --seed {} is not used when resuming".format(args.seed)
+        return seed, "the snapshot's"
+    if args.seed is not None:
+        return args.seed, None
+    seed = int(numpy.random.randint(2 ** 31))
+    return seed, 'drawn' + ('; the snapshot records none' if args.resume else '')
 
 
 def set_up(args):
@@ -736,17 +1092,19 @@ def set_up(args):
         device = get_device('@cupy:{}'.format(args.comm.intra_rank))
     dtype = resolve_dtype(args)
     layout = 'NHWC' if args.nhwc else 'NCHW'
-    seed = args.seed if args.seed is not None else int(numpy.random.randint(2 ** 31))
-    if args.comm is not None:               # one seed for all ranks: their shards of one order
-        seed = args.comm.bcast_obj(seed if args.comm.rank == 0 else None)
     mean, std = normalisation_of(args)
+    facts = run_facts(args, mean, std)
+    record = inspect_snapshot(args.resume, facts) if args.resume else {}
+    seed, how = choose_seed(args, record)
+    if args.comm is not None:               # one seed for all ranks: their shards of one order
+        seed, how = args.comm.bcast_obj((seed, how) if args.comm.rank == 0 else None)
     numpy.random.seed(seed)                 # the initial weights
     # the data first: a bad list file is reported before minutes of model building
     train_iter, val_iter, converter, loader = make_iterators(args, device, layout, dtype, mean,
                                                              std, seed)
     try:
         model = make_model(args, layout)
-        loaded = load_initmodel(args.initmodel, model, args) if args.initmodel else None
+        loaded = load_initmodel(args.initmodel, model, args, facts) if args.initmodel else None
         if args.multi_node_bn:          # a copy whose BatchNorm links reduce over the ranks
             model = multinode.create_mnbn_model(model, args.comm)
         model.to_device(device)
@@ -755,18 +1113,21 @@ def set_up(args):
         optimizer = make_optimizer(args, model, dtype)
         plots = _matplotlib()
         trainer = make_trainer(args, model, optimizer, train_iter, val_iter, converter, device,
-                               epoch_size, plots)
-        if is_reporter(args):
-            describe(args, device, dtype, layout, seed, loader)
-        if not plots and is_reporter(args):
+                               epoch_size, plots, dict(facts, seed=seed))
+        reporter = is_reporter(args)
+        if reporter:
+            describe(args, device, dtype, layout,
+                     '{} ({})'.format(seed, how) if how else seed, loader, mean)
+        if not plots and reporter:
             print('matplotlib is not installed: no loss.png or accuracy.png (pip install '
                   'matplotlib)')
-        if loaded:
+        if loaded and reporter:
             print('Loaded the model from {} ({})'.format(args.initmodel, loaded))
         if args.resume:
             agreed(args.comm, lambda: resume(trainer, args.resume, args.comm))
-            print('Resumed from {} at iteration {}'.format(args.resume,
-                                                          trainer.updater.iteration))
+            if reporter:
+                print('Resumed from {} at iteration {}'.format(args.resume,
+                                                              trainer.updater.iteration))
     except BaseException:
         train_iter.finalize()
         val_iter.finalize()
