@@ -279,15 +279,23 @@ RECIPE = ['--lr', '0.05', '--warmup-epochs', '1', '--schedule', 'cosine', '--wei
           '1e-4', '--label-smoothing', '0.1', '--iterations', '6', '--val-interval', '3']
 
 
-@pytest.mark.parametrize('name', sorted(RESUMABLE))
-def test_resumed_run_ends_with_the_bits_of_an_uninterrupted_one(tiny, tmp_path, name):
-    flags = RECIPE + RESUMABLE[name]
+def whole_and_resumed(tiny, tmp_path, flags, at):
+    """A run with ``flags`` (in tmp_path/whole), and the same run resumed from its
+    snapshot_iter_``at`` (in tmp_path/resumed), both ending well: (whole, resumed, the resumed
+    run's output)."""
     whole, resumed = tmp_path / 'whole', tmp_path / 'resumed'
     status, out, err, _ = run(tiny_args(tiny, whole, *flags), plots=False)
     assert status == 0, err
     status, out, err, _ = run(tiny_args(tiny, resumed, *flags)
-                              + ['--resume', str(whole / 'snapshot_iter_3')], plots=False)
+                              + ['--resume', str(whole / 'snapshot_iter_{}'.format(at))],
+                              plots=False)
     assert status == 0, err
+    return whole, resumed, out
+
+
+@pytest.mark.parametrize('name', sorted(RESUMABLE))
+def test_resumed_run_ends_with_the_bits_of_an_uninterrupted_one(tiny, tmp_path, name):
+    whole, resumed, out = whole_and_resumed(tiny, tmp_path, RECIPE + RESUMABLE[name], 3)
     assert 'Resumed from {} at iteration 3'.format(whole / 'snapshot_iter_3') in out
     a = serializers.read_npz(str(whole / 'snapshot_iter_6'))
     b = serializers.read_npz(str(resumed / 'snapshot_iter_6'))
@@ -303,11 +311,7 @@ def test_resumed_run_writes_the_files_of_the_uninterrupted_one(tiny, tmp_path):
     """A run resumed from snapshot_iter_3 writes snapshot_iter_6 and model_iter_6, as the
     uninterrupted run did after iteration 3: no model_iter_4 (the snapshot was written before
     the model file's trigger had seen iteration 3, so it fired again at the first iteration)."""
-    whole, resumed = tmp_path / 'whole', tmp_path / 'resumed'
-    assert run(tiny_args(tiny, whole, '--iterations', 6), plots=False)[0] == 0
-    status, out, err, _ = run(tiny_args(tiny, resumed, '--iterations', 6, '-r',
-                                        str(whole / 'snapshot_iter_3')), plots=False)
-    assert status == 0, err
+    whole, resumed, _ = whole_and_resumed(tiny, tmp_path, ['--iterations', 6], 3)
     written = sorted(f for f in os.listdir(str(whole)) if f.endswith('_6')) + ['log']
     assert sorted(os.listdir(str(resumed))) == sorted(written)
     assert [e['iteration'] for e in log_of(resumed)] == [3, 6]
@@ -318,11 +322,7 @@ def test_dali_run_resumes_where_it_stopped(tiny, tmp_path):
     on from the same position, with other crops."""
     flags = ['--dali', '--nhwc', '--fused-bn', '--batched-update', '--static-graph', '--dtype',
              'float16', '--loss-scale', 'dynamic', '--iterations', '6', '--val-interval', '3']
-    whole, resumed = tmp_path / 'whole', tmp_path / 'resumed'
-    assert run(tiny_args(tiny, whole, *flags), plots=False)[0] == 0
-    status, out, err, _ = run(tiny_args(tiny, resumed, *flags)
-                              + ['-r', str(whole / 'snapshot_iter_3')], plots=False)
-    assert status == 0, err
+    whole, resumed, _ = whole_and_resumed(tiny, tmp_path, flags, 3)
     a = serializers.read_npz(str(whole / 'snapshot_iter_6'))
     b = serializers.read_npz(str(resumed / 'snapshot_iter_6'))
     for key in ('updater/iterator:main/epoch', 'updater/iterator:main/current_position',
@@ -336,12 +336,7 @@ def test_worker_processes_resume_with_the_orders_of_the_uninterrupted_run(tiny, 
     crops are the workers' own). Resumed in the middle of epoch 1, the order drawn for epoch 2
     was another: ShuffleOrderSampler's random state is not in MultiprocessIterator's snapshot."""
     flags = ['-j', '1', '--iterations', '6', '--val-interval', '2']
-    whole, resumed = tmp_path / 'whole', tmp_path / 'resumed'
-    status, out, err, _ = run(tiny_args(tiny, whole, *flags), plots=False)
-    assert status == 0, err
-    status, out, err, _ = run(tiny_args(tiny, resumed, *flags)
-                              + ['-r', str(whole / 'snapshot_iter_4')], plots=False)
-    assert status == 0, err
+    whole, resumed, _ = whole_and_resumed(tiny, tmp_path, flags, 4)
     key = 'updater/iterator:main/order'
     orders = [serializers.read_npz(str(d / 'snapshot_iter_6'))[key] for d in (whole, resumed)]
     assert serializers.read_npz(str(whole / 'snapshot_iter_6'))['updater/iterator:main/epoch'] \
