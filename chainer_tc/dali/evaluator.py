@@ -19,6 +19,8 @@ import numpy
 import chainer
 from chainer.training import extensions
 
+from chainer_tc.dali import iterator as iterator_module
+
 
 class Evaluator(extensions.Evaluator):
     """``chainer.training.extensions.Evaluator`` whose reported means are per image: each value
@@ -33,7 +35,6 @@ class Evaluator(extensions.Evaluator):
 
     def __init__(self, iterator, target, *args, **kwargs):
         super().__init__(iterator, target, *args, **kwargs)
-        from chainer_tc.dali import iterator as iterator_module
         for name, it in self._iterators.items():
             # (Chainer's Evaluator says so for its own iterators; a DaliIterator repeats by
             # default, and an evaluation over one never ends)
