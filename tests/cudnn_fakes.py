@@ -71,6 +71,11 @@ class FakeArray:
         self.data = types.SimpleNamespace(ptr=ptr, device_id=device)
         self.flags = types.SimpleNamespace(c_contiguous=contiguous)
 
+    def transpose(self, *axes):
+        """A view with its axes permuted (not contiguous, as CuPy's)."""
+        return FakeArray([self.shape[i] for i in axes], self.dtype, self.data.ptr,
+                         self.data.device_id, contiguous=False)
+
 
 def perf(algo, memory=0, status=0, determinism=1, math_type=1):
     return types.SimpleNamespace(algo=algo, status=status, time=1.0, memory=memory,

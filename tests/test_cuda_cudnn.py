@@ -537,6 +537,57 @@ def test_backward_calls_pass_their_operands_in_cudnns_order(fake, direction):
 
 
 @needs_cudnn
+@pytest.mark.parametrize('direction', ['forward', 'backward_data', 'backward_filter'])
+def test_a_problem_without_nhwc_algorithms_runs_in_nchw_with_a_warning(fake, monkeypatch,
+                                                                       direction):
+    """cuDNN 9.19 on an H100 answers NOT_SUPPORTED (3000) for every NHWC float64
+    backward-data and backward-filter algorithm: the call then runs in NCHW, its inputs transposed into contiguous
+    copies and the result transposed back into the output, said once per plan."""
+    x, W, y, g = problem(numpy.float64)
+    statuses = []
+
+    def answer(args):            # NHWC queries: nothing supported; NCHW: algorithm 1
+        nhwc = read_tensor(args[1] if direction != 'backward_data' else args[2])[6] == 1
+        statuses.append('NHWC' if nhwc else 'NCHW')
+        fake.perfs = [perf(a, 0, status=3000) for a in range(3)] if nhwc else [perf(1, 0)]
+    d = getattr(conv, direction.upper())
+    function = getattr(fake.lib, d.get)
+    query = function.effect
+    function.effect = lambda args: (answer(args), query(args))
+    copies, written = [], []
+
+    def contiguous(a):
+        copies.append((a.data.ptr, a.shape, a.flags.c_contiguous))
+        return FakeArray(a.shape, a.dtype, 0x7000 + 0x100 * len(copies))
+    monkeypatch.setattr(runtime, 'contiguous', contiguous)
+    monkeypatch.setattr(runtime, 'copy_into', lambda out, a: written.append((out, a)))
+    operands = {'forward': (x, W, y), 'backward_data': (W, y, x),
+                'backward_filter': (x, y, W)}[direction]
+    call = getattr(conv, direction)
+    with pytest.warns(chainer_tc.cuda.PerformanceWarning, match='in NCHW with its operands'):
+        call(*operands, g, SETTINGS)
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')              # said once per plan
+        call(*operands, g, SETTINGS)
+    assert statuses == ['NHWC', 'NCHW'], 'one query in each layout, then plans'
+    a, b, out = operands
+    to_nchw = [(a.data.ptr, (s[0], s[3], s[1], s[2]), False) for a, s in
+               ((a, a.shape), (b, b.shape))]
+    assert copies == to_nchw * 2
+    (name, args), = [c for c in lib_calls(fake) if c[0] != 'cudnnSetStream'][:1]
+    assert args[3] == 0x7100 and args[5] == 0x7200, 'the NCHW copies go to cuDNN'
+    reader = read_filter if direction == 'backward_filter' else read_tensor
+    dims = reader(args[11])
+    n, h, w, c = out.shape
+    assert (dims[1:5] if reader is read_tensor else dims[2:]) == (n, c, h, w)
+    if reader is read_tensor:
+        assert dims[5:] == (c * h * w, h * w, w, 1), 'an NCHW descriptor'
+    (dst, src), _ = written
+    assert dst is out and src.shape == out.shape and src.data.ptr == args[12], \
+        "cuDNN's NCHW result goes back into the output, transposed to NHWC"
+
+
+@needs_cudnn
 def test_nothing_is_created_or_queried_after_the_first_call(fake):
     x, W, y, g = problem()
     conv.forward(x, W, y, g, SETTINGS)

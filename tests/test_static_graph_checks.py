@@ -315,7 +315,7 @@ def test_a_change_on_a_check_is_seen_and_captured_again_on_the_gpu(what):
                 else:
                     step(x, t)
         runs.append(snapshot(model))
-    assert len(changed_warnings([str(w.message) for w in caught])) == 1
+    assert len(changed_warnings(caught)) == 1
     assert step.traces == 2 and step.replays >= 8
     # cuBLAS may pick other algorithms on the capture's handle (test_static_graph.py)
     for k in runs[0]:

@@ -198,6 +198,9 @@ def _run(direction, operands, shapes, geometry, settings, layout):
     if plan is None:
         plan = _plans[key] = _make_plan(direction, key, operands, shapes, geometry, settings,
                                         layout)
+    if plan is IN_NCHW:
+        _run_in_nchw(direction, operands, shapes, geometry, settings)
+        return
     lib = cudnn.binding()
     workspace = runtime.alloc(plan.workspace_size)
     handle = runtime.handle(out.data.device_id)
@@ -235,6 +238,16 @@ def _make_plan(direction, key, operands, shapes, geometry, settings, layout):
     handle = runtime.handle(device_id)
     perfs = _query(direction, lib, handle, descs, conv_desc, operands, settings.auto_tune, limit,
                    what)
+    if layout == 'NHWC' and perfs and not any(p.status == 0 for p in perfs):
+        # cuDNN 9.19 has no NHWC float64 backward-data or backward-filter algorithm (each
+        # result says NOT_SUPPORTED, seen on an H100): the problem in NCHW, transposed
+        warnings.warn(
+            '{}: cuDNN {} has no algorithm for this problem in NHWC (statuses {}), so it runs '
+            'in NCHW with its operands transposed around the call (slower: three extra copies)'
+            .format(what, cudnn.version_string(lib.version()),
+                    sorted({p.status for p in perfs})),
+            PerformanceWarning, stacklevel=4)
+        return IN_NCHW
     sizes = {}
 
     def workspace(perf):        # what the call will need with this algorithm and math type
@@ -265,6 +278,24 @@ def _make_plan(direction, key, operands, shapes, geometry, settings, layout):
     plan.one, plan.zero = cudnn.scaling_factors(dtype)
     plan._keep = descs + (conv_desc,)          # the descriptors live as long as the plan
     return plan
+
+
+IN_NCHW = 'in NCHW'     # a plan that says: cuDNN has no NHWC algorithm, transpose to NCHW
+
+
+def _nchw(a):
+    """A C-contiguous NCHW copy of the NHWC array ``a`` (a filter (O, kh, kw, I) likewise)."""
+    return runtime.contiguous(a.transpose(0, 3, 1, 2))
+
+
+def _run_in_nchw(direction, operands, shapes, geometry, settings):
+    """The call in NCHW: its two inputs transposed to NCHW, the output computed there and
+    transposed back into ``out``."""
+    a, b, out = operands
+    nchw = tuple((s[0], s[3], s[1], s[2]) for s in shapes)
+    result = runtime.empty((out.shape[0], out.shape[3], out.shape[1], out.shape[2]), out.dtype)
+    _run(direction, (_nchw(a), _nchw(b), result), nchw, geometry, settings, 'NCHW')
+    runtime.copy_into(out, result.transpose(0, 2, 3, 1))
 
 
 def _query(direction, lib, handle, descs, conv_desc, operands, auto_tune, limit, what):

@@ -58,6 +58,17 @@ def empty(shape, dtype):
     return cupy.empty(shape, dtype)
 
 
+def contiguous(a):
+    """``a`` as a C-contiguous CuPy array (a copy where it is not one)."""
+    import cupy
+    return cupy.ascontiguousarray(a)
+
+
+def copy_into(out, a):
+    """``out[...] = a`` (CuPy arrays on one device)."""
+    out[...] = a
+
+
 def address(memory):
     """The device address of what :func:`alloc` returned (0 for None)."""
     return 0 if memory is None else memory.ptr

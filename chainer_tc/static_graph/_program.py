@@ -76,7 +76,7 @@ class Program:
             _compare.check_op(i, a, b, known_first, known)
             known_first.learn(a, i)
             inputs = list(b.inputs)
-            for k, saved in b.overwritten:
+            for k, saved in b.overwritten or ():     # (None: captured, not read)
                 x = b.inputs[k]
                 # a constant made anew every step (different arrays in the two steps) that an
                 # op writes into: its value at the start of the step comes back before each

@@ -406,10 +406,12 @@ class Recorder(chainer.FunctionHook):
                 gxs = backward(inputs, grad_outputs)
             finally:
                 recorder._depth -= 1
-            op.overwritten = tuple((k, b) for k, (a, b) in enumerate(zip(op.inputs, before))
-                                   if b is not None and not same_bits(a, b))
+            # None: not known (captured), as opposed to () (nothing written)
+            op.overwritten = None if capturing else tuple(
+                (k, b) for k, (a, b) in enumerate(zip(op.inputs, before))
+                if b is not None and not same_bits(a, b))
             if recorder._known is not None:
-                for k, _ in op.overwritten:      # state a recorded op updates, no constant
+                for k, _ in op.overwritten or ():   # state a recorded op updates, no constant
                     recorder._known.add(id(op.inputs[k]))
                     recorder.trace.constants.pop(id(op.inputs[k]), None)
             op.outputs = tuple(gxs)
