@@ -1234,3 +1234,56 @@ def test_a_nan_in_an_untrained_parameters_gradient_skips_a_replayed_step_like_ea
             assert_same(params(me), params(ms), 'step {} params'.format(i))
     assert oe.skipped_steps == os_.skipped_steps == 1
     assert (step.eager_steps, step.replays) == (3, 5)      # the NaN step (5) is a replay
+
+
+class _OnDevice(numpy.ndarray):
+    """A NumPy array that takes the device branch of _trace.changed (compared where it lives,
+    read back once), so that branch's logic runs here; the gpu test below runs it on CuPy."""
+
+
+def _bit_pairs(xp, wrap=lambda a: a):
+    nan = numpy.float32(numpy.nan)
+    other_nan = numpy.array([0x7FC00001], numpy.uint32).view(numpy.float32)[0]
+    cases = [
+        (numpy.array([1.0, nan, 0.0], numpy.float32), numpy.array([1.0, nan, 0.0], numpy.float32)),
+        (numpy.array([0.0, 2.0], numpy.float16), numpy.array([-0.0, 2.0], numpy.float16)),
+        (numpy.array([nan]), numpy.array([other_nan])),          # another NaN's payload
+        (numpy.arange(6, dtype=numpy.int64).reshape(2, 3), numpy.arange(6).reshape(2, 3)),
+        (numpy.array([True, False]), numpy.array([True, True])),
+        (numpy.array([1 + 2j, nan]), numpy.array([1 + 2j, nan])),
+        (numpy.array([0j]), numpy.array([complex(-0.0, 0.0)])),
+        (numpy.ones((3, 4), numpy.float64)[:, ::2], numpy.ones((3, 2))),   # a strided view
+    ]
+    return [(wrap(xp.asarray(a)), wrap(xp.asarray(b.astype(a.dtype)))) for a, b in cases]
+
+
+_CHANGED = [1, 2, 4, 6]      # which of _bit_pairs differ in some bit
+
+
+def test_bits_are_compared_alike_in_memory_and_on_a_device():
+    """A recorded or check step compares every watched array (each parameter) with its value
+    when the step began: NumPy arrays by their bytes, device arrays by their bits there, read
+    back with one copy for all of them (one synchronisation: it was one or two per parameter,
+    most of a check step's time on an H100). Both say the same: NaNs equal to themselves, a
+    NaN of another payload and a zero of the other sign differ."""
+    from chainer_tc.static_graph import _trace
+    assert _trace.changed(_bit_pairs(numpy)) == _CHANGED
+    device = _bit_pairs(numpy, lambda a: a.view(_OnDevice))
+    assert _trace.changed(device) == _CHANGED
+    assert _trace.changed(device[::-1]) == [len(device) - 1 - k for k in reversed(_CHANGED)]
+    assert [_trace.same_bits(a, b) for a, b in device] == [
+        k not in _CHANGED for k in range(len(device))]
+    assert _trace.changed([]) == []
+
+
+@pytest.mark.gpu
+def test_bits_are_compared_on_the_gpu_with_one_synchronisation(monkeypatch):
+    import cupy
+    from chainer_tc.static_graph import _trace
+    pairs = _bit_pairs(cupy)
+    syncs = []
+    get = cupy.ndarray.get
+    monkeypatch.setattr(cupy.ndarray, 'get', lambda a, *k, **kw: syncs.append(a.shape) or
+                        get(a, *k, **kw))
+    assert _trace.changed(pairs) == _CHANGED
+    assert syncs == [(len(pairs),)]

@@ -370,9 +370,9 @@ class Recorder(chainer.FunctionHook):
         """At the end of the step: a watched constant a function read, changed after that by
         no function (a queue the loss function fills after using it, a teacher model's
         weights averaged in Python), which a replay would leave as it was."""
-        for i, (a, reader) in self._read.items():
-            if not same_bits(a, self._watch[i]):
-                self.trace.written.append(reader + ', after it read it')
+        read = list(self._read.items())
+        for k in changed([(a, self._watch[i]) for i, (a, _) in read]):
+            self.trace.written.append(read[k][1][1] + ', after it read it')
 
     def backward_preprocess(self, function, in_data, out_grad):
         if self._depth:
@@ -537,15 +537,38 @@ def _arrays_of(op):
 
 
 def same_bits(a, b):
-    """Whether ``a`` and ``b`` (one shape and dtype) hold the same values, NaNs and the sign of
-    zeros included; NumPy arrays by their bytes (one comparison, no temporaries)."""
-    if type(a) is numpy.ndarray and type(b) is numpy.ndarray:
-        return a.tobytes() == b.tobytes()
-    xp = chainer.backend.get_array_module(a)
-    if a.dtype.kind in 'fc':
-        return bool(xp.array_equal(a, b, equal_nan=True)) and bool(
-            (xp.signbit(a.real) == xp.signbit(b.real)).all())
-    return bool(xp.array_equal(a, b))
+    """Whether ``a`` and ``b`` (one shape and dtype) hold the same bits (so NaNs and the sign
+    of zeros too); NumPy arrays by their bytes (one comparison, no temporaries)."""
+    return not changed(((a, b),))
+
+
+def changed(pairs):
+    """The indices of the ``(a, b)`` pairs (each of one shape and dtype) whose bits differ, in
+    order. NumPy arrays compare their bytes; device arrays compare there, all of them read back
+    with one copy (one synchronisation, not one or two per pair: a check step compares every
+    parameter with its value when the step began)."""
+    out, pending = [], []
+    for i, (a, b) in enumerate(pairs):
+        if type(a) is numpy.ndarray and type(b) is numpy.ndarray:
+            if a.tobytes() != b.tobytes():
+                out.append(i)
+        else:
+            pending.append((i, _differ_on_device(a, b)))
+    if pending:
+        xp = chainer.backend.get_array_module(pending[0][1])
+        flags = chainer.backend.CpuDevice().send(
+            xp.concatenate([f.reshape(1) for _, f in pending]))
+        out += [i for (i, _), f in zip(pending, flags) if f]
+        out.sort()
+    return out
+
+
+def _differ_on_device(a, b):
+    """A 0-d device bool: whether ``a`` and ``b`` differ in any bit (no synchronisation)."""
+    if a.dtype.kind == 'c':             # (CuPy 14's array_equal synchronises)
+        return _differ_on_device(a.real, b.real) | _differ_on_device(a.imag, b.imag)
+    bits = numpy.dtype('u{}'.format(a.dtype.itemsize))
+    return (a.view(bits) != b.view(bits)).any()
 
 
 def _kept_values(state):

@@ -442,15 +442,16 @@ class TrainStep:
         trace.written += ['{} (a number: {!r} when the step began, {!r} after it)'.format(
             name, v, d[key]) for name, d, key, v in numbers if not _same_number(d[key], v)]
         # (after what the recorder found: constants written in the step)
-        trace.written[:0] = [name for (name, a), b in zip(watched, before)
-                             if not _trace.same_bits(a, b)]
+        trace.written[:0] = [watched[k][0] for k in _trace.changed(
+            [(a, b) for (_, a), b in zip(watched, before)])]
         # a persistent array changed by no function it was handed to (BatchNormalization's
         # running statistics are): written in Python, which a replay would not do again
         handed = {id(x) for op in trace.ops for v in op.pre.values()
                   for x in (v if isinstance(v, (tuple, list)) else (v,))}
-        trace.written += [name for (name, a), b in zip(state, state_before)
-                          if id(a) not in handed and id(a) not in rec.stale
-                          and not _trace.same_bits(a, b)]
+        unhanded = [(name, a, b) for (name, a), b in zip(state, state_before)
+                    if id(a) not in handed and id(a) not in rec.stale]
+        trace.written += [unhanded[k][0] for k in _trace.changed(
+            [(a, b) for _, a, b in unhanded])]
         trace.externals = self._externals(buffers)
         with variable._AllowArrayAccessWithNonstandardLayout():
             flat = opt._try_build(required=True)
