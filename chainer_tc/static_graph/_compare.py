@@ -228,7 +228,11 @@ def _check_inputs(a, b, known_first, known, where):
                                                            len(b.inputs)))
     # what an old-style backward wrote into: the same inputs, and a constant made anew each
     # step (not one array both steps share: state the step updates) with the same value before
-    # (a step recorded under a CUDA graph capture reads no values: None, not compared)
+    # A step recorded under a CUDA graph capture reads no values (None): not compared. That
+    # is safe: an input the eager step saw written is either the same array in both steps
+    # (state written at every step, eagerly too) or one the captured step made inside the
+    # graph (nothing reaches the device from the host during a capture), made again by each
+    # launch before the backward writes into it, as F.hinge's initial gradient is
     wa, wb = dict(a.overwritten or ()), dict(b.overwritten or ())
     if a.overwritten is not None and b.overwritten is not None and wa.keys() != wb.keys():
         raise NotReplayable('{}: it wrote into its inputs {} in one step and {} in the other'
