@@ -1287,3 +1287,93 @@ def test_bits_are_compared_on_the_gpu_with_one_synchronisation(monkeypatch):
                         get(a, *k, **kw))
     assert _trace.changed(pairs) == _CHANGED
     assert syncs == [(len(pairs),)]
+
+
+def test_comparisons_made_during_a_step_are_read_back_at_its_end_in_their_order(monkeypatch):
+    """A recorded step compares arrays at moments of the step (each persistent array when a
+    function is first handed it, before that function updates it) and reads all of them back
+    when it ends: NumPy arrays compare at once, device arrays on the device, each seeing the
+    values of its moment, read back with one copy for the whole step."""
+    from chainer_tc.static_graph import _trace
+    sends = []
+    send = chainer.backend.CpuDevice.send
+    monkeypatch.setattr(chainer.backend.CpuDevice, 'send',
+                        lambda self, a: sends.append(a.shape) or send(self, a))
+    pairs = _bit_pairs(numpy)
+    device = _bit_pairs(numpy, lambda a: a.view(_OnDevice))
+    differences = _trace.Differences()
+    for k, ((a, b), (c, d)) in enumerate(zip(pairs, device)):     # host and device, mixed
+        differences.compare(a, b, ('host', k))
+        differences.compare(c, d, ('device', k))
+    moment = numpy.zeros(3, numpy.float32).view(_OnDevice)
+    differences.compare(moment, moment.copy(), 'the same when compared')
+    moment[1] = 1                                  # written after its comparison was made
+    assert sends == []
+    assert differences.found() == [(where, k) for k in _CHANGED
+                                   for where in ('host', 'device')]
+    assert sends == [(len(device) + 1,)]            # one copy back, for all of them
+    assert differences.found() == []                # read once
+
+
+class ManyNorms(chainer.ChainList):
+    def __init__(self, n):
+        r = numpy.random.RandomState(0)
+        links = []
+        for _ in range(n):
+            links += [L.Linear(6, 6, initialW=r.randn(6, 6).astype(numpy.float32) * 0.4),
+                      L.BatchNormalization(6)]
+        super().__init__(*links)
+
+    def forward(self, x, t):
+        h = x
+        for k in range(0, len(self), 2):
+            h = F.relu(self[k + 1](self[k](h)))
+        return F.softmax_cross_entropy(h, t)
+
+
+def test_a_check_step_reads_back_its_comparisons_once(monkeypatch):
+    """Every parameter and every running statistic of the model is compared in a check step
+    (with its value when the step began, or when a BatchNorm is handed it): all of it is read
+    back at once, as one synchronisation on a GPU, where each running statistic was one of its
+    own (two per BatchNorm link: 106 in ResNet-50)."""
+    from chainer_tc.static_graph import _trace
+    model = ManyNorms(6)
+    opt = optimizers.MomentumSGD(lr=0.1).setup(model)
+    step = TrainStep(model, opt, check_every=2)
+    r = numpy.random.RandomState(1)
+    x, t = r.randn(4, 6).astype(numpy.float32), r.randint(0, 6, 4).astype(numpy.int32)
+    for _ in range(4):
+        step(x, t)
+    reads = []
+    found = _trace.Differences.found
+    monkeypatch.setattr(_trace.Differences, 'found', lambda d: reads.append(len(d._tags)) or
+                        found(d))
+    assert (step.replays, step.checks) == (1, 0)
+    step(x, t)                          # the second call since the replay was built: a check
+    assert step.checks == 1
+    # the 2 inputs and 24 parameters (with their values when the step began) and the 12
+    # running statistics (when their BatchNorm is handed them): all in one read
+    assert reads == [2 + 24 + 12] and len(list(model.params())) == 24
+
+
+@pytest.mark.gpu
+def test_a_check_step_synchronises_once_more_than_an_eager_step(monkeypatch):
+    import cupy
+    model = ManyNorms(6)
+    model.to_device('@cupy:0')
+    opt = optimizers.MomentumSGD(lr=0.1).setup(model)
+    step = TrainStep(model, opt, check_every=2)
+    x = cupy.asarray(numpy.random.RandomState(1).randn(4, 6).astype(numpy.float32))
+    t = cupy.asarray(numpy.random.RandomState(2).randint(0, 6, 4).astype(numpy.int32))
+    for _ in range(4):
+        step(x, t)
+    syncs = []
+    get = cupy.ndarray.get
+    monkeypatch.setattr(cupy.ndarray, 'get', lambda a, *k, **kw: syncs.append(a.shape) or
+                        get(a, *k, **kw))
+    assert (step.replays, step.checks) == (1, 0)
+    step(x, t)                          # a check
+    assert step.checks == 1
+    in_check, syncs[:] = len(syncs), []
+    opt.update(model, x, t)             # an eager step
+    assert in_check <= len(syncs) + 1, (in_check, len(syncs))

@@ -34,6 +34,9 @@ class NotReplayable(Exception):
 
 MISSING = object()
 
+# values compared by ``==`` alone: immutable, holding no array (the common case, checked first)
+_ATOMS = frozenset((type(None), bool, int, str, bytes))
+
 
 def base_chain(a):
     while a is not None:
@@ -291,6 +294,9 @@ def _check_attribute(u, v, known_first, known, where, what, depth=0):
     element by element, its arrays by source (``y[xp.arange(n), t]`` keeps the step's input
     ``t`` in GetItem's ``slices``: a replay refreshes it in place) and its numbers by value
     (a replay cannot rebind them there); anything else by value."""
+    if type(u) is type(v) and (type(v) in _ATOMS or type(v) is tuple and all(
+            type(x) in _ATOMS or type(x) is float for x in v)) and (u is v or u == v):
+        return          # (most attributes: the same ints, flags and None in both steps)
     computed = _trace.array_types() + ((numpy.generic, float) if depth == 0 else ())
     if isinstance(v, computed) and isinstance(u, computed):
         su, sv = known_first.source(u), known.source(v)
@@ -380,6 +386,8 @@ def is_plain(v):
 
 
 def same_value(a, b, depth=0):
+    if type(a) is type(b) and type(a) in _ATOMS:
+        return a == b
     if isinstance(a, _trace.array_types()) or isinstance(b, _trace.array_types()):
         if type(a) is not type(b) or a.shape != b.shape or a.dtype != b.dtype:
             return False

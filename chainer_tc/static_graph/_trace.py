@@ -212,7 +212,8 @@ class Recorder(chainer.FunctionHook):
         # the function the recorded value. (Functions that update one, BatchNormalization its
         # running statistics, are handed it first: what it holds after is theirs.)
         self._unhanded = {id(a): (name, a, before) for name, a, before in persistents}
-        self.stale = set()          # ids of those found written so
+        self.stale = set()          # ids of those found written so (by finish())
+        self.differences = Differences()    # comparisons finish() reads
         # the NumPy results of the forward's functions, each with a checksum (a recorded step
         # on the CPU: a CUDA graph captures the loss function's own array work, a CPU replay
         # does not run it): one written into in Python before the backward (numpy.clip(y.array,
@@ -352,10 +353,9 @@ class Recorder(chainer.FunctionHook):
         its value from when the step began."""
         for a in _arrays_of(op):
             entry = self._unhanded.pop(id(a), None)
-            if entry is not None and not same_bits(a, entry[2]):
-                self.stale.add(id(a))
-                self.trace.written.append('{} before function #{} ({}) read it'.format(
-                    entry[0], len(self.trace.ops) - 1, op.label))
+            if entry is not None:      # (read by finish(): stale, and written)
+                self.differences.compare(a, entry[2], (
+                    'handed', id(a), entry[0], len(self.trace.ops) - 1, op.label))
 
     def forward_done(self):
         """Between the forward and the backward: a result of a function (this step's, on the
@@ -366,13 +366,29 @@ class Recorder(chainer.FunctionHook):
                 self.trace.written.append('the result of function #{} ({}) (shape {})'.format(
                     index, op.label, y.shape))
 
-    def finish(self):
+    def finish(self, others=()):
         """At the end of the step: a watched constant a function read, changed after that by
         no function (a queue the loss function fills after using it, a teacher model's
-        weights averaged in Python), which a replay would leave as it was."""
-        read = list(self._read.items())
-        for k in changed([(a, self._watch[i]) for i, (a, _) in read]):
-            self.trace.written.append(read[k][1][1] + ', after it read it')
+        weights averaged in Python), which a replay would leave as it was; a persistent array
+        that held another value when a function was first handed it (:meth:`_handed`). Those
+        comparisons, and the caller's ``others`` (``(tag, a, b)``), are read back together
+        (:class:`Differences`): returns the tags of the ``others`` that differ."""
+        for a, reader in self._read.values():
+            self.differences.compare(a, self._watch[id(a)], ('read', reader))
+        for tag, a, b in others:
+            self.differences.compare(a, b, ('other', tag))
+        theirs = []
+        for found in self.differences.found():
+            if found[0] == 'handed':
+                _, i, name, index, label = found
+                self.stale.add(i)
+                self.trace.written.append('{} before function #{} ({}) read it'.format(
+                    name, index, label))
+            elif found[0] == 'read':
+                self.trace.written.append(found[1] + ', after it read it')
+            else:
+                theirs.append(found[1])
+        return theirs
 
     def backward_preprocess(self, function, in_data, out_grad):
         if self._depth:
@@ -544,23 +560,48 @@ def same_bits(a, b):
 
 def changed(pairs):
     """The indices of the ``(a, b)`` pairs (each of one shape and dtype) whose bits differ, in
-    order. NumPy arrays compare their bytes; device arrays compare there, all of them read back
-    with one copy (one synchronisation, not one or two per pair: a check step compares every
-    parameter with its value when the step began)."""
-    out, pending = [], []
+    order (:class:`Differences`: device arrays read back with one copy)."""
+    differences = Differences()
     for i, (a, b) in enumerate(pairs):
+        differences.compare(a, b, i)
+    return differences.found()
+
+
+class Differences:
+    """Bit comparisons made at moments of a step, read when it ends. NumPy arrays compare at
+    once, by their bytes. Device arrays compare where they live, in stream order, so each
+    comparison sees the values of its moment (a running mean before the BatchNorm that
+    updates it), and :meth:`found` reads all of them back with one copy: one synchronisation
+    for a recorded step, not one per comparison (a check step compares every parameter with
+    its value when the step began, and each persistent array when a function is first handed
+    it: 106 of them in ResNet-50)."""
+
+    def __init__(self):
+        self._tags = []           # what each comparison was, in order
+        self._found = []          # indices of those found to differ (NumPy)
+        self._pending = []        # (index, 0-d device bool: whether they differ)
+
+    def compare(self, a, b, tag):
+        """Compare ``a`` with ``b`` (one shape and dtype) now; ``tag`` names the pair."""
+        k = len(self._tags)
+        self._tags.append(tag)
         if type(a) is numpy.ndarray and type(b) is numpy.ndarray:
             if a.tobytes() != b.tobytes():
-                out.append(i)
+                self._found.append(k)
         else:
-            pending.append((i, _differ_on_device(a, b)))
-    if pending:
-        xp = chainer.backend.get_array_module(pending[0][1])
-        flags = chainer.backend.CpuDevice().send(
-            xp.concatenate([f.reshape(1) for _, f in pending]))
-        out += [i for (i, _), f in zip(pending, flags) if f]
-        out.sort()
-    return out
+            self._pending.append((k, _differ_on_device(a, b)))
+
+    def found(self):
+        """The tags of the pairs whose bits differ, in the order they were compared; the
+        comparisons are then forgotten."""
+        tags, out, pending = self._tags, self._found, self._pending
+        self.__init__()
+        if pending:
+            xp = chainer.backend.get_array_module(pending[0][1])
+            flags = chainer.backend.CpuDevice().send(
+                xp.concatenate([f.reshape(1) for _, f in pending]))
+            out = sorted(out + [k for (k, _), f in zip(pending, flags) if f])
+        return [tags[k] for k in out]
 
 
 def _differ_on_device(a, b):

@@ -433,8 +433,16 @@ class TrainStep:
             opt.target.cleargrads()
             rec.trace.leftover_grads = _trace.leftover_grads(loss)    # (for the messages)
             opt.scaled_backward(loss)
-            rec.finish()
-        trace = rec.trace
+            trace = rec.trace
+            # a persistent array changed by no function it was handed to as an attribute
+            # (BatchNormalization's running statistics are): written in Python, which a
+            # replay would not do again (unless the recorder found it stale when handed)
+            handed = {id(x) for op in trace.ops for v in op.pre.values()
+                      for x in (v if isinstance(v, (tuple, list)) else (v,))}
+            found = rec.finish(
+                [(('watched', name), a, b) for (name, a), b in zip(watched, before)] +
+                [(('unhanded', id(a), name), a, b) for (name, a), b in zip(state, state_before)
+                 if id(a) not in handed])
         if buffers is given:        # (the step that may build the replay: detach_reports)
             trace.outer = rec.outer
         # a persistent number (a counter registered with add_persistent) changed in the step:
@@ -442,16 +450,9 @@ class TrainStep:
         trace.written += ['{} (a number: {!r} when the step began, {!r} after it)'.format(
             name, v, d[key]) for name, d, key, v in numbers if not _same_number(d[key], v)]
         # (after what the recorder found: constants written in the step)
-        trace.written[:0] = [watched[k][0] for k in _trace.changed(
-            [(a, b) for (_, a), b in zip(watched, before)])]
-        # a persistent array changed by no function it was handed to (BatchNormalization's
-        # running statistics are): written in Python, which a replay would not do again
-        handed = {id(x) for op in trace.ops for v in op.pre.values()
-                  for x in (v if isinstance(v, (tuple, list)) else (v,))}
-        unhanded = [(name, a, b) for (name, a), b in zip(state, state_before)
-                    if id(a) not in handed and id(a) not in rec.stale]
-        trace.written += [unhanded[k][0] for k in _trace.changed(
-            [(a, b) for _, a, b in unhanded])]
+        trace.written[:0] = [tag[1] for tag in found if tag[0] == 'watched']
+        trace.written += [tag[2] for tag in found
+                          if tag[0] == 'unhanded' and tag[1] not in rec.stale]
         trace.externals = self._externals(buffers)
         with variable._AllowArrayAccessWithNonstandardLayout():
             flat = opt._try_build(required=True)
