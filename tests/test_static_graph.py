@@ -1,6 +1,7 @@
 """TrainStep: a replayed training step gives the same bits as eager steps, follows what changes
 between iterations (lr, loss scale, skipped steps, BatchNorm statistics, frozen links), re-traces
 on a new signature, refuses what it cannot replay, and works inside a Trainer."""
+import contextlib
 import copy
 import tracemalloc
 import warnings
@@ -151,6 +152,84 @@ def test_tiny_resnet50_nhwc_replay_equals_eager():
     assert step.replays == 17
     assert [a.tobytes() for a in l1] == [b.tobytes() for b in l2]
     assert_same(state(m1, o1), state(m2, o2))
+
+
+def tiny_resnet50(dtype):
+    numpy.random.seed(0)
+    with chainer.using_config('dtype', dtype):
+        return ResNet50('NHWC', n_classes=5, width=16)
+
+
+def resnet50_batches(n, dtype=numpy.float32, seed=0):
+    return [(x.transpose(0, 2, 3, 1).astype(dtype), t)
+            for x, t in batches(n, size=2, shape=(3, 32, 32), seed=seed)]
+
+
+def test_tiny_resnet50_float16_overflow_skips_and_running_statistics_replay_as_eager():
+    """The float16 ResNet-50 (its 53 fused BatchNorm layers' running statistics in float32)
+    with dynamic loss scaling, over 20 steps, two of them replayed with an inf in the batch:
+    each is skipped as eager Chainer skips it, and every parameter, momentum, running
+    statistic, the scale and each loss keep the bits of eager steps."""
+    data = resnet50_batches(20, numpy.float16)
+    for k in (9, 15):
+        data[k][0][0, 0, 0, 0] = numpy.inf
+    runs = []
+    for run in (run_eager, run_step):
+        model, opt = make(numpy.float16, model_fn=tiny_resnet50, scaling='dynamic')
+        with warnings.catch_warnings(), numpy.errstate(all='ignore'):   # (the infs)
+            warnings.filterwarnings('ignore', 'dynamic loss scaling skipped')
+            warnings.filterwarnings('error', 'TrainStep')    # no "cannot be replayed"
+            out = run(model, opt, data)
+        runs.append((out, model, opt))
+    (l1, m1, o1), ((l2, step), m2, o2) = runs
+    # (the scale starts at 2^10: early steps overflow and are skipped too)
+    assert step.replays == 17 and o1.skipped_steps == o2.skipped_steps >= 2
+    assert not numpy.isfinite(l2[9]).all() and not numpy.isfinite(l2[15]).all()
+    assert o1.loss_scale == o2.loss_scale
+    assert [a.tobytes() for a in l1] == [b.tobytes() for b in l2]
+    s1, s2 = state(m1, o1), state(m2, o2)
+    assert sum(k.endswith('/avg_mean') or k.endswith('/avg_var') for k in s1) == 2 * 53
+    assert_same(s1, s2)
+
+
+def test_tiny_resnet50_in_a_trainer_follows_lr_schedules_like_standard_updater(tmp_path):
+    """20 iterations of the ResNet-50 in a Trainer, lr set by ExponentialShift and
+    MultistepShift (the momentum), an Evaluator and reports: the same log and state as
+    StandardUpdater's."""
+    data = resnet50_batches(10)
+    xs = numpy.concatenate([x for x, _ in data])
+    ts = numpy.concatenate([t for _, t in data])
+    runs = []
+    for cls in (training.updaters.StandardUpdater, TrainStepUpdater):
+        ds = chainer.datasets.TupleDataset(xs, ts)
+        it = chainer.iterators.SerialIterator(ds, 2, shuffle=False)
+        model = tiny_resnet50(numpy.float32)
+        classifier = L.Classifier(model)
+        opt = optimizers.MomentumSGD(lr=0.1, weight_decay=1e-4).setup(classifier)
+        trainer = training.Trainer(cls(it, opt), (20, 'iteration'),
+                                   out=str(tmp_path / cls.__name__))
+        trainer.extend(extensions.ExponentialShift('lr', 0.7), trigger=(3, 'iteration'))
+        trainer.extend(extensions.MultistepShift('momentum', 0.5, [6, 14], 0.9))
+        val = chainer.iterators.SerialIterator(ds, 4, repeat=False, shuffle=False)
+        trainer.extend(extensions.Evaluator(val, classifier), trigger=(10, 'iteration'))
+        trainer.extend(extensions.observe_lr(), trigger=(1, 'iteration'))
+        trainer.extend(extensions.LogReport(trigger=(1, 'iteration')))
+        with warnings.catch_warnings():
+            warnings.simplefilter('error', RuntimeWarning)    # no "cannot be replayed"
+            trainer.run()
+        runs.append((trainer.get_extension('LogReport').log, state(model, opt), opt))
+    (log_a, state_a, opt_a), (log_b, state_b, opt_b) = runs
+    assert trainer.updater.step.replays == 17
+    assert opt_a.lr == opt_b.lr == 0.1 * 0.7 ** 6
+    assert opt_a.momentum == opt_b.momentum == 0.9 * 0.5 ** 2
+    assert_same(state_a, state_b)
+    assert len(log_a) == len(log_b) == 20
+    for i, (a, b) in enumerate(zip(log_a, log_b)):
+        assert a.keys() == b.keys(), (i, set(a) ^ set(b))
+        for k in a:
+            if k != 'elapsed_time':
+                assert a[k] == b[k], (i, k)
+    assert 'validation/main/loss' in log_a[9] and 'validation/main/loss' in log_a[19]
 
 
 def test_float16_overflow_step_is_skipped_as_in_eager(path):
@@ -328,6 +407,27 @@ def test_memory_stays_flat_over_1000_replays():
     assert grown < 16 * 1024, 'memory grew by {} bytes over 1000 replays'.format(grown)
 
 
+def test_a_step_prints_nothing(capfd):
+    """Warm-up, recording, replays, a check, a new signature and a step that cannot be
+    replayed: what TrainStep has to say is a warning, never a print (chainer.static_graph
+    prints its schedule)."""
+    (m, o), _ = twin()
+    step = TrainStep(m, o, sce(m), check_every=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        for x, t in batches(9) + batches(3, size=3):
+            step(x, t)
+
+        def lossfun(x, t):
+            return F.softmax_cross_entropy(m(x), (t + 1) % 5)
+        other = TrainStep(m, o, lossfun)
+        for x, t in batches(4):
+            other(x, t)
+    assert step.replays >= 4 and step.checks >= 1 and step.traces == 2
+    assert other.replays == 0
+    assert capfd.readouterr() == ('', '')
+
+
 # ---- what cannot be replayed ---------------------------------------------------------------------
 
 def test_a_value_computed_outside_functions_is_refused_and_the_step_runs_eagerly():
@@ -349,6 +449,40 @@ def test_a_value_computed_outside_functions_is_refused_and_the_step_runs_eagerly
                 o.update(lossfun, x, t)
         results.append(state(m, o))
     assert_same(*results)
+
+
+def test_a_capture_that_fails_is_said_once_and_the_step_runs_eagerly_like_eager_steps(
+        monkeypatch):
+    """The GPU path on NumPy arrays, with a stand-in for the capture that fails as CUDA may
+    (out of memory, an operation a capture refuses): the step says so once, with the reason,
+    and every later step of the signature runs eagerly, with the bits of eager steps."""
+    from chainer_tc.static_graph import _capture
+    from chainer_tc.static_graph import _program
+    from chainer_tc.static_graph import step as step_module
+    attempts = []
+
+    class FailingCapture:
+        def __init__(self, step, entry):
+            attempts.append(entry)
+            raise _program.NotReplayable('capturing the step into a CUDA graph failed: '
+                                         'out of memory (a test)')
+    monkeypatch.setattr(step_module, '_is_cupy', lambda arrays: True)
+    monkeypatch.setattr(_capture, 'CapturedStep', FailingCapture)
+    monkeypatch.setattr(step_module.TrainStep, '_chainer_cudnn_routed',
+                        lambda self, inputs: contextlib.nullcontext())
+    data = batches(10)
+    (m1, o1), (m2, o2) = twin()
+    l1 = run_eager(m1, o1, data)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        l2, step = run_step(m2, o2, data)
+    assert [str(w.message) for w in caught] == [
+        'TrainStep: this step cannot be captured, it runs eagerly: capturing the step into '
+        'a CUDA graph failed: out of memory (a test)']
+    assert len(attempts) == 1, 'one attempt per signature'
+    assert (step.traces, step.replays, step.eager_steps) == (0, 0, 10)
+    assert [a.tobytes() for a in l1] == [b.tobytes() for b in l2]
+    assert_same(state(m1, o1), state(m2, o2))
 
 
 def test_bad_arguments_are_named():
@@ -583,6 +717,159 @@ def test_captured_step_equals_eager_on_the_gpu(dtype, scaling):
         cupy.testing.assert_allclose(p.array, q.array, err_msg=n, **tol)
     if scaling:
         cupy.testing.assert_array_equal(opts[0]._scaler.state, opts[1]._scaler.state)
+
+
+def gpu_twins(n=2, dtype=numpy.float32):
+    models = [CapturableNet(dtype) for _ in range(n)]
+    opts = [optimizers.MomentumSGD(lr=0.05, weight_decay=1e-3) for _ in range(n)]
+    for m, o in zip(models, opts):
+        m.to_device('@cupy:0')
+        o.setup(m)
+    return models, opts
+
+
+def assert_close_on_gpu(m1, m2, l1=(), l2=()):
+    import cupy
+    tol = dict(rtol=1e-5, atol=1e-6)        # as test_captured_step_equals_eager_on_the_gpu
+    for a, b in zip(l1, l2):
+        cupy.testing.assert_allclose(a, b, **tol)
+    for (n, p), (_, q) in zip(sorted(m1.namedparams()), sorted(m2.namedparams())):
+        cupy.testing.assert_allclose(p.array, q.array, err_msg=n, **tol)
+
+
+@pytest.mark.gpu
+def test_lr_momentum_and_a_per_parameter_lr_set_between_launches_are_followed_on_the_gpu():
+    """The hyperparameters a captured graph reads live in device memory (refreshed before a
+    launch when they changed): an lr decayed at every step, a new momentum and one
+    parameter's own lr give what eager steps give (a frozen lr would be off by 0.8^10)."""
+    import cupy
+    data = [(cupy.asarray(x), cupy.asarray(t)) for x, t in batches(14)]
+    (m1, m2), (o1, o2) = gpu_twins()
+    step = TrainStep(m2, o2, sce(m2))
+    losses = [[], []]
+    for i, (x, t) in enumerate(data):
+        for m, o in ((m1, o1), (m2, o2)):
+            o.lr = 0.05 * 0.8 ** i
+            if i == 7:
+                o.momentum = 0.5
+            if i == 9:
+                m.fc2.W.update_rule.hyperparam.lr = 0.2
+        holder = []
+        o1.update(lambda: holder.append(sce(m1)(x, t)) or holder[-1])
+        losses[0].append(holder[-1].array)
+        losses[1].append(step(x, t).array)
+    assert step.traces == 1 and step.replays == 12   # the capture launches step 3
+    assert_close_on_gpu(m1, m2, *losses)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('layout', ['contiguous', 'strided'])
+def test_a_device_batch_reaches_the_graph_without_a_trip_through_the_host(monkeypatch, layout):
+    """A batch already on the device (chainer_tc.dali's iterator hands out CuPy arrays, by
+    DLPack) is copied device to device into the graph's input buffers: no replay reads
+    anything back to the host, and a strided batch (a view) is copied as its values."""
+    import cupy
+    base = [(cupy.asarray(x), cupy.asarray(t)) for x, t in batches(9)]
+    if layout == 'strided':            # the same values through a view of a larger array
+        base = [(cupy.concatenate([x, x], axis=1)[:, :3], t) for x, t in base]
+        assert not base[0][0].flags.c_contiguous
+    (m1, m2), (o1, o2) = gpu_twins()
+    l1 = run_eager(m1, o1, base)
+    step = TrainStep(m2, o2, sce(m2), check_every=None)
+    l2 = [step(x, t).array for x, t in base[:4]]
+    assert step.replays == 2
+
+    def refused(*args, **kwargs):
+        raise AssertionError('a replay read an array back to the host')
+    monkeypatch.setattr(cupy.ndarray, 'get', refused)
+    monkeypatch.setattr(cupy, 'asnumpy', refused)
+    l2 += [step(x, t).array for x, t in base[4:]]
+    monkeypatch.undo()
+    assert step.replays == 7
+    assert_close_on_gpu(m1, m2, l1, l2)
+
+
+@pytest.mark.gpu
+def test_the_graphs_memory_comes_from_a_pool_of_its_own_that_lives_with_it():
+    """Everything the capture allocated comes from the captured step's own pool: later
+    allocations (the user's, CuPy's default pool freeing its blocks) neither take from it nor
+    release it, and the graph keeps computing what eager steps compute."""
+    import gc
+    import cupy
+    data = [(cupy.asarray(x), cupy.asarray(t)) for x, t in batches(10)]
+    (m1, m2), (o1, o2) = gpu_twins()
+    l1 = run_eager(m1, o1, data)
+    step = TrainStep(m2, o2, sce(m2), check_every=None)
+    l2 = [step(x, t).array.copy() for x, t in data[:4]]
+    captured = next(iter(step._entries.values())).replay
+    pool = captured.pool
+    assert pool is not cupy.get_default_memory_pool()
+    used, total = pool.used_bytes(), pool.total_bytes()
+    assert used > 0
+    others = [cupy.empty(1 << 20, numpy.float32) for _ in range(4)]    # the user's
+    del others
+    cupy.get_default_memory_pool().free_all_blocks()
+    gc.collect()
+    l2 += [step(x, t).array.copy() for x, t in data[4:]]
+    assert (pool.used_bytes(), pool.total_bytes()) == (used, total)
+    assert next(iter(step._entries.values())).replay is captured
+    assert_close_on_gpu(m1, m2, l1, l2)
+
+
+@pytest.mark.gpu
+def test_a_model_moved_to_the_gpu_after_its_cpu_replays_is_traced_again_there():
+    """Five steps on the CPU (traced and replayed), then the model is moved to the GPU: the
+    step says once that the parameters have new arrays, traces (captures) the GPU step, and
+    goes on as eager steps do across the same move."""
+    import cupy
+    cpu, gpu = batches(5), [(cupy.asarray(x), cupy.asarray(t)) for x, t in batches(6, seed=1)]
+    (m1, o1), (m2, o2) = twin()
+    run_eager(m1, o1, cpu)
+    step = TrainStep(m2, o2, sce(m2))
+    for x, t in cpu:
+        step(x, t)
+    assert step.replays == 2
+    for m in (m1, m2):
+        m.to_device('@cupy:0')
+    l1 = run_eager(m1, o1, gpu)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        l2 = [step(x, t).array for x, t in gpu]
+    said = [str(w.message) for w in caught if 'traced again' in str(w.message)]
+    assert len(said) == 1 and 'new array' in said[0], said
+    assert step.traces == 2 and step.replays == 2 + 4     # (the capture launches step 3)
+    assert isinstance(next(reversed(step._entries.values())).replay.graph, cupy.cuda.Graph)
+    assert_close_on_gpu(m1, m2, l1, l2)
+
+
+@pytest.mark.gpu
+def test_a_step_a_capture_refuses_is_said_once_and_runs_eagerly_on_the_gpu():
+    """A loss function that reads a value back to the host (float(loss)) cannot be captured:
+    CUDA refuses the copy while the stream captures. The step says so once, with CUDA's
+    reason, and runs eagerly from then on, as eager steps would."""
+    import cupy
+    data = [(cupy.asarray(x), cupy.asarray(t)) for x, t in batches(8)]
+    (m1, m2), (o1, o2) = gpu_twins()
+    seen = [[], []]
+
+    def lossfun(m, k):
+        def f(x, t):
+            loss = sce(m)(x, t)
+            seen[k].append(float(loss.array))        # a host synchronisation
+            return loss
+        return f
+    for x, t in data:
+        o1.update(lossfun(m1, 0), x, t)
+    step = TrainStep(m2, o2, lossfun(m2, 1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        for x, t in data:
+            step(x, t)
+    said = [str(w.message) for w in caught if 'TrainStep' in str(w.message)]
+    assert len(said) == 1 and 'cannot be captured' in said[0] and 'CUDA graph' in said[0], said
+    assert step.replays == 0 and step.eager_steps == 8
+    numpy.testing.assert_allclose(seen[1][-8:], seen[0], rtol=1e-5)
+    assert_close_on_gpu(m1, m2)
 
 
 class CapturableWithAux(CapturableNet):
