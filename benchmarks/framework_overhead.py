@@ -64,7 +64,9 @@ def runner(variant, batch):
 def result(r):
     row = {'variant': r.name, 'batch': r.batch, 'ms_per_iter': r.ms_per_iter(),
            'function_nodes_per_iter': sum(r.census().values()),
-           'params': len(list(r.model.params()))}
+           'params': len(list(r.model.params())),
+           # every parameter finite after the run: a variant that diverged is timed on NaNs
+           'finite': all(bool(numpy.isfinite(p.array).all()) for p in r.model.params())}
     if r.step is not None:
         row['replayed_ops_per_iter'] = r.replayed_ops()
         row['ms_per_replay'] = r.ms_per_replay()
@@ -102,6 +104,12 @@ def main(argv=None):
         print('{:>22} {:>5} {:>9.2f} {:>7.2f}x {:>11} {:>11}'.format(
             r['variant'], r['batch'], r['ms_per_iter'], r['speedup'],
             r['function_nodes_per_iter'], r.get('replayed_ops_per_iter', '')))
+    for r in rows:
+        if not r['finite']:
+            print('{} at batch {}: its parameters hold NaN or inf after the run; its time is '
+                  "that of a diverged run (docs/performance.md: Chainer's static_graph "
+                  'computes wrong gradients here from its second iteration)'.format(
+                      r['variant'], r['batch']))
     for r in rows:
         if 'ms_per_check' in r:
             print('TrainStep at batch {}: {:.2f} ms a replay, {:.2f} ms a check (one call in {}), '
