@@ -280,6 +280,30 @@ def test_an_attribute_the_traced_step_had_and_a_check_lacks_is_a_change():
     assert len(warned) == 1 and "'offset' is set in one step only" in warned[0], warned
 
 
+def test_a_number_where_the_trace_had_an_array_in_an_attribute_is_a_change():
+    """GetItem keeps its index in ``slices``: an array in the traced step (``y[t % 4]``), a
+    number at the check (``y[0]``). The comparison's fast path for equal numbers takes only
+    tuples of numbers on both sides: it once compared the traced array with the number by
+    ``==``, and the ValueError of the array's truth value left the step (found by review)."""
+    model = L.Linear(6, 5, initialW=numpy.random.RandomState(0).randn(5, 6).astype('f'))
+    index = {'at': None}
+
+    def lossfun(x, t):
+        y = model(x)
+        return F.sum(y[t % 4] if index['at'] is None else y[index['at']])
+    step = TrainStep(model, optimizers.MomentumSGD(lr=0.1).setup(model), lossfun,
+                     check_every=CHECK_EVERY)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        for call, (x, t) in enumerate(data(1) * FIRST_CHECK, 1):    # (t % 4 is the same)
+            if call == FIRST_CHECK:
+                index['at'] = 0
+            step(x, t)
+    warned = changed_warnings(caught)
+    assert len(warned) == 1 and "'slices'[0]" in warned[0], warned
+    assert step.checks == 1
+
+
 def test_check_every_is_validated():
     model = Net()
     opt = optimizers.MomentumSGD().setup(model)

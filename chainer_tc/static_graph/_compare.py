@@ -294,8 +294,7 @@ def _check_attribute(u, v, known_first, known, where, what, depth=0):
     element by element, its arrays by source (``y[xp.arange(n), t]`` keeps the step's input
     ``t`` in GetItem's ``slices``: a replay refreshes it in place) and its numbers by value
     (a replay cannot rebind them there); anything else by value."""
-    if type(u) is type(v) and (type(v) in _ATOMS or type(v) is tuple and all(
-            type(x) in _ATOMS or type(x) is float for x in v)) and (u is v or u == v):
+    if _same_atoms(u, v):
         return          # (most attributes: the same ints, flags and None in both steps)
     computed = _trace.array_types() + ((numpy.generic, float) if depth == 0 else ())
     if isinstance(v, computed) and isinstance(u, computed):
@@ -315,6 +314,20 @@ def _check_attribute(u, v, known_first, known, where, what, depth=0):
     if u is MISSING or not same_value(u, v):
         raise NotReplayable('{}: {} differs between steps ({} then {}); a replay would freeze '
                             'it'.format(where, what, short(u), short(v)))
+
+
+def _same_atoms(u, v):
+    """Whether ``u`` and ``v`` are equal atoms, or tuples of equal atoms and floats element by
+    element (each pair of one type: an array on either side is no atom, and is left to the
+    comparison by source)."""
+    t = type(v)
+    if type(u) is not t:
+        return False
+    if t in _ATOMS:
+        return u == v
+    return t is tuple and len(u) == len(v) and all(
+        type(x) is type(y) and (type(y) in _ATOMS or type(y) is float) and x == y
+        for x, y in zip(u, v))
 
 
 def reports(first, last, known_first, known):

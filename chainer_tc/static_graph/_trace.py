@@ -26,6 +26,7 @@ that a replay redoes them instead of reading a stale array:
 Reports (``chainer.report`` and reporters' ``report``) made during the step are recorded too.
 Nothing here changes what the step computes: a recorded step is an eager step.
 """
+import contextlib
 import threading
 import zlib
 
@@ -571,10 +572,10 @@ class Differences:
     """Bit comparisons made at moments of a step, read when it ends. NumPy arrays compare at
     once, by their bytes. Device arrays compare where they live, in stream order, so each
     comparison sees the values of its moment (a running mean before the BatchNorm that
-    updates it), and :meth:`found` reads all of them back with one copy: one synchronisation
-    for a recorded step, not one per comparison (a check step compares every parameter with
-    its value when the step began, and each persistent array when a function is first handed
-    it: 106 of them in ResNet-50)."""
+    updates it), and :meth:`found` reads all of them back with one copy per device: one
+    synchronisation for a recorded step, not one per comparison (a check step compares every
+    parameter with its value when the step began, and each persistent array when a function
+    is first handed it: 106 of them in ResNet-50)."""
 
     def __init__(self):
         self._tags = []           # what each comparison was, in order
@@ -589,19 +590,34 @@ class Differences:
             if a.tobytes() != b.tobytes():
                 self._found.append(k)
         else:
-            self._pending.append((k, _differ_on_device(a, b)))
+            cuda = getattr(chainer.backend.get_array_module(a), 'cuda', None)
+            # (where it was queued; None for a NumPy array standing in for a device array)
+            stream = None if cuda is None else cuda.get_current_stream()
+            self._pending.append((k, _differ_on_device(a, b), stream))
 
     def found(self):
         """The tags of the pairs whose bits differ, in the order they were compared; the
-        comparisons are then forgotten."""
-        tags, out, pending = self._tags, self._found, self._pending
+        comparisons are then forgotten. One copy back per device; a comparison queued on
+        another stream (a loss function may switch streams) is waited for first."""
+        tags, out, pending = self._tags, list(self._found), self._pending
         self.__init__()
-        if pending:
-            xp = chainer.backend.get_array_module(pending[0][1])
-            flags = chainer.backend.CpuDevice().send(
-                xp.concatenate([f.reshape(1) for _, f in pending]))
-            out = sorted(out + [k for (k, _), f in zip(pending, flags) if f])
-        return [tags[k] for k in out]
+        devices = {}
+        for k, flag, stream in pending:
+            device = None if stream is None else flag.device
+            devices.setdefault(None if device is None else device.id, (device, []))[1].append(
+                (k, flag, stream))
+        for device, group in devices.values():
+            with device if device is not None else contextlib.nullcontext():
+                xp = chainer.backend.get_array_module(group[0][1])
+                if device is not None:
+                    here = xp.cuda.get_current_stream()
+                    for stream in {s.ptr: s for _, _, s in group}.values():
+                        if stream.ptr != here.ptr:
+                            here.wait_event(stream.record())
+                flags = chainer.backend.CpuDevice().send(
+                    xp.concatenate([f.reshape(1) for _, f, _ in group]))
+            out += [k for (k, _, _), f in zip(group, flags) if f]
+        return [tags[k] for k in sorted(out)]
 
 
 def _differ_on_device(a, b):

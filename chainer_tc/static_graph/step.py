@@ -194,8 +194,7 @@ class TrainStep:
                                      'avg_mean) was replaced: every trace is dropped and the '
                                      'step is traced again (update such arrays in place, '
                                      'a[...] = value, to keep the traces)')
-            self._entries.clear()
-            self._persistent_arrays = None
+            self._forget_traces()
         replaced = [n for n, p, a in self._untrained if p.raw_array is not a]
         if replaced:
             self._warn('untrained', 'the array of {} (a parameter the optimizer does not '
@@ -203,8 +202,7 @@ class TrainStep:
                                     'every trace is dropped and the step is traced again '
                                     '(write into it in place, W.array[...] = value, to keep '
                                     'the traces)'.format(', '.join(replaced)))
-            self._entries.clear()
-            self._persistent_arrays, self._untrained = None, ()
+            self._forget_traces()
         key = self._key(inputs)
         entry = self._entries.get(key)
         if entry is None:
@@ -292,7 +290,14 @@ class TrainStep:
         if any(e.first is not None or e.replay is not None for e in self._entries.values()):
             self._warn('model', 'TrainStep: {}: every trace is dropped and the step is traced '
                                 'again'.format(why))
+        self._forget_traces()
+
+    def _forget_traces(self):
+        """Every trace dropped, and what the model held when they were built (no trace is left
+        to compare it with: one change, a move to another device that gives parameters and
+        persistent arrays new arrays, is said once, not once for each kind of array)."""
         self._entries.clear()
+        self._persistent_arrays, self._untrained = None, ()
 
     def _chainer_cudnn_routed(self, inputs):
         """On a GPU with capture, Chainer's own cuDNN calls go through chainer_tc's binding in
