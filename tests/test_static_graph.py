@@ -763,9 +763,11 @@ def gpu_twins(n=2, dtype=numpy.float32):
     return models, opts
 
 
-def assert_close_on_gpu(m1, m2, l1=(), l2=()):
+def assert_close_on_gpu(m1, m2, l1=(), l2=(), tol=None):
+    """Losses and parameters of an eager run and a captured one, equal within ``tol`` (default:
+    float32's, as test_captured_step_equals_eager_on_the_gpu says why)."""
     import cupy
-    tol = dict(rtol=1e-5, atol=1e-6)        # as test_captured_step_equals_eager_on_the_gpu
+    tol = tol or dict(rtol=1e-5, atol=1e-6)
     for a, b in zip(l1, l2):
         cupy.testing.assert_allclose(a, b, **tol)
     for (n, p), (_, q) in zip(sorted(m1.namedparams()), sorted(m2.namedparams())):
@@ -978,10 +980,7 @@ def test_stock_convolutions_without_cudnn_are_captured_on_the_gpu(dtype, scaling
     # as test_captured_step_equals_eager_on_the_gpu: cuBLAS may pick other algorithms on the
     # capture's handle, and the batched products sum in another order than CuPy's tensordot
     tol = dict(rtol=1e-5, atol=1e-6) if dtype == numpy.float32 else dict(rtol=2e-2, atol=2e-3)
-    for a, b in zip(l1, l2):
-        cupy.testing.assert_allclose(a, b, **tol)
-    for (n, p), (_, q) in zip(sorted(m1.namedparams()), sorted(m2.namedparams())):
-        cupy.testing.assert_allclose(p.array, q.array, err_msg=n, **tol)
+    assert_close_on_gpu(m1, m2, l1, l2, tol)
 
 
 @pytest.mark.gpu
